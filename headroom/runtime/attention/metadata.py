@@ -1,0 +1,37 @@
+"""What one engine step tells the attention kernels about its flattened batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes B sequences whose new tokens are packed into one [N, ...] batch.
+
+    Sequence i owns query rows query_start_loc[i]:query_start_loc[i+1]; those are the
+    last q_len positions of its context, whose total length (cached + new) is
+    seq_lens[i]. Decodes come first: the first num_decodes sequences have q_len == 1.
+    """
+
+    slot_mapping: torch.Tensor  # (N,) int64: cache slot = block * block_size + offset
+    query_start_loc: torch.Tensor  # (B+1,) int32, cumulative query lengths
+    seq_start_loc: torch.Tensor  # (B+1,) int32, cumulative context lengths
+    seq_lens: torch.Tensor  # (B,) int32, context length after this step
+    block_tables: torch.Tensor  # (B, max_blocks) int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    num_decodes: int
+    # Host copies, so backends that loop on the CPU never sync with the device.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes

@@ -1,0 +1,93 @@
+"""The torch reference backend: runs anywhere, and is the oracle for every other one."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from headroom.runtime.attention.metadata import AttentionMetadata
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """One sequence's first `length` cached positions as (length, Hkv, D)."""
+    block_size = cache.shape[1]
+    num_blocks = -(-length // block_size)
+    return cache[block_table[:num_blocks]].flatten(0, 1)[:length]
+
+
+class TorchAttention:
+    name = "torch"
+    block_size = 16
+
+    @staticmethod
+    def check_available(device: torch.device) -> None:
+        return None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+        starts = meta.query_start_loc.tolist() if nd < meta.num_seqs else []
+        for i in range(nd, meta.num_seqs):
+            lo, hi = starts[i], starts[i + 1]
+            out[lo:hi] = self._prefill(
+                q[lo:hi], k_cache, v_cache, meta.block_tables[i], meta.seq_lens_cpu[i], scale
+            )
+        return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # All decodes at once: pad every context to the longest and mask the tail.
+        nd = q.shape[0]
+        block_size = k_cache.shape[1]
+        max_len = max(meta.seq_lens_cpu[:nd])
+        tables = meta.block_tables[:nd, : -(-max_len // block_size)]
+        keys = k_cache[tables].flatten(1, 2)  # (B, L, Hkv, D)
+        values = v_cache[tables].flatten(1, 2)
+        positions = torch.arange(keys.shape[1], device=q.device)
+        mask = positions[None, :] < meta.seq_lens[:nd, None]  # (B, L)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # (B, Hq, 1, D)
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.squeeze(2)
+
+    @staticmethod
+    def _prefill(q, k_cache, v_cache, block_table, seq_len: int, scale: float) -> torch.Tensor:
+        q_len = q.shape[0]
+        keys = gather_kv(k_cache, block_table, seq_len).transpose(0, 1)  # (Hkv, L, D)
+        values = gather_kv(v_cache, block_table, seq_len).transpose(0, 1)
+        if q_len == seq_len:
+            mask, causal = None, True
+        else:
+            # Query j sits at position seq_len - q_len + j and sees keys up to there.
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+            causal = False
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys, values, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+        )
+        return out.transpose(0, 1)
