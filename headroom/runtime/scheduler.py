@@ -1,0 +1,206 @@
+"""Iteration-level scheduling with a per-step token budget.
+
+There are no prefill and decode phases: every step gives each scheduled request tokens
+so that its num_computed_tokens catches up with num_tokens. A request one token behind
+is a decode; one further behind is (chunked) prefill, including a preempted request
+recomputing what it lost. Running decodes go first, then prefill chunks fill the rest of
+the budget. When blocks run out, the least important running request (lowest priority,
+then newest) is preempted by recompute.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from headroom.config import SchedulerConfig
+from headroom.runtime.block_manager import BlockManager
+from headroom.runtime.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    # Batch order: decodes first. num_scheduled_tokens[i] belongs to requests[i].
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    num_decodes: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: set[int]):
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: list[Request] = []  # kept sorted by _admission_key
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._order = 0
+        self._sequence: dict[str, int] = {}
+
+    # Most important first: higher priority, then earlier arrival, then submission order.
+    def _admission_key(self, request: Request) -> tuple:
+        return (-request.priority, request.arrival_time, self._sequence[request.request_id])
+
+    def _victim_key(self, request: Request) -> tuple:
+        # min() of this picks the preemption victim.
+        if self.config.preemption_order == "priority":
+            return (request.priority, -request.arrival_time, -self._sequence[request.request_id])
+        return (-request.arrival_time, -self._sequence[request.request_id])
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self._sequence[request.request_id] = self._order
+        self._order += 1
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=self._admission_key)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        preempted: list[Request] = []
+
+        def make_room(request: Request, num_tokens: int, computed: list[int] | None, victims: list[Request]) -> bool:
+            nonlocal budget
+            while self.block_manager.allocate_slots(request, num_tokens, computed) is None:
+                if not victims:
+                    return False
+                victim = min(victims, key=self._victim_key)
+                if victim is request:
+                    return False
+                victims.remove(victim)
+                budget += scheduled.pop(victim.request_id, 0)
+                self._preempt(victim)
+                preempted.append(victim)
+            return True
+
+        # Running requests: decodes first, each in importance order.
+        running = sorted(self.running, key=self._admission_key)
+        running.sort(key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for request in running:
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if budget == 0:
+                break
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not make_room(request, num_tokens, None, list(self.running)):
+                self._preempt(request)
+                preempted.append(request)
+                continue
+            scheduled[request.request_id] = num_tokens
+            budget -= num_tokens
+
+        # Then waiting requests, most important first, while budget and seats last. Not in
+        # a step that had to preempt: the cache is full, and admitting now would thrash.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed = self.block_manager.get_computed_blocks(request)
+            num_cached = len(computed) * self.block_manager.block_size
+            remaining = request.num_tokens - request.num_computed_tokens - num_cached
+            if not self.config.enable_chunked_prefill and remaining > budget and scheduled:
+                break
+            num_tokens = remaining if not self.config.enable_chunked_prefill else min(remaining, budget)
+            # A waiting request may only displace running ones of strictly lower priority.
+            victims = [r for r in self.running if r.priority < request.priority]
+            if not make_room(request, num_tokens, computed, victims):
+                break
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens += num_cached
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            scheduled[request.request_id] = num_tokens
+            budget -= num_tokens
+
+        out = SchedulerOutput(preempted=preempted)
+        by_id = self.requests
+        for rid, n in scheduled.items():
+            out.requests.append(by_id[rid])
+            out.num_scheduled_tokens.append(n)
+        # Decodes first, as the attention metadata expects.
+        order = sorted(range(len(out.requests)), key=lambda i: out.num_scheduled_tokens[i] > 1)
+        out.requests = [out.requests[i] for i in order]
+        out.num_scheduled_tokens = [out.num_scheduled_tokens[i] for i in order]
+        out.num_decodes = sum(1 for n in out.num_scheduled_tokens if n == 1)
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free_request(request.request_id)
+        self.running.remove(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._enqueue(request)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
+        """Advance counters after a model step. sampled[i] is the token sampled for
+        out.requests[i], or None when its prefill is not complete yet. Returns the
+        requests that got a new token (finished ones included, already freed)."""
+        got_token = []
+        for request, num_tokens, token in zip(out.requests, out.num_scheduled_tokens, sampled, strict=True):
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += num_tokens
+            self.block_manager.cache_full_blocks(request)
+            if token is None:
+                continue
+            request.append_output(token)
+            status = self._check_stop(request, token)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+            got_token.append(request)
+        return got_token
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling
+        if request.num_output_tokens >= params.min_tokens:
+            if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+                request.stop_reason = token if token in params.stop_token_ids else None
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (stop, length, abort) a request wherever it is; frees its blocks.
+        Returns None for an unknown or already finished id."""
+        assert status.is_finished
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.block_manager.free_request(request_id)
+        self._sequence.pop(request_id)
+        request.status = status
+        request.finished_time = time.monotonic()
+        return request

@@ -1,0 +1,426 @@
+"""Attention backends against a naive oracle, and the registry that picks one."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import random
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from headroom.runtime.attention import AttentionMetadata, available_backends, select_backend
+from headroom.runtime.attention.torch_ref import TorchAttention
+
+CPU = torch.device("cpu")
+HEAD_DIM = 64
+GPU_DTYPES = [torch.float16, torch.bfloat16]
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_cpu_thread():
+    # These tensors are tiny; on a busy 2-core box intra-op threads made them ~40x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor  # (N, Hq, D)
+    k: torch.Tensor  # (N, Hkv, D)
+    v: torch.Tensor
+    k_cache: torch.Tensor  # (num_blocks, block_size, Hkv, D)
+    v_cache: torch.Tensor
+    meta: AttentionMetadata
+    # The whole context of each sequence, cached prefix then new tokens: (seq_len, Hkv, D).
+    ctx_k: list[torch.Tensor]
+    ctx_v: list[torch.Tensor]
+    scale: float
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> Batch:
+        """A copy on device/dtype; every float tensor is rounded to dtype once, here."""
+
+        def move(x: torch.Tensor) -> torch.Tensor:
+            return x.to(device=device, dtype=dtype if x.is_floating_point() else x.dtype)
+
+        meta = self.meta
+        return replace(
+            self,
+            q=move(self.q),
+            k=move(self.k),
+            v=move(self.v),
+            k_cache=move(self.k_cache),
+            v_cache=move(self.v_cache),
+            meta=replace(
+                meta,
+                slot_mapping=move(meta.slot_mapping),
+                query_start_loc=move(meta.query_start_loc),
+                seq_start_loc=move(meta.seq_start_loc),
+                seq_lens=move(meta.seq_lens),
+                block_tables=move(meta.block_tables),
+            ),
+            ctx_k=[move(x) for x in self.ctx_k],
+            ctx_v=[move(x) for x in self.ctx_v],
+        )
+
+
+def make_batch(
+    q_lens: list[int],
+    seq_lens: list[int],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+    seed: int = 0,
+    head_dim: int = HEAD_DIM,
+) -> Batch:
+    """A float32 CPU batch whose sequences own random, scattered blocks of a noisy cache."""
+    assert all(0 < q <= s for q, s in zip(q_lens, seq_lens))
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # spare blocks nobody owns
+    pool = rng.sample(range(num_blocks), sum(blocks_per_seq))
+    tables, used = [], 0
+    for n in blocks_per_seq:
+        tables.append(pool[used : used + n])
+        used += n
+    block_tables = torch.zeros(len(tables), max(blocks_per_seq), dtype=torch.int32)
+    for i, table in enumerate(tables):
+        block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+
+    # Noise everywhere, so reading a slot outside a sequence's context shows up.
+    k_cache = randn(num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache = randn(num_blocks, block_size, num_kv_heads, head_dim)
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+
+    ctx_k, ctx_v, new_slots = [], [], []
+    for table, q_len, seq_len in zip(tables, q_lens, seq_lens):
+        positions = range(seq_len)
+        slots = torch.tensor(
+            [table[p // block_size] * block_size + p % block_size for p in positions]
+        )
+        keys = randn(seq_len, num_kv_heads, head_dim)
+        values = randn(seq_len, num_kv_heads, head_dim)
+        cached = seq_len - q_len
+        flat_k[slots[:cached]] = keys[:cached]
+        flat_v[slots[:cached]] = values[:cached]
+        ctx_k.append(keys)
+        ctx_v.append(values)
+        new_slots.append(slots[cached:])
+
+    def cumsum(lens: list[int]) -> torch.Tensor:
+        return torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(new_slots).long(),
+        query_start_loc=cumsum(q_lens),
+        seq_start_loc=cumsum(seq_lens),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        num_decodes=next((i for i, q in enumerate(q_lens) if q > 1), len(q_lens)),
+        query_lens_cpu=list(q_lens),
+        seq_lens_cpu=list(seq_lens),
+    )
+    assert all(q == 1 for q in q_lens[: meta.num_decodes]), "decodes must come first"
+    return Batch(
+        q=randn(sum(q_lens), num_heads, head_dim),
+        k=torch.cat([x[s - n :] for x, n, s in zip(ctx_k, q_lens, seq_lens)]),
+        v=torch.cat([x[s - n :] for x, n, s in zip(ctx_v, q_lens, seq_lens)]),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        meta=meta,
+        ctx_k=ctx_k,
+        ctx_v=ctx_v,
+        scale=head_dim**-0.5,
+    )
+
+
+def mixed_lens(
+    rng: random.Random, num_decodes: int, num_prefills: int, block_size: int
+) -> tuple[list[int], list[int]]:
+    """Decodes first, then prefills alternating fresh (no cache) and chunked (cached prefix)."""
+    q_lens = [1] * num_decodes
+    seq_lens = [rng.randint(1, 3 * block_size) for _ in range(num_decodes)]
+    for i in range(num_prefills):
+        q_len = rng.randint(2, block_size + 3)
+        prefix = 0 if i % 2 == 0 else rng.randint(1, 2 * block_size)
+        q_lens.append(q_len)
+        seq_lens.append(prefix + q_len)
+    return q_lens, seq_lens
+
+
+def naive_attention(batch: Batch) -> torch.Tensor:
+    """Softmax attention per sequence from the true contexts; never reads the cache."""
+    q, meta = batch.q.double(), batch.meta
+    num_heads, num_kv_heads = q.shape[1], batch.ctx_k[0].shape[1]
+    out = torch.empty_like(q)
+    lo = 0
+    for q_len, seq_len, keys, values in zip(
+        meta.query_lens_cpu, meta.seq_lens_cpu, batch.ctx_k, batch.ctx_v
+    ):
+        keys = keys.double().repeat_interleave(num_heads // num_kv_heads, dim=1)  # (L, Hq, D)
+        values = values.double().repeat_interleave(num_heads // num_kv_heads, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[lo : lo + q_len], keys) * batch.scale
+        # Query j sits at position seq_len - q_len + j and sees keys up to there.
+        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos, float("-inf"))
+        out[lo : lo + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+        lo += q_len
+    return out.to(batch.q.dtype)
+
+
+def run(backend, batch: Batch) -> torch.Tensor:
+    return backend.forward(
+        batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale
+    )
+
+
+def assert_cache_written(batch: Batch, before: Batch) -> None:
+    """The new k/v sit at their slots and every other slot is untouched."""
+    slots = batch.meta.slot_mapping
+    pairs = ((batch.k_cache, before.k_cache, batch.k), (batch.v_cache, before.v_cache, batch.v))
+    for cache, old, new in pairs:
+        flat, flat_old = cache.flatten(0, 1), old.flatten(0, 1)
+        torch.testing.assert_close(flat[slots], new.to(cache.dtype), rtol=0, atol=0)
+        keep = torch.ones(flat.shape[0], dtype=torch.bool, device=flat.device)
+        keep[slots] = False
+        torch.testing.assert_close(flat[keep], flat_old[keep], rtol=0, atol=0)
+
+
+def clone(batch: Batch) -> Batch:
+    return replace(batch, k_cache=batch.k_cache.clone(), v_cache=batch.v_cache.clone())
+
+
+def check_torch_backend(batch: Batch) -> None:
+    before = clone(batch)
+    out = run(TorchAttention(), batch)
+    torch.testing.assert_close(out, naive_attention(batch), rtol=1e-5, atol=1e-5)
+    assert_cache_written(batch, before)
+
+
+HEADS = [pytest.param(4, 4, id="mha"), pytest.param(6, 2, id="gqa3"), pytest.param(8, 2, id="gqa4")]
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+def test_torch_mixed_batch_matches_naive(
+    block_size: int, num_heads: int, num_kv_heads: int
+) -> None:
+    q_lens, seq_lens = mixed_lens(random.Random(block_size + num_heads), 3, 4, block_size)
+    batch = make_batch(
+        q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size
+    )
+    assert batch.meta.num_decodes == 3 and batch.meta.num_seqs == 7
+    check_torch_backend(batch)
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("kind", ["decode_only", "prefill_only"])
+def test_torch_uniform_batch_matches_naive(block_size: int, kind: str) -> None:
+    rng = random.Random(7)
+    decodes, prefills = (5, 0) if kind == "decode_only" else (0, 4)
+    q_lens, seq_lens = mixed_lens(rng, decodes, prefills, block_size)
+    batch = make_batch(q_lens, seq_lens, num_heads=8, num_kv_heads=2, block_size=block_size, seed=1)
+    check_torch_backend(batch)
+
+
+def test_torch_decode_at_block_boundaries() -> None:
+    # Contexts ending exactly on, just past and just before a block edge.
+    seq_lens = [16, 17, 15, 32, 1]
+    batch = make_batch([1] * 5, seq_lens, num_heads=4, num_kv_heads=2, block_size=16, seed=3)
+    check_torch_backend(batch)
+
+
+@st.composite
+def batch_shapes(draw: st.DrawFn) -> dict:
+    block_size = draw(st.sampled_from([1, 4, 16]))
+    num_kv_heads = draw(st.integers(1, 3))
+    group = draw(st.integers(1, 4))
+    num_decodes = draw(st.integers(0, 3))
+    num_prefills = draw(st.integers(0 if num_decodes else 1, 3))
+    seq_lens = [draw(st.integers(1, 40)) for _ in range(num_decodes)]
+    q_lens = [1] * num_decodes
+    for _ in range(num_prefills):
+        q_len = draw(st.integers(2, 20))
+        q_lens.append(q_len)
+        seq_lens.append(q_len + draw(st.integers(0, 30)))
+    return {
+        "q_lens": q_lens,
+        "seq_lens": seq_lens,
+        "num_heads": num_kv_heads * group,
+        "num_kv_heads": num_kv_heads,
+        "block_size": block_size,
+        "head_dim": draw(st.sampled_from([8, 16])),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch_shapes())
+def test_torch_matches_naive_on_random_shapes(shape: dict) -> None:
+    check_torch_backend(make_batch(**shape))
+
+
+def test_batch_helper_scatters_blocks_and_fills_prefixes() -> None:
+    """The helper itself: random non-contiguous tables, and the cache holds each prefix."""
+    q_lens, seq_lens = [1, 1, 5, 9], [40, 17, 5, 50]
+    batch = make_batch(q_lens, seq_lens, num_heads=4, num_kv_heads=2, block_size=16, seed=5)
+    tables = batch.meta.block_tables
+    owned = [tables[i, : -(-s // 16)].tolist() for i, s in enumerate(seq_lens)]
+    flat = [b for table in owned for b in table]
+    assert len(set(flat)) == len(flat), "blocks are shared between sequences"
+    jumps = [b - a for table in owned for a, b in itertools.pairwise(table)]
+    assert any(jump != 1 for jump in jumps), "block tables are contiguous"
+    for i, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        cached = batch.k_cache[tables[i]].flatten(0, 1)[: seq_len - q_len]
+        torch.testing.assert_close(cached, batch.ctx_k[i][: seq_len - q_len], rtol=0, atol=0)
+
+
+def test_xformers_context_slots_gather_every_context() -> None:
+    from headroom.runtime.attention.xformers import context_slots
+
+    q_lens, seq_lens = mixed_lens(random.Random(11), 3, 4, 16)
+    batch = make_batch(q_lens, seq_lens, num_heads=4, num_kv_heads=2, block_size=16, seed=2)
+    run(TorchAttention(), batch)  # writes the new k/v
+    gathered = batch.k_cache.flatten(0, 1)[context_slots(batch.meta, 16)]
+    torch.testing.assert_close(gathered, torch.cat(batch.ctx_k), rtol=0, atol=0)
+
+
+# Backend selection
+
+
+def test_only_torch_is_available_on_cpu() -> None:
+    assert available_backends(CPU) == ["torch"]
+
+
+def test_auto_picks_torch_on_cpu() -> None:
+    assert isinstance(select_backend("auto", CPU), TorchAttention)
+
+
+def test_unknown_backend_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="bogus") as err:
+        select_backend("bogus", CPU)
+    for choice in ("auto", "torch", "flash_attn", "xformers"):
+        assert choice in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["flash_attn", "xformers"])
+def test_gpu_backends_refuse_cpu(name: str) -> None:
+    with pytest.raises((ImportError, RuntimeError), match="CUDA"):
+        select_backend(name, CPU)
+
+
+@pytest.mark.parametrize(
+    "module,cls,block_size",
+    [("flash_attn", "FlashAttention", 256), ("xformers", "XFormersAttention", 16)],
+)
+def test_gpu_backend_modules_import_without_their_packages(
+    module: str, cls: str, block_size: int
+) -> None:
+    backend = getattr(importlib.import_module(f"headroom.runtime.attention.{module}"), cls)
+    assert backend.name == module
+    assert backend.block_size == block_size
+
+
+# GPU parity: each backend in half precision against the torch reference in float32.
+
+
+def gpu_mixed_batch(backend_cls, kind: str, num_heads: int, num_kv_heads: int, seed: int) -> Batch:
+    rng = random.Random(seed)
+    decodes, prefills = {"mixed": (4, 4), "decode_only": (6, 0), "prefill_only": (0, 4)}[kind]
+    q_lens, seq_lens = mixed_lens(rng, decodes, prefills, backend_cls.block_size)
+    return make_batch(
+        q_lens,
+        seq_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        block_size=backend_cls.block_size,
+        seed=seed,
+        head_dim=128,
+    )
+
+
+def check_gpu_backend(
+    backend, kind: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int
+) -> None:
+    cuda = torch.device("cuda")
+    seed = num_heads + num_kv_heads + len(kind)
+    batch = gpu_mixed_batch(type(backend), kind, num_heads, num_kv_heads, seed=seed)
+    half = batch.to(cuda, dtype)
+    # The reference sees the very values the backend sees, rounded to dtype, in float32.
+    reference = half.to(cuda, torch.float32)
+    before = clone(half)
+    out = run(backend, half)
+    expected = run(TorchAttention(), reference)
+    assert out.dtype == dtype and out.shape == half.q.shape
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+    assert_cache_written(half, before)
+
+
+GPU_CASES = pytest.mark.parametrize("kind", ["mixed", "decode_only", "prefill_only"])
+GPU_HEADS = pytest.mark.parametrize(
+    "num_heads,num_kv_heads", [pytest.param(8, 8, id="mha"), pytest.param(8, 2, id="gqa4")]
+)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@GPU_CASES
+@GPU_HEADS
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_flash_attn_matches_torch(
+    kind: str, num_heads: int, num_kv_heads: int, dtype: torch.dtype
+) -> None:
+    pytest.importorskip("flash_attn")
+    from headroom.runtime.attention.flash_attn import FlashAttention
+
+    try:
+        FlashAttention.check_available(torch.device("cuda"))
+    except (ImportError, RuntimeError) as exc:
+        pytest.skip(f"flash_attn unusable here: {exc}")
+    check_gpu_backend(FlashAttention(), kind, dtype, num_heads, num_kv_heads)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@GPU_CASES
+@GPU_HEADS
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_xformers_matches_torch(
+    kind: str, num_heads: int, num_kv_heads: int, dtype: torch.dtype
+) -> None:
+    pytest.importorskip("xformers")
+    from headroom.runtime.attention.xformers import XFormersAttention
+
+    try:
+        XFormersAttention.check_available(torch.device("cuda"))
+    except (ImportError, RuntimeError) as exc:
+        pytest.skip(f"xformers unusable here: {exc}")
+    check_gpu_backend(XFormersAttention(), kind, dtype, num_heads, num_kv_heads)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_torch_on_cuda_matches_cpu(block_size: int) -> None:
+    q_lens, seq_lens = mixed_lens(random.Random(5), 3, 4, block_size)
+    cpu = make_batch(q_lens, seq_lens, num_heads=8, num_kv_heads=2, block_size=block_size, seed=9)
+    cuda = cpu.to(torch.device("cuda"), torch.float32)
+    expected = run(TorchAttention(), cpu)
+    torch.testing.assert_close(run(TorchAttention(), cuda).cpu(), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cuda.k_cache.cpu(), cpu.k_cache, rtol=0, atol=0)
