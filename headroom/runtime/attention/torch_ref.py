@@ -20,7 +20,13 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     """One sequence's first `length` cached positions as (length, Hkv, D)."""
     block_size = cache.shape[1]
     num_blocks = -(-length // block_size)
-    return cache[block_table[:num_blocks]].flatten(0, 1)[:length]
+    return gather_blocks(cache, block_table[:num_blocks]).flatten(0, 1)[:length]
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache[block_ids] for any shape of ids; index_select is several times faster on CPU."""
+    flat = cache.index_select(0, block_ids.flatten().long())
+    return flat.view(*block_ids.shape, *cache.shape[1:])
 
 
 class TorchAttention:
@@ -61,8 +67,8 @@ class TorchAttention:
         block_size = k_cache.shape[1]
         max_len = max(meta.seq_lens_cpu[:nd])
         tables = meta.block_tables[:nd, : -(-max_len // block_size)]
-        keys = k_cache[tables].flatten(1, 2)  # (B, L, Hkv, D)
-        values = v_cache[tables].flatten(1, 2)
+        keys = gather_blocks(k_cache, tables).flatten(1, 2)  # (B, L, Hkv, D)
+        values = gather_blocks(v_cache, tables).flatten(1, 2)
         positions = torch.arange(keys.shape[1], device=q.device)
         mask = positions[None, :] < meta.seq_lens[:nd, None]  # (B, L)
         out = F.scaled_dot_product_attention(

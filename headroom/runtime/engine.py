@@ -1,0 +1,285 @@
+"""The engine: owns the scheduler, cache and model, and runs the step loop on its own
+thread. Other threads only enqueue commands (add, abort); every piece of engine state
+is touched by the engine thread alone, so none of it needs a lock."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from headroom.config import Config
+from headroom.models.loader import LoadedModel, load_model
+from headroom.runtime.attention import select_backend
+from headroom.runtime.block_manager import BlockManager
+from headroom.runtime.detokenizer import IncrementalDetokenizer
+from headroom.runtime.model_runner import ModelRunner, kv_block_bytes
+from headroom.runtime.request import Request, RequestStatus, SamplingParams
+from headroom.runtime.sampler import Sampler, TokenLogprob
+from headroom.runtime.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (deltas, not totals)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+    request: Request | None = field(default=None, repr=False)
+
+
+OutputSink = Callable[[RequestOutput], None]
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    step_time_s: float = 0.0
+    forward_time_s: float = 0.0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.bfloat16
+    # bf16 matmuls are ~2x faster than fp32 where the CPU has AMX tiles, and emulated
+    # (much slower) where it has not.
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return torch.bfloat16 if amx else torch.float32
+
+
+class Engine:
+    def __init__(self, config: Config, loaded: LoadedModel | None = None):
+        self.config = config
+        if loaded is None:
+            self.device = resolve_device(config.model.device)
+            self.dtype = resolve_dtype(config.model.dtype, self.device)
+            loaded = load_model(config.model, self.device, self.dtype)
+        else:  # a model loaded by the caller decides device and dtype
+            weight = loaded.model.embed_tokens.weight
+            self.device, self.dtype = weight.device, weight.dtype
+        self.loaded = loaded
+        self.tokenizer = self.loaded.tokenizer
+        args = self.loaded.args
+        self.max_model_len = config.model.max_model_len or args.max_position_embeddings
+        self.backend = select_backend(config.attention_backend, self.device)
+        self.block_size = config.cache.block_size or self.backend.block_size
+        num_blocks = config.cache.num_blocks or int(
+            config.cache.kv_cache_memory_gib * 2**30 // kv_block_bytes(args, self.block_size, self.dtype)
+        )
+        self.block_manager = BlockManager(num_blocks, self.block_size, config.cache.enable_prefix_caching)
+        eos = self.tokenizer.eos_token_ids
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, eos)
+        self.sampler = Sampler(eos, seed=config.seed)
+        self.runner = ModelRunner(self.loaded.model, self.backend, num_blocks, self.block_size, self.device, self.dtype)
+        self.stats = EngineStats()
+        log.info(
+            "engine ready: model=%s device=%s dtype=%s backend=%s block_size=%d kv_blocks=%d (%d tokens)",
+            self.loaded.name, self.device, str(self.dtype).removeprefix("torch."), self.backend.name,
+            self.block_size, num_blocks, num_blocks * self.block_size,
+        )
+
+        self._sinks: dict[str, OutputSink] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._inbox: list[tuple[str, object]] = []
+        self._wakeup = threading.Condition()
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ---- called from any thread -------------------------------------------------------
+
+    def new_request(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> Request:
+        """Validate and build a request (not yet submitted); raises ValueError."""
+        request = Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), sampling, priority)
+        total = request.num_prompt_tokens + sampling.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({sampling.max_tokens}) = {total} "
+                f"exceeds the model's context length of {self.max_model_len} tokens"
+            )
+        if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens = {total} tokens exceeds the KV cache of "
+                f"{self.block_manager.num_blocks * self.block_size} tokens"
+            )
+        vocab = self.loaded.args.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        return request
+
+    def submit(self, request: Request, sink: OutputSink) -> None:
+        """Queue a request; sink receives its outputs on the engine thread."""
+        self._command("add", (request, sink))
+
+    def abort(self, request_id: str) -> None:
+        self._command("abort", request_id)
+
+    def _command(self, kind: str, payload: object) -> None:
+        with self._wakeup:
+            self._inbox.append((kind, payload))
+            self._wakeup.notify()
+
+    def start(self) -> None:
+        assert self._thread is None, "engine already started"
+        self._thread = threading.Thread(target=self._loop, name="headroom-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the loop and abort whatever is still queued or running."""
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._drain_inbox()
+        for request_id in list(self.scheduler.requests):
+            self._finish(request_id, RequestStatus.FINISHED_ABORTED)
+
+    # ---- engine thread ----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._wakeup:
+                while not (self._inbox or self.scheduler.has_work() or self._stopping):
+                    self._wakeup.wait()
+                if self._stopping:
+                    return
+            self.step()
+
+    def _drain_inbox(self) -> None:
+        with self._wakeup:
+            commands, self._inbox = self._inbox, []
+        for kind, payload in commands:
+            if kind == "add":
+                request, sink = payload  # type: ignore[misc]
+                self._sinks[request.request_id] = sink
+                self._detokenizers[request.request_id] = IncrementalDetokenizer(
+                    self.tokenizer.hf, request.prompt_token_ids, request.sampling.stop
+                )
+                self.sampler.add(request)
+                self.scheduler.add_request(request)
+                self.stats.prompt_tokens += request.num_prompt_tokens
+            else:
+                self._finish(payload, RequestStatus.FINISHED_ABORTED)  # type: ignore[arg-type]
+
+    def step(self) -> None:
+        """One iteration: schedule, run the model, sample, deliver outputs."""
+        self._drain_inbox()
+        if not self.scheduler.has_work():
+            return
+        started = time.perf_counter()
+        out = self.scheduler.schedule()
+        self.stats.preemptions += len(out.preempted)
+        if out.is_empty:
+            return
+        try:
+            model_out = self.runner.execute(out, self.block_manager)
+            samples = self.sampler(model_out.logits, [out.requests[i] for i in model_out.sample_indices])
+        except Exception as exc:  # a failed step fails its own sequences, not the engine
+            log.exception("engine step failed; failing %d sequences", len(out.requests))
+            for request in out.requests:
+                self._finish(request.request_id, RequestStatus.FINISHED_ABORTED, error=f"engine error: {exc}")
+            return
+        sampled: list[int | None] = [None] * len(out.requests)
+        logprobs: dict[str, TokenLogprob | None] = {}
+        for row, i in enumerate(model_out.sample_indices):
+            sampled[i] = samples.token_ids[row]
+            logprobs[out.requests[i].request_id] = samples.logprobs[row]
+        with_token = self.scheduler.update_from_output(out, sampled)
+
+        elapsed = time.perf_counter() - started
+        self._account(out, elapsed, model_out.forward_time_s)
+        now = time.monotonic()
+        for request in with_token:
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self._deliver_token(request, logprobs.get(request.request_id))
+
+    def _account(self, out, elapsed: float, forward_time: float) -> None:
+        total = out.total_tokens
+        stats = self.stats
+        stats.steps += 1
+        stats.step_time_s += elapsed
+        stats.forward_time_s += forward_time
+        for request, n in zip(out.requests, out.num_scheduled_tokens, strict=True):
+            blocks = len(self.block_manager.block_table(request.request_id)) or request.num_blocks_held
+            request.num_blocks_held = blocks
+            request.peak_blocks = max(request.peak_blocks, blocks)
+            request.device_time_s += elapsed * n / total
+            request.kv_block_seconds += blocks * elapsed
+            request.num_processed_tokens += n
+
+    def _deliver_token(self, request: Request, logprob: TokenLogprob | None) -> None:
+        rid = request.request_id
+        self.stats.generated_tokens += 1
+        token = request.output_token_ids[-1]
+        text, stop_hit = self._detokenizers[rid].add_tokens([token])
+        if stop_hit is not None and not request.is_finished:
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+            request.stop_reason = stop_hit
+        output = RequestOutput(rid, [token], text, logprobs=[logprob] if logprob else None, request=request)
+        if request.is_finished:
+            output.text += self._detokenizers[rid].finish()
+            self._close(request, output)
+        else:
+            self._sinks[rid](output)
+
+    def _finish(self, request_id: str, status: RequestStatus, error: str | None = None) -> None:
+        request = self.scheduler.finish_request(request_id, status)
+        if request is None:
+            return
+        output = RequestOutput(request_id, [], self._detokenizers[request_id].finish(), error=error, request=request)
+        self._close(request, output)
+
+    def _close(self, request: Request, output: RequestOutput) -> None:
+        rid = request.request_id
+        output.finished = True
+        output.finish_reason = "error" if output.error else request.status.finish_reason
+        output.stop_reason = request.stop_reason
+        self._detokenizers.pop(rid)
+        self.sampler.remove(rid)
+        self._sinks.pop(rid)(output)
+
+    # ---- conveniences for the CLI, tests and benchmarks --------------------------------
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]) -> list[Request]:
+        """Run prompts to completion on the calling thread (the loop must not be running)."""
+        assert self._thread is None, "generate() steps the engine itself; stop the loop first"
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        requests = [self.new_request(p, s) for p, s in zip(prompts, params, strict=True)]
+        for request in requests:
+            self.submit(request, lambda _: None)
+        while any(not r.is_finished for r in requests):
+            self.step()
+        return requests

@@ -1,0 +1,123 @@
+"""Builds one flattened batch per step, runs the model over the paged cache, and
+returns the logits of the sequences that sample this step."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from headroom.models.llama import ForwardContext, Llama, ModelArgs
+from headroom.runtime.attention import AttentionBackend, AttentionMetadata
+from headroom.runtime.block_manager import BlockManager
+from headroom.runtime.scheduler import SchedulerOutput
+
+
+def kv_block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of one block across all layers."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * elem
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # (S, V) float32 for the S sampling requests
+    sample_indices: list[int]  # positions in SchedulerOutput.requests that sample
+    forward_time_s: float
+
+
+@dataclass
+class BatchInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor  # rows of the hidden states whose logits are needed
+    sample_indices: list[int]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Llama,
+        backend: AttentionBackend,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
+        self.model = model
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+        args = model.args
+        shape = (num_blocks, block_size, args.num_kv_heads, args.head_dim)
+        # flash-attn's paged layout, one K and one V tensor per layer.
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(args.num_layers)
+        ]
+
+    def prepare(self, out: SchedulerOutput, block_manager: BlockManager) -> BatchInputs:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_rows: list[int] = []
+        sample_indices: list[int] = []
+        for i, (request, n) in enumerate(zip(out.requests, out.num_scheduled_tokens, strict=True)):
+            start = request.num_computed_tokens
+            end = start + n
+            table = block_manager.block_table(request.request_id)
+            input_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_lens.append(n)
+            seq_lens.append(end)
+            tables.append(table)
+            if end == request.num_tokens:
+                logits_rows.append(len(input_ids) - 1)
+                sample_indices.append(i)
+        width = max(len(t) for t in tables)
+        table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        cu_q = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        cu_k = torch.tensor([0] + seq_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        to = self._to_device
+        meta = AttentionMetadata(
+            slot_mapping=to(torch.tensor(slots, dtype=torch.int64)),
+            query_start_loc=to(cu_q),
+            seq_start_loc=to(cu_k),
+            seq_lens=to(torch.tensor(seq_lens, dtype=torch.int32)),
+            block_tables=to(table_tensor),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            num_decodes=out.num_decodes,
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        return BatchInputs(
+            input_ids=to(torch.tensor(input_ids, dtype=torch.int64)),
+            positions=to(torch.tensor(positions, dtype=torch.int64)),
+            meta=meta,
+            logits_rows=to(torch.tensor(logits_rows, dtype=torch.int64)),
+            sample_indices=sample_indices,
+        )
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, block_manager: BlockManager) -> ModelOutput:
+        batch = self.prepare(out, block_manager)
+        started = time.perf_counter()
+        ctx = ForwardContext(meta=batch.meta, kv_caches=self.kv_caches, backend=self.backend)
+        hidden = self.model(batch.input_ids, batch.positions, ctx)
+        logits = self.model.compute_logits(hidden[batch.logits_rows]) if batch.sample_indices else hidden[:0]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return ModelOutput(logits, batch.sample_indices, time.perf_counter() - started)

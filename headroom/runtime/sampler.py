@@ -1,0 +1,115 @@
+"""Turns the last-position logits of each finishing sequence into its next token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from headroom.runtime.request import Request
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    # The most likely alternatives, best first: (token id, logprob).
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: set[int], seed: int = 0):
+        self.eos_token_ids = sorted(eos_token_ids)
+        # Requests without a seed share one generator; seeded ones get their own, kept
+        # across steps (and preemptions) so a seed always gives the same output.
+        self.shared_generator = torch.Generator().manual_seed(seed)
+        self.generators: dict[str, torch.Generator] = {}
+
+    def add(self, request: Request) -> None:
+        if request.sampling.seed is not None:
+            self.generators[request.request_id] = torch.Generator().manual_seed(request.sampling.seed)
+
+    def remove(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+        # logits: (B, V) float32, one row per request.
+        logits = logits.float().cpu()
+        raw = logits
+        banned = self._min_tokens_mask(requests, logits.shape[1])
+        if banned is not None:
+            logits = logits.masked_fill(banned, float("-inf"))
+        greedy = [r.sampling.greedy for r in requests]
+        tokens = logits.argmax(dim=-1)
+        sampled_rows = [i for i, g in enumerate(greedy) if not g]
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows)
+            picked = self._sample(logits[rows], [requests[i] for i in sampled_rows])
+            tokens[rows] = picked
+        token_ids = tokens.tolist()
+        return SampleResult(token_ids, self._logprobs(raw, token_ids, requests))
+
+    def _min_tokens_mask(self, requests: list[Request], vocab: int) -> torch.Tensor | None:
+        rows = []
+        for i, r in enumerate(requests):
+            p = r.sampling
+            if r.num_output_tokens < p.min_tokens:
+                stops = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+                rows.extend((i, t) for t in stops if t < vocab)
+        if not rows:
+            return None
+        mask = torch.zeros(len(requests), vocab, dtype=torch.bool)
+        index = torch.tensor(rows)
+        mask[index[:, 0], index[:, 1]] = True
+        return mask
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        temps = torch.tensor([r.sampling.temperature for r in requests]).unsqueeze(1)
+        logits = logits / temps
+        top_ks = [r.sampling.top_k for r in requests]
+        top_ps = [r.sampling.top_p for r in requests]
+        if any(top_ks) or any(p < 1 for p in top_ps):
+            logits = self._top_k_top_p(logits, top_ks, top_ps)
+        probs = logits.softmax(dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one row per generator.
+        noise = torch.empty_like(probs)
+        for i, r in enumerate(requests):
+            noise[i].exponential_(generator=self.generators.get(r.request_id, self.shared_generator))
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+        vocab = logits.shape[1]
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab).unsqueeze(0)
+        ks = torch.tensor([k if k > 0 else vocab for k in top_ks]).unsqueeze(1)
+        drop = ranks >= ks
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        # Keep the smallest prefix whose mass reaches top_p (the best token always stays).
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop = mass_before >= torch.tensor(top_ps).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, token_ids: list[int], requests: list[Request]) -> list[TokenLogprob | None]:
+        wanted = [i for i, r in enumerate(requests) if r.sampling.logprobs is not None]
+        result: list[TokenLogprob | None] = [None] * len(requests)
+        if not wanted:
+            return result
+        logprobs = raw[wanted].log_softmax(dim=-1)
+        for row, i in enumerate(wanted):
+            n = requests[i].sampling.logprobs or 0
+            top_vals, top_ids = logprobs[row].topk(n) if n else (torch.empty(0), torch.empty(0, dtype=torch.long))
+            result[i] = TokenLogprob(
+                token_ids[i], logprobs[row, token_ids[i]].item(), list(zip(top_ids.tolist(), top_vals.tolist()))
+            )
+        return result
