@@ -1,0 +1,92 @@
+"""Output tokens/s of the engine at several concurrencies, and the step overhead share.
+
+Each run submits `concurrency` requests at once (prompt of --prompt-len random token
+ids, --output-len output tokens with ignore_eos) and steps the engine until all finish.
+Step overhead = 1 - (model forward time / step wall time): scheduling, input building,
+sampling and detokenisation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import time
+
+import torch
+
+from headroom.config import CacheConfig, Config, ModelConfig, SchedulerConfig
+from headroom.runtime.engine import Engine, EngineStats
+from headroom.runtime.request import SamplingParams
+
+
+def run_once(engine: Engine, concurrency: int, prompt_len: int, output_len: int, rng: random.Random) -> dict:
+    vocab = engine.loaded.args.vocab_size
+    prompts = [[rng.randrange(100, vocab) for _ in range(prompt_len)] for _ in range(concurrency)]
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    engine.stats = EngineStats()
+    started = time.perf_counter()
+    requests = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - started
+    s = engine.stats
+    decode_times = [r.finished_time - r.first_token_time for r in requests]
+    assert all(r.num_output_tokens == output_len for r in requests)
+    return {
+        "concurrency": concurrency,
+        "output_tok_s": concurrency * output_len / elapsed,
+        "elapsed_s": elapsed,
+        "mean_ttft_s": sum(r.first_token_time - r.arrival_time for r in requests) / concurrency,
+        "mean_tpot_ms": 1000 * sum(decode_times) / concurrency / max(output_len - 1, 1),
+        "overhead_share": 1 - s.forward_time_s / s.step_time_s,
+        "steps": s.steps,
+        "preemptions": s.preemptions,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--concurrency", default="1,8,32,64")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ns = p.parse_args()
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    levels = [int(c) for c in ns.concurrency.split(",")]
+    config = Config(
+        model=ModelConfig(model=ns.model, device=ns.device, dtype=ns.dtype),
+        cache=CacheConfig(kv_cache_memory_gib=2.0, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_seqs=max(levels), max_num_batched_tokens=ns.max_num_batched_tokens),
+        attention_backend=ns.attention_backend,
+    )
+    engine = Engine(config)
+    print(
+        f"# throughput: model={engine.loaded.name} device={engine.device} dtype={engine.dtype} "
+        f"backend={engine.backend.name} threads={torch.get_num_threads()} torch={torch.__version__} "
+        f"cpu={platform.processor() or platform.machine()}"
+    )
+    print(f"# prompt={ns.prompt_len} output={ns.output_len} ignore_eos=True, random prompt token ids")
+    rng = random.Random(0)
+    run_once(engine, 2, 16, 4, rng)  # warm-up
+    results = []
+    print(f"{'conc':>5} {'out tok/s':>10} {'elapsed s':>10} {'TTFT s':>8} {'TPOT ms':>8} {'overhead':>9} {'steps':>6}")
+    for c in levels:
+        r = run_once(engine, c, ns.prompt_len, ns.output_len, rng)
+        results.append(r)
+        print(
+            f"{c:>5} {r['output_tok_s']:>10.1f} {r['elapsed_s']:>10.2f} {r['mean_ttft_s']:>8.2f} "
+            f"{r['mean_tpot_ms']:>8.1f} {r['overhead_share']:>8.1%} {r['steps']:>6}",
+            flush=True,
+        )
+    base = results[0]["output_tok_s"]
+    for r in results[1:]:
+        print(f"# ratio c{r['concurrency']}/c{results[0]['concurrency']}: {r['output_tok_s'] / base:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
