@@ -52,6 +52,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
+    requests_started: int = 0  # requests that got their first step
 
 
 def resolve_device(name: str) -> torch.device:
@@ -151,6 +152,7 @@ class Engine:
 
     def start(self) -> None:
         assert self._thread is None, "engine already started"
+        self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="headroom-engine", daemon=True)
         self._thread.start()
 
@@ -175,7 +177,12 @@ class Engine:
                     self._wakeup.wait()
                 if self._stopping:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception:  # a bug outside the model call: fail what is in flight, keep serving
+                log.exception("engine step crashed; failing %d requests", len(self.scheduler.requests))
+                for request_id in list(self.scheduler.requests):
+                    self._finish(request_id, RequestStatus.FINISHED_ABORTED, error="internal engine error")
 
     def _drain_inbox(self) -> None:
         with self._wakeup:
@@ -183,6 +190,12 @@ class Engine:
         for kind, payload in commands:
             if kind == "add":
                 request, sink = payload  # type: ignore[misc]
+                if request.request_id in self._sinks:
+                    # Never let a duplicate id replace a live request's sink and detokenizer
+                    # (the scheduler would then raise here and end the engine thread).
+                    error = f"request id {request.request_id!r} is already in use"
+                    self._reject(request, sink, error)
+                    continue
                 self._sinks[request.request_id] = sink
                 self._detokenizers[request.request_id] = IncrementalDetokenizer(
                     self.tokenizer.hf, request.prompt_token_ids, request.sampling.stop
@@ -211,29 +224,34 @@ class Engine:
             for request in out.requests:
                 self._finish(request.request_id, RequestStatus.FINISHED_ABORTED, error=f"engine error: {exc}")
             return
+        # The tokens exist from here on; update_from_output stamps finished_time later.
+        sampled_time = time.monotonic()
         sampled: list[int | None] = [None] * len(out.requests)
         logprobs: dict[str, TokenLogprob | None] = {}
         for row, i in enumerate(model_out.sample_indices):
             sampled[i] = samples.token_ids[row]
             logprobs[out.requests[i].request_id] = samples.logprobs[row]
+        # Blocks each request held for this step, read before update_from_output frees
+        # those of the requests that finish in it.
+        held = [len(self.block_manager.block_table(r.request_id)) for r in out.requests]
         with_token = self.scheduler.update_from_output(out, sampled)
 
         elapsed = time.perf_counter() - started
-        self._account(out, elapsed, model_out.forward_time_s)
-        now = time.monotonic()
+        self._account(out, held, elapsed, model_out.forward_time_s)
         for request in with_token:
             if request.first_token_time is None:
-                request.first_token_time = now
+                request.first_token_time = sampled_time
             self._deliver_token(request, logprobs.get(request.request_id))
 
-    def _account(self, out, elapsed: float, forward_time: float) -> None:
+    def _account(self, out, held: list[int], elapsed: float, forward_time: float) -> None:
         total = out.total_tokens
         stats = self.stats
         stats.steps += 1
         stats.step_time_s += elapsed
         stats.forward_time_s += forward_time
-        for request, n in zip(out.requests, out.num_scheduled_tokens, strict=True):
-            blocks = len(self.block_manager.block_table(request.request_id)) or request.num_blocks_held
+        for request, n, blocks in zip(out.requests, out.num_scheduled_tokens, held, strict=True):
+            if request.num_processed_tokens == 0:
+                stats.requests_started += 1
             request.num_blocks_held = blocks
             request.peak_blocks = max(request.peak_blocks, blocks)
             request.device_time_s += elapsed * n / total
@@ -245,8 +263,13 @@ class Engine:
         self.stats.generated_tokens += 1
         token = request.output_token_ids[-1]
         text, stop_hit = self._detokenizers[rid].add_tokens([token])
-        if stop_hit is not None and not request.is_finished:
-            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+        if stop_hit is not None:
+            if request.is_finished:
+                # The same token also reached max_tokens; the text ends at the stop string,
+                # so the stop string is what ended the request.
+                request.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
             request.stop_reason = stop_hit
         output = RequestOutput(rid, [token], text, logprobs=[logprob] if logprob else None, request=request)
         if request.is_finished:
@@ -261,6 +284,13 @@ class Engine:
             return
         output = RequestOutput(request_id, [], self._detokenizers[request_id].finish(), error=error, request=request)
         self._close(request, output)
+
+    def _reject(self, request: Request, sink: OutputSink, error: str) -> None:
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.finished_time = time.monotonic()
+        output = RequestOutput(request.request_id, [], "", error=error, request=request)
+        output.finished, output.finish_reason = True, "error"
+        sink(output)
 
     def _close(self, request: Request, output: RequestOutput) -> None:
         rid = request.request_id

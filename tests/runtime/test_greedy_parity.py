@@ -40,8 +40,8 @@ LONG_SYSTEM = (
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return load_model(ModelConfig(), torch.device("cpu"), torch.float32)
+def loaded(default_model):
+    return default_model
 
 
 @pytest.fixture(scope="module")
