@@ -69,10 +69,32 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 2 * 2**20
+    # Requests allowed to wait beyond max_num_seqs before new ones get 429.
+    max_queue_len: int = 256
+    # On SIGTERM: how long running streams may take to finish before they are aborted.
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_queue_len < 0:
+            raise ConfigError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
+        if self.drain_timeout_s < 0:
+            raise ConfigError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
     # "auto" picks by what is installed and the device present; or torch/flash_attn/xformers.
     attention_backend: str = "auto"
     seed: int = 0

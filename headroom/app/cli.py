@@ -1,69 +1,102 @@
-"""The `headroom` command line: generate (stream one completion to the terminal)."""
+"""The `headroom` command line: serve (the HTTP API) and generate (one completion to
+the terminal). Settings come from --config FILE (TOML), then flags override them."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
 import logging
 import queue
 import sys
+import tomllib
 
-from headroom.config import CacheConfig, Config, ModelConfig, SchedulerConfig
+from headroom.config import CacheConfig, Config, ConfigError, ModelConfig, SchedulerConfig, ServerConfig
 from headroom.runtime.engine import Engine, RequestOutput
 from headroom.runtime.request import SamplingParams
 
+# flag dest -> (config section, field)
+_FLAGS = {
+    "model": ("model", "model"),
+    "served_model_name": ("model", "served_model_name"),
+    "dtype": ("model", "dtype"),
+    "device": ("model", "device"),
+    "max_model_len": ("model", "max_model_len"),
+    "block_size": ("cache", "block_size"),
+    "num_kv_blocks": ("cache", "num_blocks"),
+    "kv_cache_memory_gib": ("cache", "kv_cache_memory_gib"),
+    "prefix_caching": ("cache", "enable_prefix_caching"),
+    "max_num_seqs": ("scheduler", "max_num_seqs"),
+    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+    "chunked_prefill": ("scheduler", "enable_chunked_prefill"),
+    "host": ("server", "host"),
+    "port": ("server", "port"),
+    "max_body_bytes": ("server", "max_body_bytes"),
+    "max_queue_len": ("server", "max_queue_len"),
+    "drain_timeout": ("server", "drain_timeout_s"),
+    "attention_backend": (None, "attention_backend"),
+    "seed": (None, "seed"),
+}
+_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "server": ServerConfig}
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file or HF checkpoint dir (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--attention-backend", default="auto", help="auto, torch, flash_attn, xformers")
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=512)
-    g.add_argument("--no-chunked-prefill", action="store_true")
-    g.add_argument("--seed", type=int, default=0)
+    g = parser.add_argument_group("engine (flags override --config)")
+    g.add_argument("--config", default=None, help="TOML file with [model] [cache] [scheduler] [server] tables")
+    g.add_argument("--model", help="GGUF file or HF checkpoint dir (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--served-model-name")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--attention-backend", help="auto, torch, flash_attn, xformers")
+    g.add_argument("--block-size", type=int)
+    g.add_argument("--num-kv-blocks", type=int)
+    g.add_argument("--kv-cache-memory-gib", type=float)
+    g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--max-num-seqs", type=int)
+    g.add_argument("--max-num-batched-tokens", type=int)
+    g.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--seed", type=int)
 
 
-def config_from_args(ns: argparse.Namespace) -> Config:
-    return Config(
-        model=ModelConfig(
-            model=ns.model,
-            served_model_name=ns.served_model_name,
-            dtype=ns.dtype,
-            device=ns.device,
-            max_model_len=ns.max_model_len,
-        ),
-        cache=CacheConfig(
-            block_size=ns.block_size,
-            num_blocks=ns.num_kv_blocks,
-            kv_cache_memory_gib=ns.kv_cache_memory_gib,
-            enable_prefix_caching=not ns.no_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=ns.max_num_seqs,
-            max_num_batched_tokens=ns.max_num_batched_tokens,
-            enable_chunked_prefill=not ns.no_chunked_prefill,
-        ),
-        attention_backend=ns.attention_backend,
-        seed=ns.seed,
-    )
+def build_config(ns: argparse.Namespace) -> Config:
+    tables: dict = {}
+    if ns.config:
+        with open(ns.config, "rb") as f:
+            tables = tomllib.load(f)
+    sections = {name: dict(tables.get(name, {})) for name in _SECTIONS}
+    top = {k: v for k, v in tables.items() if k not in _SECTIONS}
+    for dest, (section, name) in _FLAGS.items():
+        value = getattr(ns, dest, None)
+        if value is not None:
+            (sections[section] if section else top)[name] = value
+    try:
+        built = {name: cls(**sections[name]) for name, cls in _SECTIONS.items()}
+        return Config(**built, **top)
+    except TypeError as exc:  # an unknown key in the file
+        raise ConfigError(f"config: {exc}") from None
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from headroom.app.server import serve
+
+    config = build_config(ns)
+    engine = Engine(config)
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(config, engine))
+    else:
+        uvloop.run(serve(config, engine))
+    return 0
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    engine = Engine(config_from_args(ns))
+    engine = Engine(build_config(ns))
     tok = engine.tokenizer
-    if ns.raw:
-        prompt_ids = tok.encode(ns.prompt)
-    else:
-        prompt_ids = tok.apply_chat_template([{"role": "user", "content": ns.prompt}])
+    prompt_ids = tok.encode(ns.prompt) if ns.raw else tok.apply_chat_template([{"role": "user", "content": ns.prompt}])
     sampling = SamplingParams(
-        max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, seed=ns.seed_request
+        max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, seed=ns.sample_seed
     )
     try:
         request = engine.new_request(prompt_ids, sampling)
@@ -73,31 +106,37 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     outputs: queue.Queue[RequestOutput] = queue.Queue()
     engine.start()
     engine.submit(request, outputs.put)
+    out = None
     try:
-        while True:
+        while out is None or not out.finished:
             out = outputs.get()
             sys.stdout.write(out.text)
             sys.stdout.flush()
-            if out.finished:
-                break
     except KeyboardInterrupt:
         engine.abort(request.request_id)
     finally:
         engine.stop()
     sys.stdout.write("\n")
-    print(
-        f"[{request.num_output_tokens} tokens, finish_reason={out.finish_reason}, "
-        f"{request.num_output_tokens / max(request.finished_time - request.first_token_time, 1e-9):.1f} tokens/s decode]"
-        if request.finished_time and request.first_token_time else "",
-        file=sys.stderr,
-    )
+    if out is not None and request.first_token_time and request.finished_time:
+        decode_s = max(request.finished_time - request.first_token_time, 1e-9)
+        print(f"[{request.num_output_tokens} tokens, finish_reason={out.finish_reason}, "
+              f"{(request.num_output_tokens - 1) / decode_s:.1f} tokens/s decode]", file=sys.stderr)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="headroom", description="headroom LLM inference server")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    srv.add_argument("--host")
+    srv.add_argument("--port", type=int)
+    srv.add_argument("--max-body-bytes", type=int)
+    srv.add_argument("--max-queue-len", type=int)
+    srv.add_argument("--drain-timeout", type=float, help="seconds streams may run on after SIGTERM")
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="stream one completion from the model to the terminal")
     gen.add_argument("prompt")
@@ -106,13 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed-request", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return ns.func(ns)
+    try:
+        return ns.func(ns)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"headroom: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,53 @@
+"""The event loop's side of the engine: submits requests and streams their outputs.
+
+Outputs cross from the engine thread with loop.call_soon_threadsafe, which never
+blocks either side. Every stream ends in one `finally:` that aborts the sequence if it
+did not finish, so a cancelled handler (client gone) frees its KV blocks at the next
+engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from headroom.runtime.engine import Engine, RequestOutput
+from headroom.runtime.request import Request
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, max_in_flight: int):
+        self.engine = engine
+        self.max_in_flight = max_in_flight
+        self.in_flight: dict[str, Request] = {}
+
+    @property
+    def is_full(self) -> bool:
+        return len(self.in_flight) >= self.max_in_flight
+
+    def is_in_flight(self, request_id: str) -> bool:
+        return request_id in self.in_flight
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def sink(output: RequestOutput) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, output)
+
+        self.in_flight[request.request_id] = request
+        finished = False
+        try:
+            self.engine.submit(request, sink)
+            while not finished:
+                output = await queue.get()
+                finished = output.finished
+                yield output
+        finally:
+            self.in_flight.pop(request.request_id, None)
+            if not finished:
+                self.engine.abort(request.request_id)
+
+    def abort_all(self) -> None:
+        for request_id in list(self.in_flight):
+            self.engine.abort(request_id)

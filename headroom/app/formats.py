@@ -1,0 +1,116 @@
+"""Response and chunk shapes of /v1/completions and /v1/chat/completions (OpenAI's,
+as vLLM emits them). One class per endpoint; the handler loop is shared."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from headroom.runtime.sampler import TokenLogprob
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclass
+class ResponseFormat:
+    id: str
+    created: int
+    model: str
+    token_text: object  # callable: token id -> its text
+    include_usage: bool = False
+    # Text offsets for completions' logprobs; advanced as chunks are formatted.
+    text_offset: int = field(default=0, init=False)
+
+    object_full = ""
+    object_chunk = ""
+
+    def _base(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        return {**self._base(self.object_chunk), "choices": [], "usage": usage.as_dict()}
+
+    def chunk(self, choice: dict) -> dict:
+        out = {**self._base(self.object_chunk), "choices": [choice]}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+
+class CompletionFormat(ResponseFormat):
+    object_full = object_chunk = "text_completion"
+
+    def start_chunks(self) -> list[dict]:
+        return []
+
+    def delta_chunk(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None) -> dict:
+        return self.chunk({"index": 0, "text": text, "logprobs": self._logprobs(text, logprobs),
+                           "finish_reason": finish_reason, "stop_reason": None})
+
+    def full(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
+             stop_reason: str | int | None, usage: Usage) -> dict:
+        choice = {"index": 0, "text": text, "logprobs": self._logprobs(text, logprobs),
+                  "finish_reason": finish_reason, "stop_reason": stop_reason}
+        return {**self._base(self.object_full), "choices": [choice], "usage": usage.as_dict()}
+
+    def _logprobs(self, text: str, logprobs: list[TokenLogprob] | None) -> dict | None:
+        if logprobs is None:
+            self.text_offset += len(text)
+            return None
+        tokens, offsets = [], []
+        for lp in logprobs:
+            piece = self.token_text(lp.token_id)
+            tokens.append(piece)
+            offsets.append(self.text_offset)
+            self.text_offset += len(piece)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{self.token_text(t): v for t, v in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+
+class ChatFormat(ResponseFormat):
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def start_chunks(self) -> list[dict]:
+        return [self.chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None})]
+
+    def delta_chunk(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None) -> dict:
+        delta = {"content": text} if text or finish_reason is None else {}
+        return self.chunk({"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs),
+                           "finish_reason": finish_reason, "stop_reason": None})
+
+    def full(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
+             stop_reason: str | int | None, usage: Usage) -> dict:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason,
+                  "stop_reason": stop_reason}
+        return {**self._base(self.object_full), "choices": [choice], "usage": usage.as_dict()}
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def _logprobs(self, logprobs: list[TokenLogprob] | None) -> dict | None:
+        if logprobs is None:
+            return None
+        return {"content": [
+            {**self._entry(lp.token_id, lp.logprob), "top_logprobs": [self._entry(t, v) for t, v in lp.top]}
+            for lp in logprobs
+        ]}

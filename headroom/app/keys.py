@@ -1,0 +1,24 @@
+"""Typed keys for what the aiohttp application holds (no module-level singletons)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from headroom.app.engine_client import AsyncEngine
+from headroom.config import Config
+
+CONFIG = web.AppKey("config", Config)
+ENGINE = web.AppKey("engine", AsyncEngine)
+OPENAPI = web.AppKey("openapi", dict)
+
+
+@dataclass
+class Lifecycle:
+    started_at: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False  # set on SIGTERM: /health and new requests answer 503
+
+
+LIFECYCLE = web.AppKey("lifecycle", Lifecycle)

@@ -1,0 +1,162 @@
+"""OpenAI-compatible handlers: /v1/completions, /v1/chat/completions, /v1/models."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+
+from aiohttp import web
+
+from headroom.app import keys
+from headroom.app.errors import APIError, BadRequest, Conflict, NotFound, QueueFull, Unavailable, error_body
+from headroom.app.formats import ChatFormat, CompletionFormat, ResponseFormat, Usage
+from headroom.app.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from headroom.app.sse import DONE, encode_event, open_stream
+from headroom.runtime.request import Request, SamplingParams
+from headroom.runtime.sampler import TokenLogprob
+
+def base_request_id(request: web.Request) -> str:
+    # As vLLM: the client's X-Request-Id, when given, becomes the response id's base.
+    return request.headers.get("X-Request-Id") or uuid.uuid4().hex
+
+
+def check_accepting(request: web.Request) -> None:
+    if request.app[keys.LIFECYCLE].draining:
+        raise Unavailable("the server is shutting down; retry on another instance", code="draining",
+                          headers={"Retry-After": "5"})
+    if request.app[keys.ENGINE].is_full:
+        raise QueueFull("the server's queue is full; retry shortly", code="queue_full",
+                        headers={"Retry-After": "1"})
+
+
+def check_model(request: web.Request, name: str | None) -> str:
+    served = request.app[keys.ENGINE].engine.loaded.name
+    if name is not None and name != served:
+        raise NotFound(f"The model `{name}` does not exist.", param="model", code="model_not_found")
+    return served
+
+
+def build_request(request: web.Request, rid: str, body: SamplingFields, prompt_ids: list[int],
+                  max_tokens: int | None, logprobs: int | None) -> Request:
+    client = request.app[keys.ENGINE]
+    engine = client.engine
+    if client.is_in_flight(rid):
+        raise Conflict(f"request id {rid!r} is already in flight", param="X-Request-Id",
+                       code="duplicate_request_id")
+    room = engine.max_model_len - len(prompt_ids)
+    if max_tokens is None:
+        if room < 1:
+            raise BadRequest(
+                f"This model's maximum context length is {engine.max_model_len} tokens. However, your "
+                f"prompt has {len(prompt_ids)} tokens, leaving no room for completion tokens.",
+                param="messages", code="context_length_exceeded")
+        max_tokens = room
+    try:
+        sampling = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=max(body.top_k, 0),
+            seed=body.seed,
+            stop=body.stop_strings,
+            ignore_eos=body.ignore_eos,
+            min_tokens=min(body.min_tokens, max_tokens),
+            logprobs=logprobs,
+        )
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    if len(prompt_ids) + max_tokens > engine.max_model_len:
+        raise BadRequest(
+            f"This model's maximum context length is {engine.max_model_len} tokens. However, you requested "
+            f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the "
+            "completion). Please reduce the prompt or max_tokens.",
+            param="max_tokens", code="context_length_exceeded")
+    try:
+        return engine.new_request(prompt_ids, sampling, request_id=rid, priority=body.priority)
+    except ValueError as exc:
+        raise BadRequest(str(exc), code="invalid_value") from None
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    check_accepting(request)
+    body = CompletionRequest.model_validate_json(await request.read())
+    model = check_model(request, body.model)
+    tokenizer = request.app[keys.ENGINE].engine.tokenizer
+    prompt_ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+    rid = f"cmpl-{base_request_id(request)}"
+    engine_request = build_request(request, rid, body, prompt_ids, body.max_tokens, body.logprobs)
+    fmt = CompletionFormat(rid, int(time.time()), model, _token_text(tokenizer), body.include_usage)
+    return await respond(request, engine_request, fmt, body.stream)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    check_accepting(request)
+    body = ChatCompletionRequest.model_validate_json(await request.read())
+    model = check_model(request, body.model)
+    tokenizer = request.app[keys.ENGINE].engine.tokenizer
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in body.messages]
+    try:
+        prompt_ids = tokenizer.apply_chat_template(messages)
+    except ValueError as exc:
+        raise BadRequest(f"messages: {exc}", param="messages") from None
+    rid = f"chatcmpl-{base_request_id(request)}"
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    engine_request = build_request(request, rid, body, prompt_ids, body.requested_max_tokens, logprobs)
+    fmt = ChatFormat(rid, int(time.time()), model, _token_text(tokenizer), body.include_usage)
+    return await respond(request, engine_request, fmt, body.stream)
+
+
+def _token_text(tokenizer):
+    return lambda token_id: tokenizer.decode([token_id])
+
+
+def _usage(r: Request) -> Usage:
+    return Usage(r.num_prompt_tokens, r.num_output_tokens, r.num_cached_tokens)
+
+
+async def respond(request: web.Request, engine_request: Request, fmt: ResponseFormat,
+                  stream: bool) -> web.StreamResponse:
+    if request.transport is None or request.transport.is_closing():
+        raise web.HTTPBadRequest(reason="Client Closed Request")  # gone before admission: never runs
+    client = request.app[keys.ENGINE]
+    headers = {"X-Request-Id": engine_request.request_id}
+    outputs = client.generate(engine_request)
+    if not stream:
+        text: list[str] = []
+        logprobs: list[TokenLogprob] | None = [] if engine_request.sampling.logprobs is not None else None
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                text.append(out.text)
+                if logprobs is not None and out.logprobs:
+                    logprobs.extend(out.logprobs)
+        if out.error:
+            raise APIError(out.error, code="engine_error")
+        payload = fmt.full("".join(text), logprobs, out.finish_reason, out.stop_reason, _usage(engine_request))
+        return web.json_response(payload, headers=headers)
+
+    response = await open_stream(request, headers)
+    async with contextlib.aclosing(outputs):
+        for chunk in fmt.start_chunks():
+            await response.write(encode_event(chunk))
+        async for out in outputs:
+            if out.error:  # headers are sent: the error travels as an event
+                await response.write(encode_event(error_body(out.error, APIError.type, code="engine_error")))
+                break
+            if out.text or out.finished or out.logprobs:
+                chunk = fmt.delta_chunk(out.text, out.logprobs, out.finish_reason if out.finished else None)
+                await response.write(encode_event(chunk))
+    if fmt.include_usage:
+        await response.write(encode_event(fmt.usage_chunk(_usage(engine_request))))
+    await response.write(DONE)
+    await response.write_eof()
+    return response
+
+
+async def list_models(request: web.Request) -> web.Response:
+    engine = request.app[keys.ENGINE].engine
+    card = {"id": engine.loaded.name, "object": "model", "created": request.app[keys.LIFECYCLE].started_at,
+            "owned_by": "headroom", "root": engine.loaded.name, "max_model_len": engine.max_model_len}
+    return web.json_response({"object": "list", "data": [card]})
+

@@ -1,0 +1,102 @@
+"""The aiohttp application: create_app(config, engine), and serve() with a graceful
+SIGTERM drain (stop admitting with 503, let streams finish, abort the rest, exit 0)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from importlib.metadata import PackageNotFoundError, version
+
+from aiohttp import web
+
+from headroom.app import keys
+from headroom.app.engine_client import AsyncEngine
+from headroom.app.errors import error_body, error_middleware
+from headroom.app.openai_api import chat_completions, completions, list_models
+from headroom.app.openapi import build_openapi
+from headroom.config import Config
+from headroom.runtime.engine import Engine
+
+log = logging.getLogger("headroom.server")
+
+
+def _version() -> str:
+    try:
+        return version("headroom-llm")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+async def health(request: web.Request) -> web.Response:
+    if request.app[keys.LIFECYCLE].draining:
+        return web.json_response(error_body("draining", "service_unavailable", code="draining"), status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(request.app[keys.OPENAPI])
+
+
+def setup_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/openapi.json", openapi)
+
+
+def create_app(config: Config, engine: Engine) -> web.Application:
+    """The app runs `engine`'s step thread for as long as the app is up."""
+    app = web.Application(middlewares=[error_middleware], client_max_size=config.server.max_body_bytes)
+    app[keys.CONFIG] = config
+    max_in_flight = config.scheduler.max_num_seqs + config.server.max_queue_len
+    app[keys.ENGINE] = AsyncEngine(engine, max_in_flight)
+    app[keys.LIFECYCLE] = keys.Lifecycle()
+    app[keys.OPENAPI] = build_openapi(_version())
+    app.cleanup_ctx.append(_engine_thread)
+    setup_routes(app)
+    return app
+
+
+async def _engine_thread(app: web.Application):
+    engine = app[keys.ENGINE].engine
+    engine.start()
+    yield
+    # Anything still in flight is aborted here; its stream ends with finish_reason "abort".
+    await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+
+
+async def drain(app: web.Application, timeout_s: float) -> None:
+    """Refuse new work, wait for in-flight requests up to timeout_s, abort the rest."""
+    app[keys.LIFECYCLE].draining = True
+    client = app[keys.ENGINE]
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    log.info("draining: %d requests in flight, timeout %.1fs", len(client.in_flight), timeout_s)
+    while client.in_flight and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    if client.in_flight:
+        log.warning("drain timeout: aborting %d requests", len(client.in_flight))
+        client.abort_all()
+        while client.in_flight:  # their streams end with finish_reason "abort"
+            await asyncio.sleep(0.02)
+
+
+async def serve(config: Config, engine: Engine) -> None:
+    app = create_app(config, engine)
+    # handler_cancellation: a client that disconnects cancels its handler, whose finally
+    # aborts the sequence.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.server.host, config.server.port)
+    await site.start()
+    log.info("serving %s on http://%s:%d", engine.loaded.name, config.server.host, config.server.port)
+    print(f"headroom: serving {engine.loaded.name} on http://{config.server.host}:{config.server.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await drain(app, config.server.drain_timeout_s)
+    await runner.cleanup()
+    log.info("shut down cleanly")

@@ -1,0 +1,50 @@
+"""Runs the real aiohttp app on 127.0.0.1 (ephemeral port) in a background thread
+with its own uvloop event loop, so synchronous tests can use the official clients."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import uvloop
+from aiohttp import web
+
+from headroom.app.server import create_app
+from headroom.config import Config
+from headroom.runtime.engine import Engine
+
+
+class ServerThread:
+    def __init__(self, config: Config, engine: Engine):
+        self.engine = engine
+        self.app = create_app(config, engine)
+        self.loop = uvloop.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+        self.call(self._start())
+        return self
+
+    async def _start(self) -> None:
+        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+
+    def call(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        assert self.runner is not None
+        self.call(self.runner.cleanup())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()

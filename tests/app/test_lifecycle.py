@@ -1,0 +1,137 @@
+"""Queue bounds, disconnects while queued, and SIGTERM drain of a real `headroom serve`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import aiohttp
+import httpx
+import pytest
+
+from headroom.config import CacheConfig, Config, SchedulerConfig, ServerConfig
+from headroom.runtime.engine import Engine
+from tests.app.server_thread import ServerThread
+from tests.app.test_openai_api import wait_idle
+
+pytestmark = pytest.mark.slow
+
+# One running sequence, one waiting: the third concurrent request is over the bound.
+SMALL = Config(
+    cache=CacheConfig(num_blocks=128),
+    scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=256),
+    server=ServerConfig(max_queue_len=1),
+)
+LONG = {"prompt": "Tell me everything about the sea.", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def small_server(default_model):
+    srv = ServerThread(SMALL, Engine(SMALL, loaded=default_model)).start()
+    yield srv
+    srv.stop()
+
+
+def test_queue_full_is_429_with_retry_after(small_server):
+    async def run() -> tuple[int, dict, dict]:
+        async with aiohttp.ClientSession() as session:
+            url = small_server.url + "/v1/completions"
+            running = await session.post(url, json=LONG)
+            await running.content.readline()
+            waiting = asyncio.create_task(session.post(url, json=LONG))
+            while small_server.engine.scheduler.num_waiting < 1:
+                await asyncio.sleep(0.01)
+            async with session.post(url, json={"prompt": "x", "max_tokens": 1}) as third:
+                result = third.status, dict(third.headers), await third.json()
+            running.close()
+            (await waiting).close()
+            return result
+
+    status, headers, body = asyncio.run(run())
+    assert status == 429 and headers["Retry-After"] == "1"
+    assert body["error"]["type"] == "rate_limit_error" and body["error"]["code"] == "queue_full"
+    wait_idle(small_server.engine)
+
+
+def test_disconnect_while_queued_never_runs(small_server):
+    engine = small_server.engine
+    wait_idle(engine)
+    started = engine.stats.requests_started
+
+    async def run() -> None:
+        async with aiohttp.ClientSession() as session:
+            url = small_server.url + "/v1/completions"
+            running = await session.post(url, json=LONG)
+            await running.content.readline()
+            queued = await session.post(url, json=LONG)  # streaming: headers come at once
+            while engine.scheduler.num_waiting < 1:
+                await asyncio.sleep(0.01)
+            queued.close()  # the client goes away while its request waits for a seat
+            await asyncio.sleep(0.3)
+            assert engine.scheduler.num_waiting == 0
+            running.close()
+
+    asyncio.run(run())
+    wait_idle(engine)
+    assert engine.stats.requests_started == started + 1  # only the running one ever ran
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_drains_aborts_and_exits_zero(tmp_path):
+    port = _free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "headroom.app.cli", "serve", "--port", str(port), "--drain-timeout", "1.5",
+         "--num-kv-blocks", "256", "--dtype", "float32"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        else:
+            pytest.fail("server did not come up")
+
+        async def run() -> tuple[list[bytes], int, int]:
+            async with aiohttp.ClientSession() as session:
+                resp = await session.post(url + "/v1/completions", json=LONG)
+                events = [await resp.content.readline()]
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                async with session.post(url + "/v1/completions", json={"prompt": "x"}) as late:
+                    late_status = late.status
+                async with session.get(url + "/health") as health:
+                    health_status = health.status
+                async for line in resp.content:
+                    events.append(line)
+                return events, late_status, health_status
+
+        events, late_status, health_status = asyncio.run(run())
+        assert late_status == 503 and health_status == 503
+        data = [e for e in events if e.startswith(b"data: ")]
+        assert data[-1] == b"data: [DONE]\n"
+        last = json.loads(data[-2][len(b"data: "):])
+        assert last["choices"][0]["finish_reason"] == "abort"  # cut by the 1.5 s drain timeout
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err.decode()[-2000:]
+        assert b"Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
