@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import uuid
 
@@ -15,6 +16,8 @@ from headroom.app.schemas import ChatCompletionRequest, CompletionRequest, Sampl
 from headroom.app.sse import DONE, encode_event, open_stream
 from headroom.runtime.request import Request, SamplingParams
 from headroom.runtime.sampler import TokenLogprob
+
+log = logging.getLogger("headroom.api")
 
 def base_request_id(request: web.Request) -> str:
     # As vLLM: the client's X-Request-Id, when given, becomes the response id's base.
@@ -137,20 +140,23 @@ async def respond(request: web.Request, engine_request: Request, fmt: ResponseFo
         return web.json_response(payload, headers=headers)
 
     response = await open_stream(request, headers)
-    async with contextlib.aclosing(outputs):
-        for chunk in fmt.start_chunks():
-            await response.write(encode_event(chunk))
-        async for out in outputs:
-            if out.error:  # headers are sent: the error travels as an event
-                await response.write(encode_event(error_body(out.error, APIError.type, code="engine_error")))
-                break
-            if out.text or out.finished or out.logprobs:
-                chunk = fmt.delta_chunk(out.text, out.logprobs, out.finish_reason if out.finished else None)
+    try:
+        async with contextlib.aclosing(outputs):
+            for chunk in fmt.start_chunks():
                 await response.write(encode_event(chunk))
-    if fmt.include_usage:
-        await response.write(encode_event(fmt.usage_chunk(_usage(engine_request))))
-    await response.write(DONE)
-    await response.write_eof()
+            async for out in outputs:
+                if out.error:  # headers are sent: the error travels as an event
+                    await response.write(encode_event(error_body(out.error, APIError.type, code="engine_error")))
+                    break
+                if out.text or out.finished or out.logprobs:
+                    chunk = fmt.delta_chunk(out.text, out.logprobs, out.finish_reason if out.finished else None)
+                    await response.write(encode_event(chunk))
+        if fmt.include_usage:
+            await response.write(encode_event(fmt.usage_chunk(_usage(engine_request))))
+        await response.write(DONE)
+        await response.write_eof()
+    except ConnectionResetError:  # the client left; aclosing has already aborted the sequence
+        log.info("client disconnected mid-stream: %s", engine_request.request_id)
     return response
 
 
