@@ -211,6 +211,7 @@ class Engine:
         self._drain_inbox()
         if not self.scheduler.has_work():
             return
+        self._enforce_deadlines()
         started = time.perf_counter()
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
@@ -277,6 +278,17 @@ class Engine:
             self._close(request, output)
         else:
             self._sinks[rid](output)
+
+    def _enforce_deadlines(self) -> None:
+        now = time.monotonic()
+        late = [r for r in self.scheduler.requests.values() if r.deadline is not None and now > r.deadline]
+        for request in late:
+            log.warning(
+                "request %s exceeded its wall-clock budget after %.1fs (%d output tokens); finishing it as length",
+                request.request_id, now - request.arrival_time, request.num_output_tokens,
+            )
+            request.stop_reason = "wall_clock_budget"
+            self._finish(request.request_id, RequestStatus.FINISHED_LENGTH)
 
     def _finish(self, request_id: str, status: RequestStatus, error: str | None = None) -> None:
         request = self.scheduler.finish_request(request_id, status)

@@ -75,7 +75,14 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
 
+    # Set by admission (None when admission is off): they steer order, lanes and victims.
+    tenant: str | None = None
+    size_class: str | None = None
+    predicted_output_tokens: float | None = None
+    deadline: float | None = None  # time.monotonic() by which it must finish (wall-clock budget)
+
     status: RequestStatus = RequestStatus.WAITING
+    submit_order: int = 0  # set by the scheduler; the last tie-breaker
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose K/V is in the cache; catches up with num_tokens step by step.
     num_computed_tokens: int = 0

@@ -4,18 +4,19 @@ There are no prefill and decode phases: every step gives each scheduled request 
 so that its num_computed_tokens catches up with num_tokens. A request one token behind
 is a decode; one further behind is (chunked) prefill, including a preempted request
 recomputing what it lost. Running decodes go first, then prefill chunks fill the rest of
-the budget. When blocks run out, the least important running request (lowest priority,
-then newest) is preempted by recompute.
+the budget. Who goes first, who is preempted and how much room long work gets is the
+SchedulingPolicy's call (policy.py); when blocks run out the policy's victim is
+preempted by recompute.
 """
 
 from __future__ import annotations
 
-import bisect
 import time
 from dataclasses import dataclass, field
 
 from headroom.config import SchedulerConfig
 from headroom.runtime.block_manager import BlockManager
+from headroom.runtime.policy import LONG, SchedulingPolicy
 from headroom.runtime.request import Request, RequestStatus
 
 
@@ -40,33 +41,20 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: set[int]):
         self.config = config
         self.block_manager = block_manager
+        self.policy = SchedulingPolicy(config)
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: list[Request] = []  # kept sorted by _admission_key
+        self.waiting: list[Request] = []  # sorted by the policy at each schedule()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._order = 0
-        self._sequence: dict[str, int] = {}
-
-    # Most important first: higher priority, then earlier arrival, then submission order.
-    def _admission_key(self, request: Request) -> tuple:
-        return (-request.priority, request.arrival_time, self._sequence[request.request_id])
-
-    def _victim_key(self, request: Request) -> tuple:
-        # min() of this picks the preemption victim.
-        if self.config.preemption_order == "priority":
-            return (request.priority, -request.arrival_time, -self._sequence[request.request_id])
-        return (-request.arrival_time, -self._sequence[request.request_id])
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self._sequence[request.request_id] = self._order
+        request.submit_order = self._order
         self._order += 1
-        self._enqueue(request)
-
-    def _enqueue(self, request: Request) -> None:
-        bisect.insort(self.waiting, request, key=self._admission_key)
+        self.waiting.append(request)
 
     @property
     def num_waiting(self) -> int:
@@ -83,13 +71,21 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         preempted: list[Request] = []
+        now = time.monotonic()
+        long_budget = self.policy.long_prefill_budget(self.running, self.waiting)
+
+        def chunk(request: Request, remaining: int) -> int:
+            n = min(remaining, budget)
+            if long_budget is not None and request.size_class == LONG and remaining > 1:
+                n = min(n, long_budget)
+            return n
 
         def make_room(request: Request, num_tokens: int, computed: list[int] | None, victims: list[Request]) -> bool:
             nonlocal budget
             while self.block_manager.allocate_slots(request, num_tokens, computed) is None:
                 if not victims:
                     return False
-                victim = min(victims, key=self._victim_key)
+                victim = min(victims, key=self.policy.victim_key)
                 if victim is request:
                     return False
                 victims.remove(victim)
@@ -98,46 +94,61 @@ class Scheduler:
                 preempted.append(victim)
             return True
 
-        # Running requests: decodes first, each in importance order.
-        running = sorted(self.running, key=self._admission_key)
+        # Running requests: decodes first, each in policy order.
+        running = sorted(self.running, key=lambda r: self.policy.order_key(r, now))
         running.sort(key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
         for request in running:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if budget == 0:
                 break
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_tokens = chunk(request, request.num_tokens - request.num_computed_tokens)
+            if num_tokens == 0:
+                continue
             if not make_room(request, num_tokens, None, list(self.running)):
                 self._preempt(request)
                 preempted.append(request)
                 continue
             scheduled[request.request_id] = num_tokens
             budget -= num_tokens
+            if long_budget is not None and request.size_class == LONG and num_tokens > 1:
+                long_budget -= num_tokens
 
-        # Then waiting requests, most important first, while budget and seats last. Not in
-        # a step that had to preempt: the cache is full, and admitting now would thrash.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        # Then waiting requests in policy order, while budget and seats last. Not in a step
+        # that had to preempt: the cache is full, and admitting now would thrash.
+        self.waiting.sort(key=lambda r: self.policy.order_key(r, now))
+        for request in list(self.waiting):
+            if preempted or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if not self.policy.lane_admits(request, self.running, self.block_manager):
+                continue
             computed = self.block_manager.get_computed_blocks(request)
             num_cached = len(computed) * self.block_manager.block_size
             remaining = request.num_tokens - request.num_computed_tokens - num_cached
-            if not self.config.enable_chunked_prefill and remaining > budget and scheduled:
-                break
-            num_tokens = remaining if not self.config.enable_chunked_prefill else min(remaining, budget)
+            if not self.config.enable_chunked_prefill:
+                if remaining > budget and scheduled:
+                    break
+                num_tokens = remaining
+            else:
+                num_tokens = chunk(request, remaining)
+                if num_tokens == 0:
+                    continue
             # A waiting request may only displace running ones of strictly lower priority.
             victims = [r for r in self.running if r.priority < request.priority]
             if not make_room(request, num_tokens, computed, victims):
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens += num_cached
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
             if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
+                request.first_scheduled_time = now
             self.running.append(request)
             scheduled[request.request_id] = num_tokens
             budget -= num_tokens
+            if long_budget is not None and request.size_class == LONG and num_tokens > 1:
+                long_budget -= num_tokens
 
         out = SchedulerOutput(preempted=preempted)
         by_id = self.requests
@@ -157,7 +168,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self._enqueue(request)
+        self.waiting.append(request)
 
     def update_from_output(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
         """Advance counters after a model step. sampled[i] is the token sampled for
@@ -200,7 +211,6 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.block_manager.free_request(request_id)
-        self._sequence.pop(request_id)
         request.status = status
         request.finished_time = time.monotonic()
         return request

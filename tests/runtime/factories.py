@@ -21,18 +21,26 @@ def create_scheduler(
     enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True,
     preemption_order: str = "priority",
+    **policy,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         enable_chunked_prefill=enable_chunked_prefill,
         preemption_order=preemption_order,
+        **policy,
     )
     return Scheduler(config, BlockManager(num_blocks, block_size, enable_prefix_caching), {EOS})
 
 
 def create_request(
-    prompt: list[int] | int = 8, max_tokens: int = 4, priority: int = 0, arrival: float | None = None, **sampling
+    prompt: list[int] | int = 8,
+    max_tokens: int = 4,
+    priority: int = 0,
+    arrival: float | None = None,
+    predicted: float | None = None,
+    size_class: str | None = None,
+    **sampling,
 ) -> Request:
     n = next(_ids)
     # Distinct per request, so prefix-cache hits happen only where a test shares tokens.
@@ -40,6 +48,7 @@ def create_request(
     return Request(
         f"r{n}", tokens, SamplingParams(max_tokens=max_tokens, **sampling), priority,
         arrival_time=float(n) if arrival is None else arrival,
+        predicted_output_tokens=predicted, size_class=size_class,
     )
 
 

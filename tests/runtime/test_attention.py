@@ -424,3 +424,14 @@ def test_torch_on_cuda_matches_cpu(block_size: int) -> None:
     expected = run(TorchAttention(), cpu)
     torch.testing.assert_close(run(TorchAttention(), cuda).cpu(), expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(cuda.k_cache.cpu(), cpu.k_cache, rtol=0, atol=0)
+
+
+def test_decode_groups_bound_padding_and_cover_every_row():
+    from headroom.runtime.attention.torch_ref import decode_groups
+
+    lens = [2000, 40, 300, 45, 2100, 600, 50]
+    groups = decode_groups(lens, slack=1.5, min_len=256)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    assert groups == [[1, 3, 6, 2], [5], [0, 4]]
+    for g in groups:
+        assert max(lens[i] for i in g) <= 1.5 * max(min(lens[i] for i in g), 256)

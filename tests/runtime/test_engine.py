@@ -405,3 +405,23 @@ def test_duplicate_request_id_is_rejected_without_disturbing_the_first(loaded, p
     assert_well_formed(sink_first, first, loaded.tokenizer)
     assert first.num_output_tokens == GREEDY.max_tokens
     assert_engine_idle(engine)
+
+
+def test_wall_clock_budget_finishes_as_length_and_frees_blocks(loaded, prompts):
+    engine = make_engine(loaded)
+    late = engine.new_request(prompts[0], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    on_time = engine.new_request(prompts[1], GREEDY)
+    sink_late, sink_on_time = Sink(), Sink()
+    engine.submit(late, sink_late)
+    engine.submit(on_time, sink_on_time)
+    engine.step()
+    engine.step()
+    late.deadline = time.monotonic() - 0.001  # its budget has just run out
+    while not on_time.is_finished:
+        engine.step()
+    final = sink_late.wait_finished()[-1]
+    assert final.finish_reason == "length" and final.stop_reason == "wall_clock_budget"
+    assert 2 <= late.num_output_tokens < 50
+    assert on_time.num_output_tokens == GREEDY.max_tokens
+    assert engine.block_manager.num_used_blocks == 0
+    engine.block_manager.check_invariants()

@@ -29,6 +29,19 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return flat.view(*block_ids.shape, *cache.shape[1:])
 
 
+def decode_groups(seq_lens: list[int], slack: float = 1.5, min_len: int = 256) -> list[list[int]]:
+    """Decode rows grouped by context length, so one long context does not pad every
+    short one to its length (padding per group stays under `slack`x)."""
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and seq_lens[i] <= slack * max(seq_lens[groups[-1][0]], min_len):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 class TorchAttention:
     name = "torch"
     block_size = 16
@@ -49,9 +62,11 @@ class TorchAttention:
     ) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
+        for rows in decode_groups(meta.seq_lens_cpu[: meta.num_decodes]):
+            index = torch.tensor(rows, device=q.device)
+            out[index] = self._decode(q[index], k_cache, v_cache, meta.block_tables[index], meta.seq_lens[index],
+                                      max(meta.seq_lens_cpu[i] for i in rows), scale)
         nd = meta.num_decodes
-        if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
         starts = meta.query_start_loc.tolist() if nd < meta.num_seqs else []
         for i in range(nd, meta.num_seqs):
             lo, hi = starts[i], starts[i + 1]
@@ -61,16 +76,14 @@ class TorchAttention:
         return out
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        # All decodes at once: pad every context to the longest and mask the tail.
-        nd = q.shape[0]
+    def _decode(q, k_cache, v_cache, tables, seq_lens, max_len: int, scale: float) -> torch.Tensor:
+        # Decodes of similar length at once: pad each context to the longest, mask the tail.
         block_size = k_cache.shape[1]
-        max_len = max(meta.seq_lens_cpu[:nd])
-        tables = meta.block_tables[:nd, : -(-max_len // block_size)]
+        tables = tables[:, : -(-max_len // block_size)]
         keys = gather_blocks(k_cache, tables).flatten(1, 2)  # (B, L, Hkv, D)
         values = gather_blocks(v_cache, tables).flatten(1, 2)
         positions = torch.arange(keys.shape[1], device=q.device)
-        mask = positions[None, :] < meta.seq_lens[:nd, None]  # (B, L)
+        mask = positions[None, :] < seq_lens[:, None]  # (B, L)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # (B, Hq, 1, D)
             keys.transpose(1, 2),

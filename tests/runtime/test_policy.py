@@ -1,0 +1,103 @@
+"""Scheduling policy: tier priority, predicted-short-first with ageing, long lane, victims."""
+
+from __future__ import annotations
+
+import time
+
+from headroom.runtime.request import RequestStatus
+from tests.runtime.factories import create_request, create_scheduler, run_step
+
+
+def test_predicted_short_first_within_a_priority():
+    s = create_scheduler(max_num_seqs=1)
+    now = time.monotonic()
+    long = create_request(predicted=400, arrival=now)
+    short = create_request(predicted=20, arrival=now)
+    s.add_request(long)
+    s.add_request(short)
+    out, _ = run_step(s)
+    assert out.requests == [short]
+
+
+def test_priority_beats_prediction():
+    s = create_scheduler(max_num_seqs=1)
+    now = time.monotonic()
+    urgent_long = create_request(predicted=400, priority=2, arrival=now)
+    short = create_request(predicted=20, priority=1, arrival=now)
+    s.add_request(short)
+    s.add_request(urgent_long)
+    out, _ = run_step(s)
+    assert out.requests == [urgent_long]
+
+
+def test_ageing_lets_an_old_long_request_overtake():
+    # rank = predicted - 50 tok/s * waited: 400 - 50*10 = -100 beats 20 - 0 = 20.
+    s = create_scheduler(max_num_seqs=1, ageing_tokens_per_s=50.0)
+    now = time.monotonic()
+    old_long = create_request(predicted=400, arrival=now - 10)
+    fresh_short = create_request(predicted=20, arrival=now)
+    s.add_request(fresh_short)
+    s.add_request(old_long)
+    out, _ = run_step(s)
+    assert out.requests == [old_long]
+
+
+def test_without_predictions_order_is_fcfs():
+    s = create_scheduler(max_num_seqs=1)
+    first, second = create_request(), create_request()
+    s.add_request(second)  # submitted first, but arrived later
+    s.add_request(first)
+    out, _ = run_step(s)
+    assert out.requests == [first]
+
+
+def test_long_lane_concurrency_cap():
+    s = create_scheduler(max_num_seqs=4, long_max_running=1)
+    a, b = create_request(size_class="long"), create_request(size_class="long")
+    c = create_request(size_class="short")
+    for r in (a, b, c):
+        s.add_request(r)
+    out, _ = run_step(s)
+    assert out.requests == [a, c] and b.status == RequestStatus.WAITING
+
+
+def test_long_lane_kv_share():
+    # 10 blocks of 4 tokens; long requests may hold at most 50% = 5 blocks.
+    s = create_scheduler(num_blocks=10, block_size=4, max_num_seqs=4, long_kv_share=0.5,
+                         enable_prefix_caching=False)
+    a = create_request(prompt=12, size_class="long")  # 3 blocks
+    b = create_request(prompt=12, size_class="long")  # 3 more would make 6 > 5
+    c = create_request(prompt=12, size_class="medium")
+    for r in (a, b, c):
+        s.add_request(r)
+    out, _ = run_step(s)
+    assert out.requests == [a, c]
+
+
+def test_long_prefill_is_capped_while_shorter_requests_are_present():
+    s = create_scheduler(max_num_batched_tokens=64, max_num_seqs=4, long_prefill_tokens_per_step=8)
+    long = create_request(prompt=100, size_class="long")
+    short = create_request(prompt=10, size_class="short", max_tokens=3)
+    s.add_request(long)
+    s.add_request(short)
+    out, _ = run_step(s)
+    assert dict(zip([r.request_id for r in out.requests], out.num_scheduled_tokens)) == {
+        long.request_id: 8, short.request_id: 10}
+    run_step(s)
+    run_step(s)
+    assert short.is_finished and long.num_computed_tokens == 24  # 8 tokens a step so far
+    # Once only long work is left, it gets the whole budget.
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == [64]
+
+
+def test_victim_is_lowest_tier_then_longest_predicted_remaining():
+    s = create_scheduler(num_blocks=6, block_size=4, enable_prefix_caching=False)
+    a = create_request(prompt=8, max_tokens=8, priority=1, predicted=10)
+    b = create_request(prompt=8, max_tokens=8, priority=1, predicted=300)
+    c = create_request(prompt=8, max_tokens=8, priority=1, predicted=50)
+    for r in (a, b, c):
+        s.add_request(r)
+    run_step(s)
+    out, _ = run_step(s)
+    assert out.preempted[0] is b
