@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -53,8 +55,18 @@ class SchedulerConfig:
     # Tokens one engine step may process across all sequences (decodes + prefill chunks).
     max_num_batched_tokens: int = 512
     enable_chunked_prefill: bool = True
-    # Preemption victim order: "priority" (lowest priority, then newest) or "newest".
+    # Preemption victim order: "priority" (lowest priority, then longest predicted
+    # remaining, then newest) or "newest".
     preemption_order: str = "priority"
+    # Waiting order within a priority: predicted output tokens minus this many tokens for
+    # every second waited (predicted-short-first with ageing; FCFS without predictions).
+    ageing_tokens_per_s: float = 50.0
+    # The long lane: at most this many long-class sequences running, holding at most this
+    # share of the KV blocks, and prefilling at most this many tokens per step while
+    # shorter requests are running or waiting (None: no limit).
+    long_max_running: int | None = None
+    long_kv_share: float = 1.0
+    long_prefill_tokens_per_step: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -64,6 +76,14 @@ class SchedulerConfig:
                 "max_num_batched_tokens must be >= max_num_seqs so every running decode "
                 f"fits in one step ({self.max_num_batched_tokens} < {self.max_num_seqs})"
             )
+        if self.ageing_tokens_per_s < 0:
+            raise ConfigError(f"ageing_tokens_per_s must be >= 0, got {self.ageing_tokens_per_s}")
+        if self.long_max_running is not None and self.long_max_running < 1:
+            raise ConfigError(f"long_max_running must be >= 1, got {self.long_max_running}")
+        if not 0 < self.long_kv_share <= 1:
+            raise ConfigError(f"long_kv_share must be in (0, 1], got {self.long_kv_share}")
+        if self.long_prefill_tokens_per_step is not None and self.long_prefill_tokens_per_step < 1:
+            raise ConfigError("long_prefill_tokens_per_step must be >= 1")
         if self.preemption_order not in ("priority", "newest"):
             raise ConfigError(f"preemption_order must be 'priority' or 'newest', got {self.preemption_order!r}")
 
@@ -89,12 +109,157 @@ class ServerConfig:
             raise ConfigError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
 
+DEFAULT_TIERS: tuple[tuple[str, int], ...] = (("premium", 2), ("standard", 1), ("batch", 0))
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    name: str
+    tier: str = "standard"
+    api_keys: tuple[str, ...] = ()
+    # Token bucket: sustained rate and burst, in (prompt + output) tokens.
+    rate_tokens_per_s: float = 2000.0
+    burst_tokens: int = 16000
+    # Reserved tokens of admitted, unfinished requests; a bigger request can never run.
+    max_in_flight_tokens: int = 16000
+    max_queue: int = 64
+    max_wait_s: float = 30.0
+    # Per-tenant caps on a request's max_tokens and total length (None: the server's).
+    max_tokens: int | None = None
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"tenant name must be a non-empty string, got {self.name!r}")
+        where = f"tenant {self.name!r}"
+        if isinstance(self.api_keys, str):
+            raise ConfigError(f"{where}: api_keys must be a list of strings, not one string")
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))  # TOML gives a list
+        if not all(isinstance(k, str) and k for k in self.api_keys):
+            raise ConfigError(f"{where}: every api key must be a non-empty string")
+        if len(set(self.api_keys)) != len(self.api_keys):
+            raise ConfigError(f"{where}: an api key is listed twice")
+        if not (self.rate_tokens_per_s > 0 and math.isfinite(self.rate_tokens_per_s)):
+            raise ConfigError(f"{where}: rate_tokens_per_s must be > 0, got {self.rate_tokens_per_s}")
+        if self.burst_tokens < 1:
+            raise ConfigError(f"{where}: burst_tokens must be >= 1, got {self.burst_tokens}")
+        if self.max_in_flight_tokens < 1:
+            raise ConfigError(f"{where}: max_in_flight_tokens must be >= 1, got {self.max_in_flight_tokens}")
+        if self.max_queue < 0:
+            raise ConfigError(f"{where}: max_queue must be >= 0, got {self.max_queue}")
+        if not self.max_wait_s >= 0:
+            raise ConfigError(f"{where}: max_wait_s must be >= 0, got {self.max_wait_s}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ConfigError(f"{where}: max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 16:
+            raise ConfigError(f"{where}: max_model_len must be >= 16, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    enabled: bool = True
+    # Tier name -> priority (higher is more important), as pairs so the config stays hashable.
+    tiers: tuple[tuple[str, int], ...] = DEFAULT_TIERS
+    tenants: tuple[TenantConfig, ...] = (TenantConfig("default"),)
+    # Who a request without a (known) api key belongs to when auth is off.
+    default_tenant: str = "default"
+    auth: bool = False
+    # Admitted, unfinished requests across all tenants (None: decided from the engine's max_num_seqs).
+    global_max_in_flight_seqs: int | None = None
+    # None: the predictor shipped in the package (or the max_tokens fallback without one).
+    predictor_path: str | None = None
+    # Size classes: short when prompt and predicted output are both under the short
+    # limits, long when either reaches the long limits, else medium.
+    short_max_prompt_tokens: int = 512
+    short_max_output_tokens: int = 256
+    long_min_prompt_tokens: int = 1536
+    long_min_output_tokens: int = 512
+    # Wall-clock budget of one sequence from arrival (None: none); past it the sequence
+    # finishes with finish_reason "length".
+    max_wall_s: float | None = None
+    # Append one JSON record per finished request (features + actual tokens) here, for
+    # retraining; the file is rotated to <path>.1 after record_log_max_lines lines.
+    record_log_path: str | None = None
+    record_log_max_lines: int = 100_000
+    # Virtual token counter charge per prompt and per output token (fair sharing across tenants).
+    prompt_weight: float = 1.0
+    output_weight: float = 2.0
+
+    def __post_init__(self) -> None:
+        # A TOML file gives a table for tiers and a list of tables for tenants.
+        tiers = self.tiers.items() if isinstance(self.tiers, Mapping) else self.tiers
+        object.__setattr__(self, "tiers", tuple(tuple(pair) for pair in tiers))
+        object.__setattr__(self, "tenants", tuple(self._tenant(t) for t in self.tenants))
+
+        if not all(len(pair) == 2 for pair in self.tiers):
+            raise ConfigError(f"admission.tiers must be (name, priority) pairs, got {self.tiers!r}")
+        names = [name for name, _ in self.tiers]
+        if not names:
+            raise ConfigError("admission.tiers must name at least one tier")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"admission.tiers: a tier is named twice in {names}")
+        for name, prio in self.tiers:
+            if not isinstance(name, str) or not name or not isinstance(prio, int) or isinstance(prio, bool):
+                raise ConfigError(f"admission.tiers: {name!r} = {prio!r} must map a name to an integer priority")
+
+        if not self.tenants:
+            raise ConfigError("admission.tenants must list at least one tenant")
+        seen: set[str] = set()
+        key_owner: dict[str, str] = {}
+        for tenant in self.tenants:
+            if tenant.name in seen:
+                raise ConfigError(f"admission.tenants: tenant {tenant.name!r} is defined twice")
+            seen.add(tenant.name)
+            if tenant.tier not in names:
+                raise ConfigError(f"tenant {tenant.name!r}: unknown tier {tenant.tier!r} (tiers: {', '.join(names)})")
+            for key in tenant.api_keys:
+                if key in key_owner:  # never echo the key itself
+                    raise ConfigError(
+                        f"tenant {tenant.name!r}: an api key is already used by tenant {key_owner[key]!r}")
+                key_owner[key] = tenant.name
+        if self.default_tenant not in seen:
+            raise ConfigError(f"admission.default_tenant {self.default_tenant!r} is not one of the tenants "
+                              f"({', '.join(sorted(seen))})")
+        if self.auth and not key_owner:
+            raise ConfigError("admission.auth is on but no tenant has api_keys: every request would be refused")
+        if self.global_max_in_flight_seqs is not None and self.global_max_in_flight_seqs < 1:
+            raise ConfigError(f"admission.global_max_in_flight_seqs must be >= 1, got {self.global_max_in_flight_seqs}")
+        if self.max_wall_s is not None and not self.max_wall_s > 0:
+            raise ConfigError(f"admission.max_wall_s must be > 0, got {self.max_wall_s}")
+        if self.record_log_max_lines < 1:
+            raise ConfigError("admission.record_log_max_lines must be >= 1")
+        if not (self.prompt_weight >= 0 and self.output_weight >= 0 and self.prompt_weight + self.output_weight > 0):
+            raise ConfigError("admission.prompt_weight and output_weight must be >= 0 and not both 0, "
+                              f"got {self.prompt_weight} and {self.output_weight}")
+
+    @staticmethod
+    def _tenant(item: TenantConfig | Mapping) -> TenantConfig:
+        if isinstance(item, TenantConfig):
+            return item
+        if isinstance(item, Mapping):
+            return TenantConfig(**item)
+        raise ConfigError(f"admission.tenants: each tenant must be a table, got {item!r}")
+
+    def priority(self, tier: str) -> int:
+        for name, prio in self.tiers:
+            if name == tier:
+                return prio
+        raise ConfigError(f"unknown tier {tier!r} (tiers: {', '.join(name for name, _ in self.tiers)})")
+
+    def tenant(self, name: str) -> TenantConfig:
+        for tenant in self.tenants:
+            if tenant.name == name:
+                return tenant
+        raise KeyError(name)
+
+
 @dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     # "auto" picks by what is installed and the device present; or torch/flash_attn/xformers.
     attention_backend: str = "auto"
     seed: int = 0

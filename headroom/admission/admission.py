@@ -1,0 +1,244 @@
+"""The admission decision: admit a request now, make it wait, or reject it.
+
+A request costs tokens (prompt + expected output). It is admitted when its tenant's
+bucket allows the cost (tenants.py), a global slot is free (at most
+`max_in_flight_seqs` admitted, unsettled requests across all tenants) and nobody of its
+own tenant waits ahead of it. Otherwise it waits in its tenant's bounded FIFO queue
+until `pump()` admits it; pump runs on every settle, on every acquire and on a timer
+(for refill and expiry) and hands free slots to tenants in virtual-token-counter order
+(fair_queue.py). A request is rejected when its tenant's queue is full, when its cost
+can never fit the tenant's in-flight cap, when it has waited too long, or on shutdown.
+
+Every admitted request holds a Ticket that must be settled exactly once with the real
+token counts; settling is idempotent, so finish, abort and error paths may all call it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from headroom.admission.fair_queue import FairQueue
+from headroom.admission.tenants import BUSY_RETRY_AFTER_S, Tenant, TenantRegistry, Waiter
+from headroom.config import AdmissionConfig
+
+
+class Rejected(Exception):
+    """`code` is one of too_large, queue_full, timeout, shutting_down; `retry_after_s`
+    is a hint for Retry-After (None: retrying the same request will not help)."""
+
+    def __init__(self, reason: str, retry_after_s: float | None = None, code: str = "rejected"):
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+        self.code = code
+
+
+@dataclass
+class Ticket:
+    tenant: str
+    cost: int
+    decision: str  # "admit" (at once) or "wait" (admitted after queueing)
+    queued_s: float
+    priority: int  # the tenant's tier priority, for the engine's Request.priority
+    # The part of `cost` charged to the fair-share counter at prompt weight; the rest
+    # was charged at output weight until settle corrects it.
+    prompt_tokens: int = 0
+    settled: bool = False
+
+
+@dataclass
+class AdmissionStats:
+    decisions: dict[str, int]  # admit / wait / reject (a waiter that then expires counts twice)
+    rejections: dict[str, int]  # by Rejected.code
+    waiting: dict[str, int]  # per tenant
+    in_flight_tokens: dict[str, int]  # reserved, per tenant
+    in_flight_seqs: int
+
+
+class Admission:
+    def __init__(self, config: AdmissionConfig, registry: TenantRegistry | None = None, *,
+                 max_in_flight_seqs: int | None = None, now: Callable[[], float] = time.monotonic,
+                 tick_s: float = 0.05):
+        """max_in_flight_seqs: the global limit (default config.global_max_in_flight_seqs;
+        both None: no global limit). tick_s: the refill/expiry timer period."""
+        self.config = config
+        self.registry = registry if registry is not None else TenantRegistry(config, now)
+        self.fair = FairQueue(config.prompt_weight, config.output_weight)
+        if max_in_flight_seqs is None:
+            max_in_flight_seqs = config.global_max_in_flight_seqs
+        self.max_in_flight_seqs = max_in_flight_seqs
+        self.in_flight_seqs = 0
+        self.decisions: Counter[str] = Counter()
+        self.rejections: Counter[str] = Counter()
+        self._now = now
+        self._tick_s = tick_s
+        self._wake = asyncio.Event()
+        self._timer: asyncio.Task | None = None
+        self._closed = False
+
+    # --- the decision -------------------------------------------------------------
+
+    async def acquire(self, tenant: Tenant, cost: int, deadline_s: float | None = None, *,
+                      prompt_tokens: int = 0) -> Ticket:
+        """Admit `cost` tokens for `tenant`, waiting if need be. deadline_s: the most this
+        request may wait, in seconds from now (the tenant's max_wait_s still caps it).
+        prompt_tokens: how much of cost is prompt, for the fair-share estimate.
+        Raises Rejected; on cancellation the request leaves no trace."""
+        if cost < 0 or not 0 <= prompt_tokens <= cost:
+            raise ValueError(f"need 0 <= prompt_tokens <= cost, got {prompt_tokens} and {cost}")
+        if self._closed:
+            raise self._reject(Rejected("server is shutting down", None, "shutting_down"))
+        if not tenant.bucket.fits_ever(cost):
+            raise self._reject(Rejected(
+                f"request needs {cost} tokens but tenant {tenant.name!r} may have at most "
+                f"{tenant.bucket.max_in_flight_tokens} in flight; it can never be admitted", None, "too_large"))
+        self.pump()  # refill may already have let waiters in; they go first
+        if not tenant.queue:
+            self.fair.lift(tenant, self.registry)
+            # After pump, a free slot means no waiter of any tenant can use it now, so
+            # taking it jumps nobody.
+            if self._slot_free() and tenant.bucket.can_admit(cost):
+                self.decisions["admit"] += 1
+                return self._grant(tenant, cost, prompt_tokens, "admit", 0.0)
+        max_wait = tenant.config.max_wait_s if deadline_s is None else min(deadline_s, tenant.config.max_wait_s)
+        if max_wait <= 0:
+            raise self._reject(Rejected(f"tenant {tenant.name!r}: cannot admit now and the request may not wait",
+                                        self._retry_after(tenant, cost), "timeout"))
+        if len(tenant.queue) >= tenant.config.max_queue:
+            raise self._reject(Rejected(f"tenant {tenant.name!r}: wait queue is full ({tenant.config.max_queue})",
+                                        self._retry_after(tenant, cost), "queue_full"))
+
+        now = self._now()
+        waiter = Waiter(cost, prompt_tokens, now, now + max_wait, asyncio.get_running_loop().create_future())
+        tenant.queue.append(waiter)
+        self.decisions["wait"] += 1
+        self._wake.set()
+        try:
+            return await waiter.future
+        except asyncio.CancelledError:
+            self._abandon(tenant, waiter)
+            raise
+
+    def settle(self, ticket: Ticket, prompt_tokens: int, output_tokens: int) -> None:
+        """Return the reservation, charge what was really used, free the slot, admit
+        waiters. Idempotent. For an abort, pass the tokens actually processed so far."""
+        if ticket.settled:
+            return
+        ticket.settled = True
+        tenant = self.registry.get(ticket.tenant)
+        assert tenant is not None, ticket.tenant
+        tenant.bucket.settle(ticket.cost, prompt_tokens + output_tokens)
+        self.fair.charge(tenant, prompt_tokens - ticket.prompt_tokens,
+                         output_tokens - (ticket.cost - ticket.prompt_tokens))
+        self.in_flight_seqs -= 1
+        self.pump()
+
+    def pump(self) -> None:
+        """Fill free slots from the queues in fair order, then reject expired waiters
+        (admitting first: a request that can run now is not failed for a late tick).
+        Runs on settle, acquire and the timer; call it after live limit updates too."""
+        now = self._now()
+        for tenant in self.registry:
+            self._prune(tenant, None)
+        while self._slot_free():
+            tenant = self.fair.next_tenant(self.registry)
+            if tenant is None:
+                break
+            waiter = tenant.queue.popleft()
+            ticket = self._grant(tenant, waiter.cost, waiter.prompt_tokens, "wait", now - waiter.enqueued_at)
+            waiter.future.set_result(ticket)
+        for tenant in self.registry:
+            self._prune(tenant, now)
+
+    # --- lifecycle ----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the refill timer; call from the running event loop."""
+        if self._timer is None:
+            self._closed = False
+            self._timer = asyncio.get_running_loop().create_task(self._tick(), name="admission-timer")
+
+    async def close(self) -> None:
+        """Stop the timer and reject every waiter; later acquires are rejected too.
+        Tickets already granted may still be settled."""
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._timer
+            self._timer = None
+        for tenant in self.registry:
+            while tenant.queue:
+                waiter = tenant.queue.popleft()
+                if not waiter.future.done():
+                    waiter.future.set_exception(
+                        self._reject(Rejected("server is shutting down", None, "shutting_down")))
+
+    async def _tick(self) -> None:
+        while True:
+            await self._wake.wait()
+            await asyncio.sleep(self._tick_s)
+            self.pump()
+            if not any(t.queue for t in self.registry):
+                self._wake.clear()
+
+    def stats(self) -> AdmissionStats:
+        return AdmissionStats(
+            decisions=dict(self.decisions), rejections=dict(self.rejections),
+            waiting={t.name: len(t.queue) for t in self.registry},
+            in_flight_tokens={t.name: t.bucket.in_flight for t in self.registry},
+            in_flight_seqs=self.in_flight_seqs)
+
+    # --- internals ----------------------------------------------------------------
+
+    def _slot_free(self) -> bool:
+        return self.max_in_flight_seqs is None or self.in_flight_seqs < self.max_in_flight_seqs
+
+    def _grant(self, tenant: Tenant, cost: int, prompt_tokens: int, decision: str, queued_s: float) -> Ticket:
+        tenant.bucket.reserve(cost)
+        self.in_flight_seqs += 1
+        self.fair.charge(tenant, prompt_tokens, cost - prompt_tokens)
+        if not tenant.queue:
+            self.fair.drained(tenant)
+        return Ticket(tenant.name, cost, decision, queued_s, tenant.priority, prompt_tokens)
+
+    def _prune(self, tenant: Tenant, now: float | None) -> None:
+        """Drop cancelled waiters and, given the time, reject expired ones."""
+        if not tenant.queue:
+            return
+        keep = []
+        for waiter in tenant.queue:
+            if waiter.future.done():  # cancelled; its task has not run its cleanup yet
+                continue
+            if now is not None and now >= waiter.expires_at:
+                waiter.future.set_exception(self._reject(Rejected(
+                    f"tenant {tenant.name!r}: not admitted within {waiter.expires_at - waiter.enqueued_at:g}s",
+                    self._retry_after(tenant, waiter.cost), "timeout")))
+                continue
+            keep.append(waiter)
+        if len(keep) != len(tenant.queue):
+            tenant.queue.clear()
+            tenant.queue.extend(keep)
+
+    def _abandon(self, tenant: Tenant, waiter: Waiter) -> None:
+        future = waiter.future
+        if future.done() and not future.cancelled():
+            if future.exception() is None:  # admitted just before the cancel landed
+                self.settle(future.result(), 0, 0)
+            return
+        with contextlib.suppress(ValueError):
+            tenant.queue.remove(waiter)
+        self.pump()  # the head may have been what held the others back
+
+    def _retry_after(self, tenant: Tenant, cost: int) -> float:
+        return max(tenant.bucket.retry_after_s(cost), BUSY_RETRY_AFTER_S)
+
+    def _reject(self, rejected: Rejected) -> Rejected:
+        self.decisions["reject"] += 1
+        self.rejections[rejected.code] += 1
+        return rejected

@@ -1,0 +1,54 @@
+"""Fair order across tenants by virtual token counters (VTC; Sheng et al., "Fairness
+in Serving Large Language Models", OSDI'24).
+
+Each tenant's counter (`Tenant.vtc`) grows with the weighted tokens it is served:
+prompt_weight * prompt + output_weight * output. The next request to admit comes from
+the backlogged tenant with the smallest counter, so heavy users wait behind light ones.
+A tenant that arrives with nothing queued has its counter lifted to the smallest
+counter among backlogged tenants (or, with none backlogged, to that of the tenant most
+recently admitted with nothing queued behind it: VTC's "last client to leave the
+queue"), so time spent idle does not bank credit.
+
+When to charge is the caller's choice; `Admission` charges an estimate on admission
+and the difference to the real token counts on settle (VTC with length prediction), so
+a tenant's counter moves as soon as it takes a slot, not only when requests finish.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from headroom.admission.tenants import Tenant
+
+
+class FairQueue:
+    def __init__(self, prompt_weight: float = 1.0, output_weight: float = 2.0):
+        self.prompt_weight = prompt_weight
+        self.output_weight = output_weight
+        self._last_drained: Tenant | None = None
+
+    def charge(self, tenant: Tenant, prompt_tokens: float, output_tokens: float) -> None:
+        """Add weighted service; negative counts correct an earlier estimate."""
+        tenant.vtc += self.prompt_weight * prompt_tokens + self.output_weight * output_tokens
+
+    def lift(self, tenant: Tenant, tenants: Iterable[Tenant]) -> None:
+        """Call when `tenant` gets a request while it has nothing queued."""
+        backlogged = [t.vtc for t in tenants if t.queue and t is not tenant]
+        if backlogged:
+            tenant.vtc = max(tenant.vtc, min(backlogged))
+        elif self._last_drained is not None:
+            tenant.vtc = max(tenant.vtc, self._last_drained.vtc)
+
+    def drained(self, tenant: Tenant) -> None:
+        """Call when `tenant` was admitted and has nothing left queued."""
+        self._last_drained = tenant
+
+    def next_tenant(self, candidates: Iterable[Tenant]) -> Tenant | None:
+        """The tenant to admit from next: smallest counter among those whose queue head
+        its own bucket would admit now (ties by name). Tenants held back by their own
+        limits are skipped, so spare capacity still goes to someone (work-conserving)."""
+        best: Tenant | None = None
+        for t in candidates:
+            if t.head_admissible() and (best is None or (t.vtc, t.name) < (best.vtc, best.name)):
+                best = t
+        return best

@@ -1,0 +1,183 @@
+"""Tenants as admission sees them: a token bucket per tenant (rate, burst and a cap on
+reserved in-flight tokens), the tenant's wait queue and fair-share counter, and the
+registry that finds a tenant by API key or name and takes live limit updates.
+
+All times come from an injectable clock, so tests drive the buckets without sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import hmac
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from headroom.config import AdmissionConfig, TenantConfig
+
+# Retry hint when a request is held back by something other than the refill rate
+# (the tenant's in-flight cap, the global limit): that frees up as requests finish.
+BUSY_RETRY_AFTER_S = 1.0
+
+
+def _digest(api_key: str) -> bytes:
+    return hashlib.sha256(api_key.encode()).digest()
+
+
+class TenantBucket:
+    """Tokens refill continuously at `rate` up to `burst`. A request reserves its cost
+    on admission and settles it when done: the unused part comes back, overuse is
+    charged, so the level can go negative (debt) and must refill before the next one."""
+
+    def __init__(self, rate_tokens_per_s: float, burst_tokens: int, max_in_flight_tokens: int,
+                 now: Callable[[], float] = time.monotonic):
+        self._now = now
+        self.rate = rate_tokens_per_s
+        self.burst = burst_tokens
+        self.max_in_flight_tokens = max_in_flight_tokens
+        self._level = float(burst_tokens)
+        self._in_flight = 0
+        self._stamp = now()
+
+    def _refill(self) -> None:
+        t = self._now()
+        if t > self._stamp:
+            self._level = min(self.burst, self._level + (t - self._stamp) * self.rate)
+            self._stamp = t
+
+    @property
+    def level(self) -> float:
+        self._refill()
+        return self._level
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def fits_ever(self, cost: int) -> bool:
+        return cost <= self.max_in_flight_tokens
+
+    def can_admit(self, cost: int) -> bool:
+        # A request bigger than the burst goes when the bucket is full and leaves a debt.
+        return self.level >= min(cost, self.burst) and self._in_flight + cost <= self.max_in_flight_tokens
+
+    def reserve(self, cost: int) -> None:
+        self._refill()
+        self._level -= cost
+        self._in_flight += cost
+
+    def settle(self, reserved: int, actual: int) -> None:
+        self._refill()
+        self._in_flight -= reserved
+        self._level = min(self.burst, self._level + reserved - actual)
+
+    def retry_after_s(self, cost: int) -> float:
+        """Seconds until `cost` could be admitted as far as this bucket knows: the refill
+        time, at least BUSY_RETRY_AFTER_S when the in-flight cap blocks, inf if never."""
+        if not self.fits_ever(cost):
+            return math.inf
+        wait = max(0.0, (min(cost, self.burst) - self.level) / self.rate)
+        if self._in_flight + cost > self.max_in_flight_tokens:
+            wait = max(wait, BUSY_RETRY_AFTER_S)
+        return wait
+
+    def configure(self, rate_tokens_per_s: float, burst_tokens: int, max_in_flight_tokens: int) -> None:
+        self._refill()  # what accrued so far accrued at the old rate
+        self.rate = rate_tokens_per_s
+        self.burst = burst_tokens
+        self.max_in_flight_tokens = max_in_flight_tokens
+        self._level = min(self._level, burst_tokens)
+
+
+@dataclass(eq=False)
+class Waiter:
+    """One request waiting in its tenant's queue; `future` gets its Ticket or Rejected."""
+
+    cost: int
+    prompt_tokens: int
+    enqueued_at: float
+    expires_at: float
+    future: asyncio.Future
+
+
+@dataclass(eq=False)
+class Tenant:
+    config: TenantConfig
+    bucket: TenantBucket
+    priority: int
+    # Virtual token counter: weighted service received (see fair_queue.py).
+    vtc: float = 0.0
+    queue: deque[Waiter] = field(default_factory=deque)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def head_admissible(self) -> bool:
+        return bool(self.queue) and self.bucket.can_admit(self.queue[0].cost)
+
+
+class TenantRegistry:
+    """The live tenants. Built from AdmissionConfig; after that, updates made here are the
+    truth (the frozen config keeps the start-up values)."""
+
+    def __init__(self, config: AdmissionConfig, now: Callable[[], float] = time.monotonic):
+        self.config = config
+        self._tenants: dict[str, Tenant] = {}
+        self._keys: list[tuple[bytes, Tenant]] = []
+        for tc in config.tenants:
+            bucket = TenantBucket(tc.rate_tokens_per_s, tc.burst_tokens, tc.max_in_flight_tokens, now)
+            tenant = Tenant(tc, bucket, config.priority(tc.tier))
+            self._tenants[tc.name] = tenant
+            self._keys.extend((_digest(key), tenant) for key in tc.api_keys)
+
+    def __iter__(self) -> Iterator[Tenant]:
+        return iter(self._tenants.values())
+
+    def __len__(self) -> int:
+        return len(self._tenants)
+
+    def get(self, name: str) -> Tenant | None:
+        return self._tenants.get(name)
+
+    @property
+    def default(self) -> Tenant:
+        return self._tenants[self.config.default_tenant]
+
+    def by_api_key(self, api_key: str) -> Tenant | None:
+        # Compare equal-length digests against every key, without stopping at a match, so
+        # timing says nothing about which keys exist or how long they are.
+        given = _digest(api_key)
+        found = None
+        for key, tenant in self._keys:
+            if hmac.compare_digest(key, given):
+                found = tenant
+        return found
+
+    def resolve(self, api_key: str | None) -> Tenant | None:
+        """The tenant a request belongs to; None means unauthorised (auth on, key unknown)."""
+        tenant = self.by_api_key(api_key) if api_key else None
+        if tenant is None and not self.config.auth:
+            return self.default
+        return tenant
+
+    def update(self, name: str, *, tier: str | None = None, rate_tokens_per_s: float | None = None,
+               burst_tokens: int | None = None, max_in_flight_tokens: int | None = None) -> Tenant:
+        """Change a tenant's limits in place; waiting and in-flight requests keep their
+        reservations. Raises KeyError for an unknown tenant, ConfigError for bad values.
+        Call Admission.pump() afterwards so raised limits admit waiters at once."""
+        tenant = self._tenants[name]
+        changes = {k: v for k, v in (("tier", tier), ("rate_tokens_per_s", rate_tokens_per_s),
+                                     ("burst_tokens", burst_tokens),
+                                     ("max_in_flight_tokens", max_in_flight_tokens)) if v is not None}
+        new = dataclasses.replace(tenant.config, **changes)  # validates
+        priority = self.config.priority(new.tier)
+        tenant.bucket.configure(new.rate_tokens_per_s, new.burst_tokens, new.max_in_flight_tokens)
+        tenant.config = new
+        tenant.priority = priority
+        return tenant
+
