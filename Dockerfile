@@ -2,7 +2,7 @@
 FROM python:3.11-slim
 
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
-RUN apt-get update && apt-get install -y --no-install-recommends make && rm -rf /var/lib/apt/lists/*
+RUN apt-get update && apt-get install -y --no-install-recommends make libgomp1 && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/headroom
 
 # CPU-only torch from PyTorch's CPU index keeps the image free of CUDA libraries.

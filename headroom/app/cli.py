@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import queue
 import sys
 import tomllib
 
-from headroom.config import CacheConfig, Config, ConfigError, ModelConfig, SchedulerConfig, ServerConfig
+from headroom.config import (AdmissionConfig, CacheConfig, Config, ConfigError, ModelConfig, SchedulerConfig,
+                             ServerConfig)
 from headroom.runtime.engine import Engine, RequestOutput
 from headroom.runtime.request import SamplingParams
 
@@ -36,8 +38,16 @@ _FLAGS = {
     "drain_timeout": ("server", "drain_timeout_s"),
     "attention_backend": (None, "attention_backend"),
     "seed": (None, "seed"),
+    "admission": ("admission", "enabled"),
 }
-_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "server": ServerConfig}
+_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "server": ServerConfig,
+             "admission": AdmissionConfig}
+
+
+def _on_off(value: str) -> bool:
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
+    return value == "on"
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -124,6 +134,50 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_predictor_calibrate(ns: argparse.Namespace) -> int:
+    from headroom.admission.calibrate import calibrate
+
+    with open(ns.prompts, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if ns.limit:
+        rows = rows[: ns.limit]
+    config = build_config(ns)
+    engine = Engine(dataclasses.replace(
+        config, scheduler=dataclasses.replace(config.scheduler, max_num_seqs=ns.concurrency)))
+    n = calibrate(engine, rows, ns.out, default_max_tokens=ns.max_tokens, concurrency=ns.concurrency)
+    print(f"calibrate: wrote {n} records to {ns.out}", file=sys.stderr)
+    return 0
+
+
+def cmd_predictor_train(ns: argparse.Namespace) -> int:
+    from headroom.admission.train import format_metrics, load_records, train
+
+    try:
+        metrics = train(load_records(ns.data), ns.out, seed=ns.seed)
+    except ValueError as exc:  # too few records
+        print(f"headroom: {exc}", file=sys.stderr)
+        return 2
+    print(format_metrics(metrics))
+    print(f"\npredictor saved to {ns.out}", file=sys.stderr)
+    return 0
+
+
+def cmd_predictor_eval(ns: argparse.Namespace) -> int:
+    from headroom.admission.predictor import load_predictor
+    from headroom.admission.train import evaluate, format_metrics, load_records
+
+    records = load_records(ns.data)
+    if not ns.all_rows and any(r.get("split") == "test" for r in records):
+        records = [r for r in records if r.get("split") == "test"]
+    try:
+        predictor = load_predictor(ns.predictor)
+    except ValueError as exc:  # trained for another feature version
+        print(f"headroom: {exc}", file=sys.stderr)
+        return 2
+    print(format_metrics(evaluate(predictor, records)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="headroom", description="headroom LLM inference server")
     parser.add_argument("--log-level", default="INFO")
@@ -135,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--max-body-bytes", type=int)
     srv.add_argument("--max-queue-len", type=int)
     srv.add_argument("--drain-timeout", type=float, help="seconds streams may run on after SIGTERM")
+    srv.add_argument("--admission", type=_on_off, metavar="on|off", help="per-tenant admission control")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
@@ -148,6 +203,27 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    pred = sub.add_parser("predictor", help="train, evaluate and calibrate the output-length predictor")
+    pred_sub = pred.add_subparsers(dest="predictor_command", required=True)
+    cal = pred_sub.add_parser("calibrate", help="label prompts with the served model's real output lengths")
+    cal.add_argument("--prompts", required=True, help="JSONL with prompt or messages (+ max_tokens, temperature, seed)")
+    cal.add_argument("--out", required=True, help="JSONL to append labelled records to")
+    cal.add_argument("--max-tokens", type=int, default=512, help="cap for rows without their own max_tokens")
+    cal.add_argument("--concurrency", type=int, default=64)
+    cal.add_argument("--limit", type=int, default=None)
+    add_engine_args(cal)
+    cal.set_defaults(func=cmd_predictor_calibrate)
+    trn = pred_sub.add_parser("train", help="fit the predictor on calibration records; print held-out metrics")
+    trn.add_argument("--data", required=True, help="calibration JSONL (split=train rows fit, split=test rows score)")
+    trn.add_argument("--out", required=True, help="directory for the model files and meta.json")
+    trn.add_argument("--seed", type=int, default=0)
+    trn.set_defaults(func=cmd_predictor_train)
+    evl = pred_sub.add_parser("eval", help="score a trained predictor on calibration records")
+    evl.add_argument("--data", required=True, help="calibration JSONL; only split=test rows when it has any")
+    evl.add_argument("--predictor", default=None, help="model directory (default: the packaged one)")
+    evl.add_argument("--all-rows", action="store_true", help="score every row, not only split=test")
+    evl.set_defaults(func=cmd_predictor_eval)
 
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
