@@ -9,8 +9,6 @@ import logging
 from aiohttp import web
 from pydantic import ValidationError
 
-from headroom.app import keys
-
 log = logging.getLogger("headroom.api")
 
 
@@ -91,9 +89,8 @@ async def error_middleware(request: web.Request, handler):
         return error_response(err)
     except web.HTTPRequestEntityTooLarge as exc:
         log.info("body too large: %s %s", request.method, request.path)
-        limit = request.app[keys.CONFIG].server.max_body_bytes
-        return error_response(TooLarge(f"request body exceeds the limit of {limit} bytes",
-                                       code="request_too_large"))
+        # aiohttp's text names the limit: "Maximum request body size N exceeded."
+        return error_response(TooLarge(f"request body too large: {exc.text}", code="request_too_large"))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

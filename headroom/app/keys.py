@@ -7,11 +7,13 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from headroom.app.admission_gate import AdmissionGate
 from headroom.app.engine_client import AsyncEngine
 from headroom.config import Config
 
 CONFIG = web.AppKey("config", Config)
 ENGINE = web.AppKey("engine", AsyncEngine)
+GATE = web.AppKey("gate", AdmissionGate)
 OPENAPI = web.AppKey("openapi", dict)
 
 

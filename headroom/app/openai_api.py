@@ -9,6 +9,7 @@ import uuid
 
 from aiohttp import web
 
+from headroom.admission.tenants import Tenant
 from headroom.app import keys
 from headroom.app.errors import APIError, BadRequest, Conflict, NotFound, QueueFull, Unavailable, error_body
 from headroom.app.formats import ChatFormat, CompletionFormat, ResponseFormat, Usage
@@ -41,20 +42,24 @@ def check_model(request: web.Request, name: str | None) -> str:
 
 
 def build_request(request: web.Request, rid: str, body: SamplingFields, prompt_ids: list[int],
-                  max_tokens: int | None, logprobs: int | None) -> Request:
+                  max_tokens: int | None, logprobs: int | None, tenant: Tenant) -> Request:
     client = request.app[keys.ENGINE]
     engine = client.engine
     if client.is_in_flight(rid):
         raise Conflict(f"request id {rid!r} is already in flight", param="X-Request-Id",
                        code="duplicate_request_id")
-    room = engine.max_model_len - len(prompt_ids)
+    # The tenant's own limits, where set, are hard caps below the server's.
+    max_len = min(engine.max_model_len, tenant.config.max_model_len or engine.max_model_len)
+    room = max_len - len(prompt_ids)
     if max_tokens is None:
         if room < 1:
             raise BadRequest(
-                f"This model's maximum context length is {engine.max_model_len} tokens. However, your "
+                f"This model's maximum context length is {max_len} tokens. However, your "
                 f"prompt has {len(prompt_ids)} tokens, leaving no room for completion tokens.",
                 param="messages", code="context_length_exceeded")
         max_tokens = room
+    if tenant.config.max_tokens is not None:
+        max_tokens = min(max_tokens, tenant.config.max_tokens)
     try:
         sampling = SamplingParams(
             max_tokens=max_tokens,
@@ -69,31 +74,35 @@ def build_request(request: web.Request, rid: str, body: SamplingFields, prompt_i
         )
     except ValueError as exc:
         raise BadRequest(str(exc)) from None
-    if len(prompt_ids) + max_tokens > engine.max_model_len:
+    if len(prompt_ids) + max_tokens > max_len:
         raise BadRequest(
-            f"This model's maximum context length is {engine.max_model_len} tokens. However, you requested "
+            f"This model's maximum context length is {max_len} tokens. However, you requested "
             f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the "
             "completion). Please reduce the prompt or max_tokens.",
             param="max_tokens", code="context_length_exceeded")
     try:
-        return engine.new_request(prompt_ids, sampling, request_id=rid, priority=body.priority)
+        # vLLM's convention: a lower `priority` value is served earlier.
+        return engine.new_request(prompt_ids, sampling, request_id=rid, priority=-body.priority)
     except ValueError as exc:
         raise BadRequest(str(exc), code="invalid_value") from None
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
+    tenant = request.app[keys.GATE].tenant(request)
     check_accepting(request)
     body = CompletionRequest.model_validate_json(await request.read())
     model = check_model(request, body.model)
     tokenizer = request.app[keys.ENGINE].engine.tokenizer
     prompt_ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
     rid = f"cmpl-{base_request_id(request)}"
-    engine_request = build_request(request, rid, body, prompt_ids, body.max_tokens, body.logprobs)
+    engine_request = build_request(request, rid, body, prompt_ids, body.max_tokens, body.logprobs, tenant)
     fmt = CompletionFormat(rid, int(time.time()), model, _token_text(tokenizer), body.include_usage)
-    return await respond(request, engine_request, fmt, body.stream)
+    text = body.prompt if isinstance(body.prompt, str) else ""
+    return await respond(request, engine_request, fmt, body.stream, tenant, [{"role": "user", "content": text}])
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    tenant = request.app[keys.GATE].tenant(request)
     check_accepting(request)
     body = ChatCompletionRequest.model_validate_json(await request.read())
     model = check_model(request, body.model)
@@ -106,9 +115,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise BadRequest(f"messages: {exc}", param="messages") from None
     rid = f"chatcmpl-{base_request_id(request)}"
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    engine_request = build_request(request, rid, body, prompt_ids, body.requested_max_tokens, logprobs)
+    engine_request = build_request(request, rid, body, prompt_ids, body.requested_max_tokens, logprobs, tenant)
     fmt = ChatFormat(rid, int(time.time()), model, _token_text(tokenizer), body.include_usage)
-    return await respond(request, engine_request, fmt, body.stream)
+    return await respond(request, engine_request, fmt, body.stream, tenant, messages)
 
 
 def _token_text(tokenizer):
@@ -119,10 +128,23 @@ def _usage(r: Request) -> Usage:
     return Usage(r.num_prompt_tokens, r.num_output_tokens, r.num_cached_tokens)
 
 
-async def respond(request: web.Request, engine_request: Request, fmt: ResponseFormat,
-                  stream: bool) -> web.StreamResponse:
-    if request.transport is None or request.transport.is_closing():
-        raise web.HTTPBadRequest(reason="Client Closed Request")  # gone before admission: never runs
+async def respond(request: web.Request, engine_request: Request, fmt: ResponseFormat, stream: bool,
+                  tenant: Tenant, messages: list[dict]) -> web.StreamResponse:
+    gate = request.app[keys.GATE]
+    admitted = await gate.admit(tenant, engine_request, messages)
+    finish_reason: str | None = None
+    try:
+        if request.transport is None or request.transport.is_closing():
+            raise web.HTTPBadRequest(reason="Client Closed Request")  # gone before it ran: never runs
+        response = await _run(request, engine_request, fmt, stream)
+        finish_reason = engine_request.status.finish_reason
+        return response
+    finally:
+        gate.settle(admitted, engine_request, finish_reason)
+
+
+async def _run(request: web.Request, engine_request: Request, fmt: ResponseFormat,
+               stream: bool) -> web.StreamResponse:
     client = request.app[keys.ENGINE]
     headers = {"X-Request-Id": engine_request.request_id}
     outputs = client.generate(engine_request)

@@ -11,6 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 from aiohttp import web
 
 from headroom.app import keys
+from headroom.app.admission_gate import AdmissionGate
 from headroom.app.engine_client import AsyncEngine
 from headroom.app.errors import error_body, error_middleware
 from headroom.app.openai_api import chat_completions, completions, list_models
@@ -52,9 +53,14 @@ def create_app(config: Config, engine: Engine) -> web.Application:
     app[keys.CONFIG] = config
     max_in_flight = config.scheduler.max_num_seqs + config.server.max_queue_len
     app[keys.ENGINE] = AsyncEngine(engine, max_in_flight)
+    # Admission holds back what the engine cannot seat soon, so that fairness across
+    # tenants decides who goes next rather than arrival order in the engine's queue.
+    admission_seats = config.admission.global_max_in_flight_seqs or config.scheduler.max_num_seqs + 8
+    app[keys.GATE] = AdmissionGate(config, admission_seats)
     app[keys.LIFECYCLE] = keys.Lifecycle()
     app[keys.OPENAPI] = build_openapi(_version())
     app.cleanup_ctx.append(_engine_thread)
+    app.cleanup_ctx.append(_admission_timer)
     setup_routes(app)
     return app
 
@@ -65,6 +71,15 @@ async def _engine_thread(app: web.Application):
     yield
     # Anything still in flight is aborted here; its stream ends with finish_reason "abort".
     await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+
+
+async def _admission_timer(app: web.Application):
+    admission = app[keys.GATE].admission
+    if admission is not None:
+        admission.start()
+    yield
+    if admission is not None:
+        await admission.close()  # waiters get 503; none is left holding a reservation
 
 
 async def drain(app: web.Application, timeout_s: float) -> None:

@@ -5,8 +5,9 @@ Order: tier priority first, then predicted-short-first with ageing (a request's 
 is its predicted output tokens minus ageing_tokens_per_s for every second it has
 waited, so nothing starves). Without predictions every rank is just minus the wait,
 which is FCFS. Victims: lowest priority, then the longest predicted remaining, then the
-newest. Long-class requests run in a lane with its own concurrency and KV share, and
-their prefill chunks are capped per step while shorter requests are present.
+newest. Long-class requests run in a lane with its own concurrency and KV share; their
+prefill pauses for a step whenever a shorter request waits to start, and is capped per
+step (more tightly the longer its context) while shorter requests run.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.request import Request
 
 LONG = "long"
+LONG_CHUNK_REFERENCE_CONTEXT = 512
+MIN_LONG_CHUNK = 8
 
 
 class SchedulingPolicy:
@@ -51,10 +54,22 @@ class SchedulingPolicy:
                 return False
         return True
 
+    def long_chunk_limit(self, context_tokens: int) -> int:
+        """A chunk's attention cost grows with the context it attends to, so past
+        LONG_CHUNK_REFERENCE_CONTEXT tokens the per-step cap shrinks in proportion: a step
+        with a long chunk then costs about the same at 2,000 tokens of context as at 500."""
+        cap = self.config.long_prefill_tokens_per_step or 0
+        if context_tokens <= LONG_CHUNK_REFERENCE_CONTEXT:
+            return cap
+        return max(MIN_LONG_CHUNK, cap * LONG_CHUNK_REFERENCE_CONTEXT // context_tokens)
+
     def long_prefill_budget(self, running: list[Request], waiting: list[Request]) -> int | None:
         """Tokens long-class prefill chunks may take this step (None: no cap)."""
         cap = self.config.long_prefill_tokens_per_step
         if cap is None:
             return None
-        others = any(r.size_class != LONG for r in running) or any(r.size_class != LONG for r in waiting)
-        return cap if others else None
+        # A shorter request waiting for its first step gets that step without any long
+        # chunk in it: its TTFT is then one short step, not a long chunk's.
+        if any(r.size_class != LONG for r in waiting):
+            return 0
+        return cap if any(r.size_class != LONG for r in running) else None

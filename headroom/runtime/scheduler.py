@@ -77,7 +77,7 @@ class Scheduler:
         def chunk(request: Request, remaining: int) -> int:
             n = min(remaining, budget)
             if long_budget is not None and request.size_class == LONG and remaining > 1:
-                n = min(n, long_budget)
+                n = min(n, long_budget, self.policy.long_chunk_limit(request.num_computed_tokens))
             return n
 
         def make_room(request: Request, num_tokens: int, computed: list[int] | None, victims: list[Request]) -> bool:

@@ -1,0 +1,122 @@
+"""Between parsing and the engine: who is asking (tenant), how long will the answer be
+(predictor -> size class), and may it run now (Admission). With admission off, only
+the tenant is resolved and the request goes straight to the engine (plain FCFS)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from headroom.admission.admission import Admission, Rejected, Ticket
+from headroom.admission.classes import ClassThresholds, classify
+from headroom.admission.features import RequestFeatures
+from headroom.admission.predictor import Prediction, load_predictor
+from headroom.admission.records import RecordLog
+from headroom.admission.tenants import Tenant, TenantRegistry
+from headroom.app.errors import APIError, BadRequest, QueueFull, Unavailable
+from headroom.config import Config
+from headroom.runtime.request import Request
+
+# Tier priority dominates; the request's own vLLM-style priority orders within a tier.
+TIER_STRIDE = 1000
+
+
+class Unauthorized(APIError):
+    status = 401
+    type = "invalid_request_error"
+
+
+@dataclass
+class Admitted:
+    tenant: Tenant
+    ticket: Ticket | None = None
+    prediction: Prediction | None = None
+    features: RequestFeatures | None = None
+    decision_s: float = 0.0  # predictor + classification time
+
+
+class AdmissionGate:
+    def __init__(self, config: Config, max_in_flight_seqs: int):
+        self.config = config.admission
+        self.registry = TenantRegistry(self.config)
+        self.enabled = self.config.enabled
+        self.admission = Admission(self.config, self.registry, max_in_flight_seqs=max_in_flight_seqs) \
+            if self.enabled else None
+        self.predictor = load_predictor(self.config.predictor_path) if self.enabled else None
+        c = self.config
+        self.thresholds = ClassThresholds(c.short_max_prompt_tokens, c.short_max_output_tokens,
+                                          c.long_min_prompt_tokens, c.long_min_output_tokens)
+        self.records = RecordLog(c.record_log_path, c.record_log_max_lines) if c.record_log_path else None
+        self.decision_times: list[float] = []  # bounded ring of recent decision costs (s)
+
+    def tenant(self, request: web.Request) -> Tenant:
+        header = request.headers.get("Authorization", "")
+        key = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else None
+        if self.config.auth:
+            tenant = self.registry.resolve(key)
+            if tenant is None:
+                raise Unauthorized("Incorrect API key provided.", code="invalid_api_key")
+            return tenant
+        tenant = self.registry.by_api_key(key) if key else None
+        if tenant is None and (name := request.headers.get("X-Tenant")):
+            tenant = self.registry.get(name)
+            if tenant is None:
+                raise BadRequest(f"unknown tenant {name!r}", param="X-Tenant", code="unknown_tenant")
+        return tenant or self.registry.default
+
+    async def admit(self, tenant: Tenant, engine_request: Request, messages: list[dict]) -> Admitted:
+        """Predict, classify and wait for admission; sets the request's admission fields.
+        Raises an APIError (429 with Retry-After, 400, 503) when it may not run."""
+        admitted = Admitted(tenant)
+        engine_request.tenant = tenant.name
+        if self.admission is None or self.predictor is None:
+            return admitted
+        started = time.perf_counter()
+        sampling = engine_request.sampling
+        features = RequestFeatures.from_messages(messages, engine_request.num_prompt_tokens, sampling.max_tokens,
+                                                 sampling.temperature, tenant.name)
+        prediction = self.predictor.predict(features)
+        # p50 classifies (p90 is max_tokens for most requests of a model that often runs to
+        # the cap); p90 reserves, so a bucket is never short of what may really be used.
+        size_class = classify(engine_request.num_prompt_tokens, prediction.p50, self.thresholds)
+        admitted.decision_s = time.perf_counter() - started
+        self._record_decision_time(admitted.decision_s)
+        admitted.prediction, admitted.features = prediction, features
+        cost = engine_request.num_prompt_tokens + min(sampling.max_tokens, math.ceil(prediction.p90))
+        try:
+            ticket = await self.admission.acquire(tenant, cost, prompt_tokens=engine_request.num_prompt_tokens)
+        except Rejected as exc:
+            raise _rejection_error(exc) from None
+        admitted.ticket = ticket
+        engine_request.priority += ticket.priority * TIER_STRIDE
+        engine_request.size_class = size_class.value
+        engine_request.predicted_output_tokens = prediction.p50
+        if self.config.max_wall_s is not None:
+            engine_request.deadline = engine_request.arrival_time + self.config.max_wall_s
+        return admitted
+
+    def settle(self, admitted: Admitted, engine_request: Request, finish_reason: str | None) -> None:
+        """Return the reservation with the tokens actually processed; safe to call twice."""
+        ran = engine_request.first_scheduled_time is not None
+        prompt, output = (engine_request.num_prompt_tokens, engine_request.num_output_tokens) if ran else (0, 0)
+        if admitted.ticket is not None and self.admission is not None:
+            self.admission.settle(admitted.ticket, prompt, output)
+        if self.records is not None and admitted.features is not None and finish_reason in ("stop", "length"):
+            self.records.append(admitted.features, admitted.prediction, engine_request, finish_reason)
+
+    def _record_decision_time(self, seconds: float) -> None:
+        self.decision_times.append(seconds)
+        if len(self.decision_times) > 10_000:
+            del self.decision_times[:5_000]
+
+
+def _rejection_error(exc: Rejected) -> APIError:
+    if exc.code == "too_large":
+        return BadRequest(exc.reason, code="exceeds_tenant_capacity")
+    if exc.code == "shutting_down":
+        return Unavailable(exc.reason, code="draining", headers={"Retry-After": "5"})
+    retry = max(1, math.ceil(exc.retry_after_s or 1))
+    return QueueFull(exc.reason, code=f"tenant_{exc.code}", headers={"Retry-After": str(retry)})
