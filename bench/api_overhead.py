@@ -24,7 +24,8 @@ from aiohttp import web
 
 from headroom.app.server import create_app
 from headroom.config import CacheConfig, Config, ModelConfig, SchedulerConfig
-from headroom.runtime.engine import Engine, RequestOutput
+from headroom.runtime.engine import Engine
+from headroom.runtime.outputs import RequestOutput
 from headroom.runtime.request import SamplingParams
 
 

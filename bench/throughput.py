@@ -16,7 +16,8 @@ import time
 import torch
 
 from headroom.config import CacheConfig, Config, ModelConfig, SchedulerConfig
-from headroom.runtime.engine import Engine, EngineStats
+from headroom.runtime.engine import Engine
+from headroom.runtime.outputs import EngineStats
 from headroom.runtime.request import SamplingParams
 
 

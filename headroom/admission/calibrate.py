@@ -17,7 +17,8 @@ import sys
 import time
 from collections import deque
 
-from headroom.runtime.engine import Engine, RequestOutput
+from headroom.runtime.engine import Engine
+from headroom.runtime.outputs import RequestOutput
 from headroom.runtime.request import SamplingParams
 
 

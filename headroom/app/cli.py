@@ -14,7 +14,8 @@ import tomllib
 
 from headroom.config import (AdmissionConfig, CacheConfig, Config, ConfigError, ModelConfig, SchedulerConfig,
                              ServerConfig)
-from headroom.runtime.engine import Engine, RequestOutput
+from headroom.runtime.engine import Engine
+from headroom.runtime.outputs import RequestOutput
 from headroom.runtime.request import SamplingParams
 
 # flag dest -> (config section, field)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from headroom.runtime.engine import Engine, RequestOutput
+from headroom.runtime.engine import Engine
+from headroom.runtime.outputs import RequestOutput
 from headroom.runtime.request import Request
 
 

@@ -8,68 +8,20 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-
-import torch
 
 from headroom.config import Config
 from headroom.models.loader import LoadedModel, load_model
 from headroom.runtime.attention import select_backend
 from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.detokenizer import IncrementalDetokenizer
+from headroom.runtime.device import resolve_device, resolve_dtype
 from headroom.runtime.model_runner import ModelRunner, kv_block_bytes
+from headroom.runtime.outputs import EngineStats, OutputSink, RequestOutput
 from headroom.runtime.request import Request, RequestStatus, SamplingParams
 from headroom.runtime.sampler import Sampler, TokenLogprob
 from headroom.runtime.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request (deltas, not totals)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    text: str
-    finished: bool = False
-    finish_reason: str | None = None  # stop | length | abort | error
-    stop_reason: str | int | None = None
-    logprobs: list[TokenLogprob] | None = None
-    error: str | None = None
-    request: Request | None = field(default=None, repr=False)
-
-
-OutputSink = Callable[[RequestOutput], None]
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    step_time_s: float = 0.0
-    forward_time_s: float = 0.0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    preemptions: int = 0
-    requests_started: int = 0  # requests that got their first step
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return getattr(torch, name)
-    if device.type == "cuda":
-        return torch.bfloat16
-    # bf16 matmuls are ~2x faster than fp32 where the CPU has AMX tiles, and emulated
-    # (much slower) where it has not.
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    return torch.bfloat16 if amx else torch.float32
 
 
 class Engine:

@@ -13,7 +13,6 @@ import pytest
 import httpx
 
 from headroom.app import keys
-from headroom.app import keys
 from headroom.config import CacheConfig, Config, SchedulerConfig, ServerConfig
 from headroom.runtime.engine import Engine
 from headroom.runtime.request import SamplingParams

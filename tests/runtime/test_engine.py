@@ -10,7 +10,8 @@ import time
 import pytest
 
 from headroom.config import CacheConfig, Config, ModelConfig, SchedulerConfig
-from headroom.runtime.engine import Engine, RequestOutput
+from headroom.runtime.engine import Engine
+from headroom.runtime.outputs import RequestOutput
 from headroom.runtime.request import Request, RequestStatus, SamplingParams
 
 BLOCK_SIZE = 8
