@@ -254,12 +254,32 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True)
+class PoolConfig:
+    # Another headroom instance this class of request is proxied to (None: served here).
+    url: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"pool url must start with http:// or https://, got {self.url!r}")
+
+
+@dataclass(frozen=True)
+class PoolsConfig:
+    long: PoolConfig = field(default_factory=PoolConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.long, Mapping):  # a TOML [pools.long] table
+            object.__setattr__(self, "long", PoolConfig(**self.long))
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    pools: PoolsConfig = field(default_factory=PoolsConfig)
     # "auto" picks by what is installed and the device present; or torch/flash_attn/xformers.
     attention_backend: str = "auto"
     seed: int = 0

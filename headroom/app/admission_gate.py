@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from headroom.admission.admission import Admission, Rejected, Ticket
-from headroom.admission.classes import ClassThresholds, classify
+from headroom.admission.classes import ClassThresholds, SizeClass, classify
 from headroom.admission.features import RequestFeatures
 from headroom.admission.predictor import Prediction, load_predictor
 from headroom.admission.records import RecordLog
@@ -36,11 +36,13 @@ class Admitted:
     prediction: Prediction | None = None
     features: RequestFeatures | None = None
     decision_s: float = 0.0  # predictor + classification time
+    route: str | None = None  # another instance's URL when this request is proxied there
 
 
 class AdmissionGate:
     def __init__(self, config: Config, max_in_flight_seqs: int):
         self.config = config.admission
+        self.long_pool_url = config.pools.long.url
         self.registry = TenantRegistry(self.config)
         self.enabled = self.config.enabled
         self.admission = Admission(self.config, self.registry, max_in_flight_seqs=max_in_flight_seqs) \
@@ -85,6 +87,10 @@ class AdmissionGate:
         admitted.decision_s = time.perf_counter() - started
         self._record_decision_time(admitted.decision_s)
         admitted.prediction, admitted.features = prediction, features
+        engine_request.size_class = size_class.value
+        if size_class is SizeClass.LONG and self.long_pool_url:
+            admitted.route = self.long_pool_url  # the long pool admits it by its own rules
+            return admitted
         cost = engine_request.num_prompt_tokens + min(sampling.max_tokens, math.ceil(prediction.p90))
         try:
             ticket = await self.admission.acquire(tenant, cost, prompt_tokens=engine_request.num_prompt_tokens)
@@ -92,7 +98,6 @@ class AdmissionGate:
             raise _rejection_error(exc) from None
         admitted.ticket = ticket
         engine_request.priority += ticket.priority * TIER_STRIDE
-        engine_request.size_class = size_class.value
         engine_request.predicted_output_tokens = prediction.p50
         if self.config.max_wall_s is not None:
             engine_request.deadline = engine_request.arrival_time + self.config.max_wall_s

@@ -12,8 +12,16 @@ import queue
 import sys
 import tomllib
 
-from headroom.config import (AdmissionConfig, CacheConfig, Config, ConfigError, ModelConfig, SchedulerConfig,
-                             ServerConfig)
+from headroom.config import (
+    AdmissionConfig,
+    CacheConfig,
+    Config,
+    ConfigError,
+    ModelConfig,
+    PoolsConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
 from headroom.runtime.engine import Engine
 from headroom.runtime.outputs import RequestOutput
 from headroom.runtime.request import SamplingParams
@@ -42,7 +50,7 @@ _FLAGS = {
     "admission": ("admission", "enabled"),
 }
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "server": ServerConfig,
-             "admission": AdmissionConfig}
+             "admission": AdmissionConfig, "pools": PoolsConfig}
 
 
 def _on_off(value: str) -> bool:

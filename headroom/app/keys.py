@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import aiohttp
 from aiohttp import web
 
 from headroom.app.admission_gate import AdmissionGate
@@ -14,6 +15,7 @@ from headroom.config import Config
 CONFIG = web.AppKey("config", Config)
 ENGINE = web.AppKey("engine", AsyncEngine)
 GATE = web.AppKey("gate", AdmissionGate)
+HTTP_CLIENT = web.AppKey("http_client", aiohttp.ClientSession)  # for proxying to other pools
 OPENAPI = web.AppKey("openapi", dict)
 
 

@@ -11,8 +11,17 @@ from aiohttp import web
 
 from headroom.admission.tenants import Tenant
 from headroom.app import keys
-from headroom.app.errors import APIError, BadRequest, Conflict, NotFound, QueueFull, Unavailable, error_body
+from headroom.app.errors import (
+    APIError,
+    BadRequest,
+    Conflict,
+    NotFound,
+    QueueFull,
+    Unavailable,
+    error_body,
+)
 from headroom.app.formats import ChatFormat, CompletionFormat, ResponseFormat, Usage
+from headroom.app.proxy import proxy
 from headroom.app.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from headroom.app.sse import DONE, encode_event, open_stream
 from headroom.runtime.request import Request, SamplingParams
@@ -132,6 +141,8 @@ async def respond(request: web.Request, engine_request: Request, fmt: ResponseFo
                   tenant: Tenant, messages: list[dict]) -> web.StreamResponse:
     gate = request.app[keys.GATE]
     admitted = await gate.admit(tenant, engine_request, messages)
+    if admitted.route is not None:
+        return await proxy(request, admitted.route, request.app[keys.HTTP_CLIENT])
     finish_reason: str | None = None
     try:
         if request.transport is None or request.transport.is_closing():

@@ -8,6 +8,7 @@ import logging
 import signal
 from importlib.metadata import PackageNotFoundError, version
 
+import aiohttp
 from aiohttp import web
 
 from headroom.app import keys
@@ -61,6 +62,8 @@ def create_app(config: Config, engine: Engine) -> web.Application:
     app[keys.OPENAPI] = build_openapi(_version())
     app.cleanup_ctx.append(_engine_thread)
     app.cleanup_ctx.append(_admission_timer)
+    if config.pools.long.url:
+        app.cleanup_ctx.append(_http_client)
     setup_routes(app)
     return app
 
@@ -80,6 +83,12 @@ async def _admission_timer(app: web.Application):
     yield
     if admission is not None:
         await admission.close()  # waiters get 503; none is left holding a reservation
+
+
+async def _http_client(app: web.Application):
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)) as session:
+        app[keys.HTTP_CLIENT] = session
+        yield
 
 
 async def drain(app: web.Application, timeout_s: float) -> None:
