@@ -19,10 +19,8 @@ import time
 
 import aiohttp
 import torch
-import uvloop
-from aiohttp import web
 
-from headroom.app.server import create_app
+from headroom.app.background import BackgroundServer
 from headroom.config import CacheConfig, Config, ModelConfig, SchedulerConfig
 from headroom.runtime.engine import Engine
 from headroom.runtime.outputs import RequestOutput
@@ -86,29 +84,6 @@ async def http_run(url: str, prompts: list[list[int]], output_len: int) -> tuple
     return len(prompts) * output_len / elapsed, health_ms
 
 
-class ServerThread:
-    def __init__(self, config: Config, engine: Engine):
-        self.app = create_app(config, engine)
-        self.loop = uvloop.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-
-    def start(self) -> str:
-        self.thread.start()
-        return asyncio.run_coroutine_threadsafe(self._start(), self.loop).result()
-
-    async def _start(self) -> str:
-        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        return f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--concurrency", type=int, default=32)
@@ -123,8 +98,8 @@ def main() -> None:
         scheduler=SchedulerConfig(max_num_seqs=ns.concurrency, max_num_batched_tokens=512),
     )
     engine = Engine(config)
-    server = ServerThread(config, engine)
-    url = server.start()  # also starts the engine thread (the app's cleanup_ctx)
+    server = BackgroundServer(config, engine).start()  # also starts the engine thread
+    url = server.url
     rng = random.Random(0)
     vocab = engine.loaded.args.vocab_size
 

@@ -106,11 +106,15 @@ async def drain(app: web.Application, timeout_s: float) -> None:
             await asyncio.sleep(0.02)
 
 
-async def serve(config: Config, engine: Engine) -> None:
-    app = create_app(config, engine)
+def make_runner(app: web.Application) -> web.AppRunner:
     # handler_cancellation: a client that disconnects cancels its handler, whose finally
     # aborts the sequence.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    return web.AppRunner(app, handler_cancellation=True, access_log=None)
+
+
+async def serve(config: Config, engine: Engine) -> None:
+    app = create_app(config, engine)
+    runner = make_runner(app)
     await runner.setup()
     site = web.TCPSite(runner, config.server.host, config.server.port)
     await site.start()

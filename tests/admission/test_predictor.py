@@ -16,7 +16,12 @@ from headroom.admission import features as features_module
 from headroom.admission import predictor as predictor_module
 from headroom.admission.classes import ClassThresholds, SizeClass, classify
 from headroom.admission.features import FEATURE_NAMES, HASH_BUCKETS, RequestFeatures, featurize
-from headroom.admission.predictor import FallbackPredictor, LengthPredictor, Prediction, load_predictor
+from headroom.admission.predictor import (
+    FallbackPredictor,
+    LengthPredictor,
+    Prediction,
+    load_predictor,
+)
 from headroom.admission.train import evaluate, train
 from headroom.config import ConfigError
 

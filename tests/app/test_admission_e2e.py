@@ -9,11 +9,16 @@ import httpx
 import pytest
 
 from headroom.app import keys
+from headroom.app.background import BackgroundServer
 from headroom.config import (
-    AdmissionConfig, CacheConfig, Config, SchedulerConfig, ServerConfig, TenantConfig,
+    AdmissionConfig,
+    CacheConfig,
+    Config,
+    SchedulerConfig,
+    ServerConfig,
+    TenantConfig,
 )
 from headroom.runtime.engine import Engine
-from tests.app.server_thread import ServerThread
 from tests.app.test_openai_api import wait_idle
 
 pytestmark = pytest.mark.slow
@@ -39,7 +44,7 @@ CONFIG = Config(
 
 @pytest.fixture(scope="module")
 def server(default_model):
-    srv = ServerThread(CONFIG, Engine(CONFIG, loaded=default_model)).start()
+    srv = BackgroundServer(CONFIG, Engine(CONFIG, loaded=default_model)).start()
     yield srv
     srv.stop()
 

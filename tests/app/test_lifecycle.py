@@ -15,9 +15,9 @@ import aiohttp
 import httpx
 import pytest
 
+from headroom.app.background import BackgroundServer
 from headroom.config import CacheConfig, Config, SchedulerConfig, ServerConfig
 from headroom.runtime.engine import Engine
-from tests.app.server_thread import ServerThread
 from tests.app.test_openai_api import wait_idle
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ LONG = {"prompt": "Tell me everything about the sea.", "max_tokens": 1000, "igno
 
 @pytest.fixture(scope="module")
 def small_server(default_model):
-    srv = ServerThread(SMALL, Engine(SMALL, loaded=default_model)).start()
+    srv = BackgroundServer(SMALL, Engine(SMALL, loaded=default_model)).start()
     yield srv
     srv.stop()
 

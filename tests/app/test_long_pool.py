@@ -8,9 +8,9 @@ import socket
 import httpx
 import pytest
 
+from headroom.app.background import BackgroundServer
 from headroom.config import CacheConfig, Config, PoolConfig, PoolsConfig, SchedulerConfig
 from headroom.runtime.engine import Engine
-from tests.app.server_thread import ServerThread
 
 pytestmark = pytest.mark.slow
 
@@ -26,10 +26,10 @@ def _unused_port() -> int:
 
 @pytest.fixture(scope="module")
 def pools(default_model):
-    long_pool = ServerThread(BASE, Engine(BASE, loaded=default_model)).start()
+    long_pool = BackgroundServer(BASE, Engine(BASE, loaded=default_model)).start()
     front_config = Config(cache=BASE.cache, scheduler=BASE.scheduler,
                           pools=PoolsConfig(long=PoolConfig(url=long_pool.url)))
-    front = ServerThread(front_config, Engine(front_config, loaded=default_model)).start()
+    front = BackgroundServer(front_config, Engine(front_config, loaded=default_model)).start()
     yield front, long_pool
     front.stop()
     long_pool.stop()
@@ -69,7 +69,7 @@ def test_short_request_stays_local(pools):
 def test_unreachable_long_pool_is_502(default_model):
     config = Config(cache=BASE.cache, scheduler=BASE.scheduler,
                     pools=PoolsConfig(long=PoolConfig(url=f"http://127.0.0.1:{_unused_port()}")))
-    front = ServerThread(config, Engine(config, loaded=default_model)).start()
+    front = BackgroundServer(config, Engine(config, loaded=default_model)).start()
     try:
         r = httpx.post(front.url + "/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 2}, timeout=60)
         assert r.status_code == 502

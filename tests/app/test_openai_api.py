@@ -8,15 +8,15 @@ import socket
 import time
 
 import aiohttp
+import httpx
 import openai
 import pytest
-import httpx
 
 from headroom.app import keys
+from headroom.app.background import BackgroundServer
 from headroom.config import CacheConfig, Config, SchedulerConfig, ServerConfig
 from headroom.runtime.engine import Engine
 from headroom.runtime.request import SamplingParams
-from tests.app.server_thread import ServerThread
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ QUESTION = "What is the capital of France?"
 
 @pytest.fixture(scope="module")
 def server(default_model):
-    srv = ServerThread(CONFIG, Engine(CONFIG, loaded=default_model)).start()
+    srv = BackgroundServer(CONFIG, Engine(CONFIG, loaded=default_model)).start()
     yield srv
     srv.stop()
 

@@ -1,5 +1,6 @@
-"""Runs the real aiohttp app on 127.0.0.1 (ephemeral port) in a background thread
-with its own uvloop event loop, so synchronous tests can use the official clients."""
+"""The real app on 127.0.0.1 (an ephemeral port) in a background thread with its own
+uvloop event loop: for embedding a server in another program, and for the tests and
+benchmarks that drive it with synchronous clients."""
 
 from __future__ import annotations
 
@@ -9,33 +10,33 @@ import threading
 import uvloop
 from aiohttp import web
 
-from headroom.app.server import create_app
+from headroom.app.server import create_app, make_runner
 from headroom.config import Config
 from headroom.runtime.engine import Engine
 
 
-class ServerThread:
+class BackgroundServer:
     def __init__(self, config: Config, engine: Engine):
         self.engine = engine
         self.app = create_app(config, engine)
         self.loop = uvloop.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
+        self.thread = threading.Thread(target=self.loop.run_forever, name="headroom-server", daemon=True)
         self.runner: web.AppRunner | None = None
         self.port = 0
 
-    def start(self) -> ServerThread:
+    def start(self) -> BackgroundServer:
         self.thread.start()
         self.call(self._start())
         return self
 
     async def _start(self) -> None:
-        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        self.runner = make_runner(self.app)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
         self.port = self.runner.addresses[0][1]
 
     def call(self, coro, timeout: float = 60):
+        """Run a coroutine on the server's loop and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     @property
