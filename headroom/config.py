@@ -273,6 +273,31 @@ class PoolsConfig:
 
 
 @dataclass(frozen=True)
+class ObservabilityConfig:
+    """Tracing itself is configured by the standard OTEL_* environment variables."""
+
+    log_format: str = "auto"  # json, console, or auto (console on a TTY, else json)
+    # Put prompt text into the per-request log line. Off: prompts can hold secrets.
+    log_prompts: bool = False
+    metrics: bool = True  # serve /metrics
+    # The head-of-line signal: rolling TTFT window, and when it fires.
+    monitor_interval_s: float = 1.0
+    ttft_window_s: float = 60.0
+    hol_short_ttft_p99_s: float = 2.0  # short-class p99 TTFT above this ...
+    hol_long_share: float = 0.5  # ... while long sequences hold this share of device time or KV
+
+    def __post_init__(self) -> None:
+        if self.log_format not in ("auto", "json", "console"):
+            raise ConfigError(f"log_format must be auto, json or console, got {self.log_format!r}")
+        if self.monitor_interval_s <= 0 or self.ttft_window_s <= 0:
+            raise ConfigError("monitor_interval_s and ttft_window_s must be > 0")
+        if self.hol_short_ttft_p99_s <= 0:
+            raise ConfigError(f"hol_short_ttft_p99_s must be > 0, got {self.hol_short_ttft_p99_s}")
+        if not 0 < self.hol_long_share <= 1:
+            raise ConfigError(f"hol_long_share must be in (0, 1], got {self.hol_long_share}")
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -280,6 +305,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     pools: PoolsConfig = field(default_factory=PoolsConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     # "auto" picks by what is installed and the device present; or torch/flash_attn/xformers.
     attention_backend: str = "auto"
     seed: int = 0

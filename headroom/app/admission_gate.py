@@ -73,7 +73,7 @@ class AdmissionGate:
         """Predict, classify and wait for admission; sets the request's admission fields.
         Raises an APIError (429 with Retry-After, 400, 503) when it may not run."""
         admitted = Admitted(tenant)
-        engine_request.tenant = tenant.name
+        engine_request.tenant, engine_request.tier = tenant.name, tenant.config.tier
         if self.admission is None or self.predictor is None:
             return admitted
         started = time.perf_counter()
@@ -88,17 +88,21 @@ class AdmissionGate:
         self._record_decision_time(admitted.decision_s)
         admitted.prediction, admitted.features = prediction, features
         engine_request.size_class = size_class.value
+        engine_request.predicted_output_tokens = prediction.p50
+        engine_request.predicted_output_tokens_p90 = prediction.p90
         if size_class is SizeClass.LONG and self.long_pool_url:
             admitted.route = self.long_pool_url  # the long pool admits it by its own rules
+            engine_request.admission_decision = "route"
             return admitted
         cost = engine_request.num_prompt_tokens + min(sampling.max_tokens, math.ceil(prediction.p90))
         try:
             ticket = await self.admission.acquire(tenant, cost, prompt_tokens=engine_request.num_prompt_tokens)
         except Rejected as exc:
+            engine_request.admission_decision = "reject"
             raise _rejection_error(exc) from None
         admitted.ticket = ticket
+        engine_request.admission_decision = ticket.decision
         engine_request.priority += ticket.priority * TIER_STRIDE
-        engine_request.predicted_output_tokens = prediction.p50
         if self.config.max_wall_s is not None:
             engine_request.deadline = engine_request.arrival_time + self.config.max_wall_s
         return admitted

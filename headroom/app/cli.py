@@ -18,10 +18,12 @@ from headroom.config import (
     Config,
     ConfigError,
     ModelConfig,
+    ObservabilityConfig,
     PoolsConfig,
     SchedulerConfig,
     ServerConfig,
 )
+from headroom.observability.logs import configure_logging
 from headroom.runtime.engine import Engine
 from headroom.runtime.outputs import RequestOutput
 from headroom.runtime.request import SamplingParams
@@ -48,9 +50,11 @@ _FLAGS = {
     "attention_backend": (None, "attention_backend"),
     "seed": (None, "seed"),
     "admission": ("admission", "enabled"),
+    "log_format": ("observability", "log_format"),
+    "log_prompts": ("observability", "log_prompts"),
 }
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "server": ServerConfig,
-             "admission": AdmissionConfig, "pools": PoolsConfig}
+             "admission": AdmissionConfig, "pools": PoolsConfig, "observability": ObservabilityConfig}
 
 
 def _on_off(value: str) -> bool:
@@ -100,6 +104,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from headroom.app.server import serve
 
     config = build_config(ns)
+    configure_logging(config.observability.log_format, ns.log_level)
     engine = Engine(config)
     try:
         import uvloop
@@ -199,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--max-queue-len", type=int)
     srv.add_argument("--drain-timeout", type=float, help="seconds streams may run on after SIGTERM")
     srv.add_argument("--admission", type=_on_off, metavar="on|off", help="per-tenant admission control")
+    srv.add_argument("--log-format", choices=["auto", "json", "console"],
+                     help="log lines as JSON (default when not a terminal) or for a human")
+    srv.add_argument("--log-prompts", action="store_true", default=None,
+                     help="put prompt messages into the per-request log line (off: prompts can hold secrets)")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 

@@ -9,6 +9,7 @@ engine step.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 from headroom.runtime.engine import Engine
@@ -37,6 +38,7 @@ class AsyncEngine:
             loop.call_soon_threadsafe(queue.put_nowait, output)
 
         self.in_flight[request.request_id] = request
+        request.admitted_time = time.monotonic()
         finished = False
         try:
             self.engine.submit(request, sink)
@@ -49,6 +51,6 @@ class AsyncEngine:
             if not finished:
                 self.engine.abort(request.request_id)
 
-    def abort_all(self) -> None:
+    def abort_all(self, cause: str = "shutdown") -> None:
         for request_id in list(self.in_flight):
-            self.engine.abort(request_id)
+            self.engine.abort(request_id, cause)

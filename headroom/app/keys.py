@@ -11,12 +11,15 @@ from aiohttp import web
 from headroom.app.admission_gate import AdmissionGate
 from headroom.app.engine_client import AsyncEngine
 from headroom.config import Config
+from headroom.observability.observer import Observability, RequestTrace
 
 CONFIG = web.AppKey("config", Config)
 ENGINE = web.AppKey("engine", AsyncEngine)
 GATE = web.AppKey("gate", AdmissionGate)
 HTTP_CLIENT = web.AppKey("http_client", aiohttp.ClientSession)  # for proxying to other pools
 OPENAPI = web.AppKey("openapi", dict)
+OBSERVABILITY = web.AppKey("observability", Observability)
+TRACE = web.RequestKey("trace", RequestTrace)  # per request, set by observe_middleware
 
 
 @dataclass

@@ -20,6 +20,7 @@ from headroom.app.errors import (
     Unavailable,
     error_body,
 )
+from headroom.app.observe import note
 from headroom.app.formats import ChatFormat, CompletionFormat, ResponseFormat, Usage
 from headroom.app.proxy import proxy
 from headroom.app.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -98,12 +99,14 @@ def build_request(request: web.Request, rid: str, body: SamplingFields, prompt_i
 
 async def completions(request: web.Request) -> web.StreamResponse:
     tenant = request.app[keys.GATE].tenant(request)
+    note(request, tenant=tenant.name, tier=tenant.config.tier)
     check_accepting(request)
     body = CompletionRequest.model_validate_json(await request.read())
     model = check_model(request, body.model)
     tokenizer = request.app[keys.ENGINE].engine.tokenizer
     prompt_ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
     rid = f"cmpl-{base_request_id(request)}"
+    note(request, request_id=rid)
     engine_request = build_request(request, rid, body, prompt_ids, body.max_tokens, body.logprobs, tenant)
     fmt = CompletionFormat(rid, int(time.time()), model, _token_text(tokenizer), body.include_usage)
     text = body.prompt if isinstance(body.prompt, str) else ""
@@ -112,6 +115,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     tenant = request.app[keys.GATE].tenant(request)
+    note(request, tenant=tenant.name, tier=tenant.config.tier)
     check_accepting(request)
     body = ChatCompletionRequest.model_validate_json(await request.read())
     model = check_model(request, body.model)
@@ -123,6 +127,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except ValueError as exc:
         raise BadRequest(f"messages: {exc}", param="messages") from None
     rid = f"chatcmpl-{base_request_id(request)}"
+    note(request, request_id=rid)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     engine_request = build_request(request, rid, body, prompt_ids, body.requested_max_tokens, logprobs, tenant)
     fmt = ChatFormat(rid, int(time.time()), model, _token_text(tokenizer), body.include_usage)
@@ -140,6 +145,8 @@ def _usage(r: Request) -> Usage:
 async def respond(request: web.Request, engine_request: Request, fmt: ResponseFormat, stream: bool,
                   tenant: Tenant, messages: list[dict]) -> web.StreamResponse:
     gate = request.app[keys.GATE]
+    note(request, engine_request=engine_request,
+         prompt=messages if request.app[keys.CONFIG].observability.log_prompts else None)
     admitted = await gate.admit(tenant, engine_request, messages)
     if admitted.route is not None:
         return await proxy(request, admitted.route, request.app[keys.HTTP_CLIENT])

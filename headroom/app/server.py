@@ -4,9 +4,9 @@ SIGTERM drain (stop admitting with 503, let streams finish, abort the rest, exit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
-from importlib.metadata import PackageNotFoundError, version
 
 import aiohttp
 from aiohttp import web
@@ -15,19 +15,14 @@ from headroom.app import keys
 from headroom.app.admission_gate import AdmissionGate
 from headroom.app.engine_client import AsyncEngine
 from headroom.app.errors import error_body, error_middleware
+from headroom.app.observe import metrics, observe_middleware
 from headroom.app.openai_api import chat_completions, completions, list_models
 from headroom.app.openapi import build_openapi
 from headroom.config import Config
+from headroom.observability.observer import Observability, package_version
 from headroom.runtime.engine import Engine
 
 log = logging.getLogger("headroom.server")
-
-
-def _version() -> str:
-    try:
-        return version("headroom-llm")
-    except PackageNotFoundError:
-        return "0+unknown"
 
 
 async def health(request: web.Request) -> web.Response:
@@ -46,11 +41,15 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/openapi.json", openapi)
+    if app[keys.CONFIG].observability.metrics:
+        app.router.add_get("/metrics", metrics)
 
 
 def create_app(config: Config, engine: Engine) -> web.Application:
     """The app runs `engine`'s step thread for as long as the app is up."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=config.server.max_body_bytes)
+    # observe_middleware is outermost, so it sees the status error_middleware chose.
+    app = web.Application(middlewares=[observe_middleware, error_middleware],
+                          client_max_size=config.server.max_body_bytes)
     app[keys.CONFIG] = config
     max_in_flight = config.scheduler.max_num_seqs + config.server.max_queue_len
     app[keys.ENGINE] = AsyncEngine(engine, max_in_flight)
@@ -59,7 +58,9 @@ def create_app(config: Config, engine: Engine) -> web.Application:
     admission_seats = config.admission.global_max_in_flight_seqs or config.scheduler.max_num_seqs + 8
     app[keys.GATE] = AdmissionGate(config, admission_seats)
     app[keys.LIFECYCLE] = keys.Lifecycle()
-    app[keys.OPENAPI] = build_openapi(_version())
+    app[keys.OBSERVABILITY] = Observability(config.observability, engine, app[keys.GATE].admission)
+    app[keys.OPENAPI] = build_openapi(package_version())
+    app.cleanup_ctx.append(_observability)  # first in, last out: flushes the final spans
     app.cleanup_ctx.append(_engine_thread)
     app.cleanup_ctx.append(_admission_timer)
     if config.pools.long.url:
@@ -83,6 +84,17 @@ async def _admission_timer(app: web.Application):
     yield
     if admission is not None:
         await admission.close()  # waiters get 503; none is left holding a reservation
+
+
+async def _observability(app: web.Application):
+    observability = app[keys.OBSERVABILITY]
+    monitor = asyncio.create_task(observability.monitor(), name="headroom-hol-monitor")
+    yield
+    monitor.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await monitor
+    # Flushing may wait on a slow collector; the loop must not.
+    await asyncio.get_running_loop().run_in_executor(None, observability.shutdown)
 
 
 async def _http_client(app: web.Application):

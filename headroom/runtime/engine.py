@@ -1,6 +1,9 @@
 """The engine: owns the scheduler, cache and model, and runs the step loop on its own
 thread. Other threads only enqueue commands (add, abort); every piece of engine state
-is touched by the engine thread alone, so none of it needs a lock."""
+is changed by the engine thread alone. The one exception is snapshot(), which reads
+that state from another thread under `_state_lock`; the engine holds the lock while it
+changes state, but not while the model runs, so a snapshot waits at most for the
+bookkeeping half of a step."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.detokenizer import IncrementalDetokenizer
 from headroom.runtime.device import resolve_device, resolve_dtype
 from headroom.runtime.model_runner import ModelRunner, kv_block_bytes
-from headroom.runtime.outputs import EngineStats, OutputSink, RequestOutput
+from headroom.runtime.outputs import EngineSnapshot, EngineStats, OutputSink, RequestOutput, SequenceSnapshot
 from headroom.runtime.request import Request, RequestStatus, SamplingParams
 from headroom.runtime.sampler import Sampler, TokenLogprob
 from headroom.runtime.scheduler import Scheduler
@@ -59,6 +62,7 @@ class Engine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._inbox: list[tuple[str, object]] = []
         self._wakeup = threading.Condition()
+        self._state_lock = threading.Lock()
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -94,8 +98,8 @@ class Engine:
         """Queue a request; sink receives its outputs on the engine thread."""
         self._command("add", (request, sink))
 
-    def abort(self, request_id: str) -> None:
-        self._command("abort", request_id)
+    def abort(self, request_id: str, cause: str = "client_disconnect") -> None:
+        self._command("abort", (request_id, cause))
 
     def _command(self, kind: str, payload: object) -> None:
         with self._wakeup:
@@ -116,9 +120,10 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self._drain_inbox()
-        for request_id in list(self.scheduler.requests):
-            self._finish(request_id, RequestStatus.FINISHED_ABORTED)
+        with self._state_lock:
+            self._drain_inbox()
+            for request_id in list(self.scheduler.requests):
+                self._abort(request_id, "shutdown")
 
     # ---- engine thread ----------------------------------------------------------------
 
@@ -133,8 +138,9 @@ class Engine:
                 self.step()
             except Exception:  # a bug outside the model call: fail what is in flight, keep serving
                 log.exception("engine step crashed; failing %d requests", len(self.scheduler.requests))
-                for request_id in list(self.scheduler.requests):
-                    self._finish(request_id, RequestStatus.FINISHED_ABORTED, error="internal engine error")
+                with self._state_lock:
+                    for request_id in list(self.scheduler.requests):
+                        self._abort(request_id, "engine_error", error="internal engine error")
 
     def _drain_inbox(self) -> None:
         with self._wakeup:
@@ -153,30 +159,38 @@ class Engine:
                     self.tokenizer.hf, request.prompt_token_ids, request.sampling.stop
                 )
                 self.sampler.add(request)
+                request.busy_at_arrival = self.stats.step_time_s
                 self.scheduler.add_request(request)
                 self.stats.prompt_tokens += request.num_prompt_tokens
             else:
-                self._finish(payload, RequestStatus.FINISHED_ABORTED)  # type: ignore[arg-type]
+                request_id, cause = payload  # type: ignore[misc]
+                self._abort(request_id, cause)
 
     def step(self) -> None:
         """One iteration: schedule, run the model, sample, deliver outputs."""
-        self._drain_inbox()
-        if not self.scheduler.has_work():
-            return
-        self._enforce_deadlines()
-        started = time.perf_counter()
-        out = self.scheduler.schedule()
-        self.stats.preemptions += len(out.preempted)
-        if out.is_empty:
-            return
+        with self._state_lock:
+            self._drain_inbox()
+            if not self.scheduler.has_work():
+                return
+            self._enforce_deadlines()
+            started = time.perf_counter()
+            out = self.scheduler.schedule()
+            self.stats.preemptions += len(out.preempted)
+            if out.is_empty:
+                return
         try:
             model_out = self.runner.execute(out, self.block_manager)
             samples = self.sampler(model_out.logits, [out.requests[i] for i in model_out.sample_indices])
         except Exception as exc:  # a failed step fails its own sequences, not the engine
             log.exception("engine step failed; failing %d sequences", len(out.requests))
-            for request in out.requests:
-                self._finish(request.request_id, RequestStatus.FINISHED_ABORTED, error=f"engine error: {exc}")
+            with self._state_lock:
+                for request in out.requests:
+                    self._abort(request.request_id, "engine_error", error=f"engine error: {exc}")
             return
+        with self._state_lock:
+            self._complete_step(out, model_out, samples, started)
+
+    def _complete_step(self, out, model_out, samples, started: float) -> None:
         # The tokens exist from here on; update_from_output stamps finished_time later.
         sampled_time = time.monotonic()
         sampled: list[int | None] = [None] * len(out.requests)
@@ -207,7 +221,9 @@ class Engine:
                 stats.requests_started += 1
             request.num_blocks_held = blocks
             request.peak_blocks = max(request.peak_blocks, blocks)
-            request.device_time_s += elapsed * n / total
+            share = elapsed * n / total
+            request.device_time_s += share
+            stats.device_time_by_class[request.size_class or "none"] += share
             request.kv_block_seconds += blocks * elapsed
             request.num_processed_tokens += n
 
@@ -239,8 +255,17 @@ class Engine:
                 "request %s exceeded its wall-clock budget after %.1fs (%d output tokens); finishing it as length",
                 request.request_id, now - request.arrival_time, request.num_output_tokens,
             )
-            request.stop_reason = "wall_clock_budget"
+            request.stop_reason = request.abort_cause = "wall_clock_budget"
+            self.stats.aborts["wall_clock_budget"] += 1
             self._finish(request.request_id, RequestStatus.FINISHED_LENGTH)
+
+    def _abort(self, request_id: str, cause: str, error: str | None = None) -> None:
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return  # finished already, or never known
+        request.abort_cause = cause
+        self.stats.aborts[cause] += 1
+        self._finish(request_id, RequestStatus.FINISHED_ABORTED, error=error)
 
     def _finish(self, request_id: str, status: RequestStatus, error: str | None = None) -> None:
         request = self.scheduler.finish_request(request_id, status)
@@ -261,9 +286,51 @@ class Engine:
         output.finished = True
         output.finish_reason = "error" if output.error else request.status.finish_reason
         output.stop_reason = request.stop_reason
+        self.stats.finished[output.finish_reason] += 1
         self._detokenizers.pop(rid)
         self.sampler.remove(rid)
         self._sinks.pop(rid)(output)
+
+    # ---- called from any thread: observability ----------------------------------------
+
+    def counters(self) -> EngineStats:
+        """A consistent copy of the engine's counters."""
+        with self._state_lock:
+            return self.stats.copy()
+
+    def snapshot(self) -> EngineSnapshot:
+        """Every live sequence's cost, and the pool's, at one consistent instant."""
+        with self._state_lock:
+            now = time.monotonic()
+            busy = self.stats.step_time_s
+            num_blocks = self.block_manager.num_blocks
+            sequences = []
+            for request in self.scheduler.requests.values():
+                held = len(self.block_manager.block_table(request.request_id))
+                lifetime_busy = busy - request.busy_at_arrival
+                sequences.append(SequenceSnapshot(
+                    request_id=request.request_id,
+                    tenant=request.tenant,
+                    tier=request.tier,
+                    size_class=request.size_class,
+                    status=request.status.name.lower(),
+                    priority=request.priority,
+                    age_s=now - request.arrival_time,
+                    prompt_tokens=request.num_prompt_tokens,
+                    output_tokens=request.num_output_tokens,
+                    max_tokens=request.max_tokens,
+                    predicted_output_tokens=request.predicted_output_tokens,
+                    blocks_held=held,
+                    kv_share=held / num_blocks,
+                    device_time_s=request.device_time_s,
+                    device_share=request.device_time_s / lifetime_busy if lifetime_busy > 0 else 0.0,
+                    kv_block_seconds=request.kv_block_seconds,
+                    tokens_processed=request.num_processed_tokens,
+                    preemptions=request.num_preemptions,
+                    ttft_s=None if request.first_token_time is None else request.first_token_time - request.arrival_time,
+                ))
+            return EngineSnapshot(now, busy, self.stats.steps, num_blocks, self.block_manager.num_used_blocks,
+                                  tuple(sequences))
 
     # ---- conveniences for the CLI, tests and benchmarks --------------------------------
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from headroom.runtime.request import Request
 from headroom.runtime.sampler import TokenLogprob
@@ -36,3 +37,60 @@ class EngineStats:
     generated_tokens: int = 0
     preemptions: int = 0
     requests_started: int = 0  # requests that got their first step
+    finished: Counter[str] = field(default_factory=Counter)  # by finish reason
+    aborts: Counter[str] = field(default_factory=Counter)  # by cause (Request.abort_cause)
+    device_time_by_class: Counter[str] = field(default_factory=Counter)  # seconds, by size class
+
+    def copy(self) -> EngineStats:
+        return replace(self, finished=Counter(self.finished), aborts=Counter(self.aborts),
+                       device_time_by_class=Counter(self.device_time_by_class))
+
+
+@dataclass(frozen=True)
+class SequenceSnapshot:
+    """One live sequence's cost: what it holds and what it has used, at one instant."""
+
+    request_id: str
+    tenant: str | None
+    tier: str | None
+    size_class: str | None
+    status: str  # waiting | running | preempted
+    priority: int
+    age_s: float
+    prompt_tokens: int
+    output_tokens: int
+    max_tokens: int
+    predicted_output_tokens: float | None
+    blocks_held: int
+    kv_share: float  # of the whole pool
+    device_time_s: float
+    device_share: float  # of the engine's busy time since it arrived
+    kv_block_seconds: float
+    tokens_processed: int
+    preemptions: int
+    ttft_s: float | None
+
+    @property
+    def progress(self) -> float | None:
+        """Output so far over the predicted output (above 1: running past its prediction)."""
+        if not self.predicted_output_tokens:
+            return None
+        return self.output_tokens / self.predicted_output_tokens
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    taken_at: float  # time.monotonic()
+    busy_s: float  # the engine's step time since it started
+    steps: int
+    num_blocks: int
+    used_blocks: int
+    sequences: tuple[SequenceSnapshot, ...]
+
+    @property
+    def running(self) -> int:
+        return sum(s.status == "running" for s in self.sequences)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.sequences) - self.running

@@ -80,6 +80,10 @@ class Request:
     size_class: str | None = None
     predicted_output_tokens: float | None = None
     deadline: float | None = None  # time.monotonic() by which it must finish (wall-clock budget)
+    tier: str | None = None
+    predicted_output_tokens_p90: float | None = None
+    admission_decision: str | None = None  # admit | wait | reject | route
+    admitted_time: float | None = None  # when admission let it through to the engine
 
     status: RequestStatus = RequestStatus.WAITING
     submit_order: int = 0  # set by the scheduler; the last tie-breaker
@@ -89,6 +93,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
     stop_reason: str | int | None = None  # the stop string or token that ended it
+    abort_cause: str | None = None  # client_disconnect | shutdown | engine_error | wall_clock_budget | admin
 
     # Timestamps (time.monotonic) for spans and metrics.
     first_scheduled_time: float | None = None
@@ -101,6 +106,7 @@ class Request:
     device_time_s: float = 0.0  # its token share of every step's wall time
     kv_block_seconds: float = 0.0
     num_processed_tokens: int = 0  # including recomputation after preemption
+    busy_at_arrival: float = 0.0  # the engine's busy seconds when it arrived: its share's denominator
 
     # prompt + output in one list, so slicing a block's tokens never copies the whole.
     all_token_ids: list[int] = field(init=False)

@@ -1,0 +1,131 @@
+"""Prometheus metrics, served as text at /metrics.
+
+Request histograms are observed once per finished request, labelled by size class and
+tier. Everything the engine and admission already count (tokens, preemptions, aborts,
+decisions, queue lengths, KV blocks) is read from them at scrape time by a collector,
+so there is one count of each thing and nothing extra to do per step. Names follow
+vLLM's, with the `headroom:` prefix, where the meaning is the same (docs/METRICS.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from headroom.admission.admission import Admission
+from headroom.observability.finished import FinishedRequest
+from headroom.runtime.engine import Engine
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LABELS = ("size_class", "tier")
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+class Metrics:
+    def __init__(self, engine: Engine, admission: Admission | None, dropped_spans: Callable[[], int]):
+        # One registry per app, so several servers in one process never share counters.
+        self.registry = CollectorRegistry(auto_describe=True)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry)
+
+        self.ttft = histogram("headroom:time_to_first_token_seconds",
+                              "Arrival to first output token.", TTFT_BUCKETS)
+        self.queue_time = histogram("headroom:request_queue_time_seconds",
+                                    "Arrival to first scheduled step (admission wait included).", TTFT_BUCKETS)
+        self.tpot = histogram("headroom:time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.", TPOT_BUCKETS)
+        self.e2e = histogram("headroom:e2e_request_latency_seconds", "Arrival to the end of the response.",
+                             E2E_BUCKETS)
+        self.device_time = histogram("headroom:request_device_time_seconds",
+                                     "The request's share of every engine step it was in.", E2E_BUCKETS)
+        self.rolling_ttft = Gauge("headroom:rolling_time_to_first_token_seconds",
+                                  "TTFT quantile over the monitor's window.", ("size_class", "quantile"),
+                                  registry=self.registry)
+        self.hol_coupling = Gauge("headroom:hol_coupling",
+                                  "1 while the short class's p99 TTFT is high and long sequences dominate.",
+                                  registry=self.registry)
+        self.long_device_share = Gauge("headroom:long_device_share",
+                                       "Share of engine busy time spent on long-class sequences, last interval.",
+                                       registry=self.registry)
+        self.registry.register(EngineCollector(engine, admission, dropped_spans))
+
+    def observe(self, done: FinishedRequest) -> None:
+        if not done.ran:
+            return
+        labels = (done.size_class, done.tier or "")
+        if done.queue_wait_s is not None:
+            self.queue_time.labels(*labels).observe(done.queue_wait_s)
+        if done.ttft_s is not None:
+            self.ttft.labels(*labels).observe(done.ttft_s)
+        if done.tpot_s is not None:
+            self.tpot.labels(*labels).observe(done.tpot_s)
+        self.e2e.labels(*labels).observe(done.e2e_s)
+        self.device_time.labels(*labels).observe(done.device_time_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineCollector(Collector):
+    """Reads the engine's and admission's own counters at scrape time."""
+
+    def __init__(self, engine: Engine, admission: Admission | None, dropped_spans: Callable[[], int]):
+        self.engine = engine
+        self.admission = admission
+        self.dropped_spans = dropped_spans
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.counters()
+        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        yield GaugeMetricFamily("headroom:num_requests_running", "Sequences in the running batch.",
+                                value=scheduler.num_running)
+        yield GaugeMetricFamily("headroom:num_requests_waiting", "Sequences queued in the engine.",
+                                value=scheduler.num_waiting)
+        used = blocks.num_used_blocks
+        yield GaugeMetricFamily("headroom:kv_cache_blocks_used", "KV blocks in use.", value=used)
+        yield GaugeMetricFamily("headroom:kv_cache_blocks_total", "KV blocks in the pool.", value=blocks.num_blocks)
+        yield GaugeMetricFamily("headroom:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
+                                value=used / blocks.num_blocks)
+        yield _counter("headroom:prompt_tokens", "Prompt tokens of requests that reached the engine.",
+                       stats.prompt_tokens)
+        yield _counter("headroom:generation_tokens", "Tokens generated.", stats.generated_tokens)
+        yield _counter("headroom:num_preemptions", "Sequences preempted (recomputed later).", stats.preemptions)
+        yield _counter("headroom:engine_busy_seconds", "Wall time spent in engine steps.", stats.step_time_s)
+        yield _counter("headroom:request_success", "Finished requests, by finish reason.", stats.finished,
+                       "finished_reason")
+        yield _counter("headroom:request_aborts", "Requests cut short, by cause.", stats.aborts, "cause")
+        yield _counter("headroom:device_time_seconds", "Engine time by size class.", stats.device_time_by_class,
+                       "size_class")
+        yield _counter("headroom:tracing_spans_dropped", "Spans lost to a full queue or a failed export.",
+                       self.dropped_spans())
+        if self.admission is None:
+            return
+        admission = self.admission.stats()
+        yield _counter("headroom:admission_decisions", "Admission decisions.", admission.decisions, "decision")
+        yield _counter("headroom:admission_rejections", "Rejections, by reason.", admission.rejections, "reason")
+        yield _gauge("headroom:tenant_tokens_in_flight", "Tokens reserved by admitted, unfinished requests.",
+                     admission.in_flight_tokens, "tenant")
+        yield _gauge("headroom:tenant_requests_waiting", "Requests waiting in admission.", admission.waiting,
+                     "tenant")
+
+
+def _counter(name: str, doc: str, value: float | dict[str, float], label: str | None = None) -> Metric:
+    if label is None:
+        return CounterMetricFamily(name, doc, value=value)
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for key, count in sorted(value.items()):
+        family.add_metric([key], count)
+    return family
+
+
+def _gauge(name: str, doc: str, values: dict[str, float], label: str) -> Metric:
+    family = GaugeMetricFamily(name, doc, labels=[label])
+    for key, value in sorted(values.items()):
+        family.add_metric([key], value)
+    return family

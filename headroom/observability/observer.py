@@ -1,0 +1,165 @@
+"""One place that sees every request begin and end, and feeds the span, the metrics,
+the log line and the head-of-line monitor from the same facts."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+
+from opentelemetry.trace import Span, format_trace_id
+
+from headroom.admission.admission import Admission
+from headroom.config import ObservabilityConfig
+from headroom.observability.finished import FinishedRequest
+from headroom.observability.hol import HolMonitor, HolState
+from headroom.observability.logs import log_finished
+from headroom.observability.metrics import Metrics
+from headroom.observability.tracing import Tracing, exporter_from_env
+from headroom.runtime.engine import Engine
+from headroom.runtime.request import Request
+
+log = logging.getLogger("headroom.observability")
+
+OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
+
+
+@dataclass
+class RequestTrace:
+    """What the handler learns about one HTTP request as it goes."""
+
+    endpoint: str
+    arrival: float  # time.monotonic() when the handler started
+    span: Span | None
+    request_id: str | None = None
+    tenant: str | None = None
+    tier: str | None = None
+    engine_request: Request | None = None  # once it is built
+    prompt: list[dict] | None = None  # the messages, only kept when prompt logging is on
+
+    @property
+    def trace_id(self) -> str | None:
+        if self.span is None:
+            return None
+        return format_trace_id(self.span.get_span_context().trace_id)
+
+
+class Observability:
+    def __init__(self, config: ObservabilityConfig, engine: Engine, admission: Admission | None,
+                 tracing: Tracing | None = None):
+        self.config = config
+        self.engine = engine
+        self.tracing = tracing if tracing is not None else Tracing(exporter_from_env(), package_version())
+        self.metrics = Metrics(engine, admission, self.tracing.dropped_spans)
+        self.hol = HolMonitor(config)
+        if self.tracing.enabled:
+            log.info("tracing: exporting spans over OTLP")
+
+    def start(self, endpoint: str, headers, arrival: float) -> RequestTrace:
+        return RequestTrace(endpoint, arrival, self.tracing.start(f"POST {endpoint}", headers, arrival))
+
+    def finish(self, trace: RequestTrace, http_status: int, error: str | None = None) -> FinishedRequest:
+        end = time.monotonic()
+        model = self.engine.loaded.name
+        done = FinishedRequest.build(
+            request_id=trace.request_id or "", endpoint=trace.endpoint, model=model, http_status=http_status,
+            arrival=trace.arrival, end=end, request=trace.engine_request, tenant=trace.tenant, tier=trace.tier,
+            error=error,
+        )
+        self.metrics.observe(done)
+        if done.ttft_s is not None and done.first_token_at is not None:
+            self.hol.observe_ttft(done.size_class, done.ttft_s, done.first_token_at)
+        if trace.span is not None:
+            self._end_span(trace, done, end)
+        log_finished(done, trace.trace_id, trace.prompt if self.config.log_prompts else None)
+        return done
+
+    def _end_span(self, trace: RequestTrace, done: FinishedRequest, end: float) -> None:
+        span, request = trace.span, trace.engine_request
+        if request is not None and done.ran:
+            admitted = request.admitted_time
+            self.tracing.phase(span, "admission", trace.arrival, admitted,
+                               {"headroom.admission.decision": done.admission_decision or "off"})
+            scheduled = request.first_scheduled_time
+            if scheduled is not None:
+                self.tracing.phase(span, "queue", admitted, scheduled)
+                first = request.first_token_time
+                finished = request.finished_time if request.finished_time is not None else end
+                self.tracing.phase(span, "prefill", scheduled, first if first is not None else finished,
+                                   {"headroom.cached_tokens": done.cached_tokens})
+                if first is not None:
+                    self.tracing.phase(span, "decode", first, finished)
+        # As the HTTP conventions say: a 4xx is the caller's error, not the server span's.
+        failed = done.http_status >= 500 or done.abort_cause == "engine_error"
+        self.tracing.end(span, end, span_attributes(done), error=(done.error or "engine error") if failed else None)
+
+    async def monitor(self) -> None:
+        """Refresh the head-of-line signal every interval until cancelled."""
+        while True:
+            await asyncio.sleep(self.config.monitor_interval_s)
+            try:
+                self.refresh()
+            except Exception:  # a monitor bug must never take the server down
+                log.exception("head-of-line monitor failed")
+
+    def refresh(self) -> HolState:
+        state = self.hol.update(self.engine.snapshot(), self.engine.counters())
+        metrics = self.metrics
+        metrics.hol_coupling.set(1 if state.coupled else 0)
+        metrics.long_device_share.set(state.long_device_share)
+        for size_class, (p50, p99) in state.ttft_s.items():
+            metrics.rolling_ttft.labels(size_class, "0.5").set(p50)
+            metrics.rolling_ttft.labels(size_class, "0.99").set(p99)
+        return state
+
+    def shutdown(self) -> None:
+        self.tracing.shutdown()
+
+
+def span_attributes(done: FinishedRequest) -> dict:
+    """OpenTelemetry GenAI attributes where they fit, headroom's own under `headroom.`."""
+    attributes = {
+        "gen_ai.operation.name": OPERATIONS.get(done.endpoint, done.endpoint),
+        "gen_ai.request.model": done.model,
+        "gen_ai.response.model": done.model,
+        "gen_ai.response.id": done.request_id or None,
+        "gen_ai.request.max_tokens": done.max_tokens,
+        "gen_ai.request.temperature": done.temperature,
+        "gen_ai.request.top_p": done.top_p,
+        "gen_ai.usage.input_tokens": done.prompt_tokens if done.ran else None,
+        "gen_ai.usage.output_tokens": done.output_tokens if done.ran else None,
+        "gen_ai.response.finish_reasons": [done.finish_reason] if done.finish_reason else None,
+        "http.request.method": "POST",
+        "url.path": done.endpoint,
+        "http.response.status_code": done.http_status,
+        "headroom.tenant": done.tenant,
+        "headroom.tier": done.tier,
+        "headroom.size_class": done.size_class,
+        "headroom.admission.decision": done.admission_decision,
+        "headroom.predicted_output_tokens": done.predicted_output_tokens,
+        "headroom.predicted_output_tokens_p90": done.predicted_output_tokens_p90,
+        "headroom.cached_tokens": done.cached_tokens,
+        "headroom.admission_wait_s": done.admission_wait_s,
+        "headroom.queue_wait_s": done.queue_wait_s,
+        "headroom.ttft_s": done.ttft_s,
+        "headroom.tpot_s": done.tpot_s,
+        "headroom.e2e_s": done.e2e_s,
+        "headroom.device_time_s": done.device_time_s if done.ran else None,
+        "headroom.kv_block_seconds": done.kv_block_seconds if done.ran else None,
+        "headroom.peak_blocks": done.peak_blocks if done.ran else None,
+        "headroom.preemptions": done.preemptions if done.ran else None,
+        "headroom.tokens_processed": done.tokens_processed if done.ran else None,
+        "headroom.abort_cause": done.abort_cause,
+        "headroom.stop_reason": done.stop_reason,
+        "headroom.error": done.error,
+    }
+    return attributes
+
+
+def package_version() -> str:
+    try:
+        return version("headroom-llm")
+    except PackageNotFoundError:
+        return "0+unknown"
