@@ -20,8 +20,8 @@ from headroom.app.errors import (
     Unavailable,
     error_body,
 )
-from headroom.app.observe import note
 from headroom.app.formats import ChatFormat, CompletionFormat, ResponseFormat, Usage
+from headroom.app.observe import note
 from headroom.app.proxy import proxy
 from headroom.app.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from headroom.app.sse import DONE, encode_event, open_stream

@@ -52,8 +52,8 @@ class FinishedRequest:
     def build(cls, *, request_id: str, endpoint: str, model: str, http_status: int, arrival: float, end: float,
               request: Request | None, tenant: str | None, tier: str | None, error: str | None = None,
               ) -> FinishedRequest:
-        common = dict(request_id=request_id, endpoint=endpoint, model=model, http_status=http_status,
-                      tenant=tenant, tier=tier, error=error, e2e_s=end - arrival)
+        common = {"request_id": request_id, "endpoint": endpoint, "model": model, "http_status": http_status,
+                  "tenant": tenant, "tier": tier, "error": error, "e2e_s": end - arrival}
         if request is None:
             return cls(size_class=NO_CLASS, ran=False, **common)
         ran = request.admitted_time is not None

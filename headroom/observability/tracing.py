@@ -17,10 +17,9 @@ import time
 from collections.abc import Mapping, Sequence
 
 from opentelemetry import trace
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -57,19 +56,52 @@ class CountingExporter(SpanExporter):
 
     def __init__(self, inner: SpanExporter):
         self.inner = inner
+        self.submitted = 0  # handed to export(), whatever came of it
         self.exported = 0
         self.failed = 0
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.submitted += len(spans)
         try:
             result = self.inner.export(spans)
-        except Exception:
+        except Exception:  # noqa: BLE001 - whatever broke, the spans are lost: count them
             result = SpanExportResult.FAILURE
         if result is SpanExportResult.SUCCESS:
             self.exported += len(spans)
         else:
             self.failed += len(spans)
         return result
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+
+class BoundedBatchProcessor(SpanProcessor):
+    """The SDK's BatchSpanProcessor, with its queue's overflow counted: a span that would
+    not fit (spans accepted but not yet handed to the exporter fill the queue) is dropped
+    here, where it is counted, instead of inside the SDK, where it is only logged."""
+
+    def __init__(self, exporter: CountingExporter, max_queue_size: int):
+        self.exporter = exporter
+        self.max_queue_size = max_queue_size
+        self.accepted = 0
+        self.dropped = 0
+        self.inner = BatchSpanProcessor(exporter, max_queue_size=max_queue_size)
+
+    def on_start(self, span, parent_context: Context | None = None) -> None:
+        self.inner.on_start(span, parent_context)
+
+    def on_end(self, span: ReadableSpan) -> None:
+        # Only ever an overestimate of the SDK queue's length (the worker pops a batch
+        # before it calls export), so the SDK's own queue never overflows.
+        if self.accepted - self.exporter.submitted >= self.max_queue_size:
+            self.dropped += 1
+            return
+        self.accepted += 1
+        self.inner.on_end(span)
 
     def shutdown(self) -> None:
         self.inner.shutdown()
@@ -90,11 +122,10 @@ class Tracing:
         attributes = {"service.version": version}
         if not os.environ.get("OTEL_SERVICE_NAME"):
             attributes["service.name"] = "headroom"
-        # The SDK counts spans its queue dropped as a metric; this reader lets us read it.
-        self._processor_metrics = InMemoryMetricReader()
-        self._meters = MeterProvider(metric_readers=[self._processor_metrics])
+        queue_size = int(os.environ.get("OTEL_BSP_MAX_QUEUE_SIZE", "2048"))
+        self.processor = BoundedBatchProcessor(self.exporter, queue_size)
         self._provider = TracerProvider(resource=Resource.create(attributes))
-        self._provider.add_span_processor(BatchSpanProcessor(self.exporter, meter_provider=self._meters))
+        self._provider.add_span_processor(self.processor)
         self._tracer = self._provider.get_tracer("headroom", version)
 
     @property
@@ -129,20 +160,9 @@ class Tracing:
         """Spans lost to a full queue or a failed export since start."""
         if self.exporter is None:
             return 0
-        dropped = self.exporter.failed
-        data = self._processor_metrics.get_metrics_data()
-        for resource in data.resource_metrics if data else ():
-            for scope in resource.scope_metrics:
-                for metric in scope.metrics:
-                    if metric.name != "otel.sdk.processor.span.processed":
-                        continue
-                    for point in metric.data.data_points:
-                        if point.attributes.get("error.type"):
-                            dropped += int(point.value)
-        return dropped
+        return self.processor.dropped + self.exporter.failed
 
     def shutdown(self) -> None:
         """Flush what is queued (bounded by the exporter's timeout) and stop."""
         if self._provider is not None:
             self._provider.shutdown()
-            self._meters.shutdown()

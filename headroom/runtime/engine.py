@@ -19,7 +19,13 @@ from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.detokenizer import IncrementalDetokenizer
 from headroom.runtime.device import resolve_device, resolve_dtype
 from headroom.runtime.model_runner import ModelRunner, kv_block_bytes
-from headroom.runtime.outputs import EngineSnapshot, EngineStats, OutputSink, RequestOutput, SequenceSnapshot
+from headroom.runtime.outputs import (
+    EngineSnapshot,
+    EngineStats,
+    OutputSink,
+    RequestOutput,
+    SequenceSnapshot,
+)
 from headroom.runtime.request import Request, RequestStatus, SamplingParams
 from headroom.runtime.sampler import Sampler, TokenLogprob
 from headroom.runtime.scheduler import Scheduler
