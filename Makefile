@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 ARGS   ?=
 
-.PHONY: install serve generate test test-gpu bench clean
+.PHONY: install browser serve generate test test-gpu bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,15 @@ serve: install
 generate: install
 	$(BIN)/headroom generate $(ARGS)
 
-test: install
+# The admin page's test drives a real headless Chromium: Debian's package, installed
+# once (as root, or through sudo) when it is not already there.
+browser:
+	@command -v chromium >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends chromium; }
+
+test: install browser
 	$(BIN)/python -m pytest -q $(ARGS)
 
 test-gpu: install

@@ -298,6 +298,32 @@ class ObservabilityConfig:
 
 
 @dataclass(frozen=True)
+class AdminConfig:
+    # The /admin/ API's bearer token (else HEADROOM_ADMIN_TOKEN). No token: no admin API.
+    token: str | None = None
+    # Automatic policies, each off (None) by default: act on a sequence that has run
+    # longer than max_wall_s, holds more than max_kv_share of the KV pool, or has produced
+    # more than max_predicted_ratio times its predicted output tokens.
+    policy_action: str = "deprioritize"  # or abort
+    max_wall_s: float | None = None
+    max_kv_share: float | None = None
+    max_predicted_ratio: float | None = None
+    policy_interval_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.token is not None and len(self.token) < 16:
+            raise ConfigError("admin token must be at least 16 characters")
+        if self.policy_action not in ("abort", "deprioritize"):
+            raise ConfigError(f"policy_action must be abort or deprioritize, got {self.policy_action!r}")
+        for name in ("max_wall_s", "max_predicted_ratio", "policy_interval_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name} must be > 0, got {value}")
+        if self.max_kv_share is not None and not 0 < self.max_kv_share <= 1:
+            raise ConfigError(f"max_kv_share must be in (0, 1], got {self.max_kv_share}")
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -306,6 +332,7 @@ class Config:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     pools: PoolsConfig = field(default_factory=PoolsConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    admin: AdminConfig = field(default_factory=AdminConfig)
     # "auto" picks by what is installed and the device present; or torch/flash_attn/xformers.
     attention_backend: str = "auto"
     seed: int = 0

@@ -13,6 +13,7 @@ import sys
 import tomllib
 
 from headroom.config import (
+    AdminConfig,
     AdmissionConfig,
     CacheConfig,
     Config,
@@ -54,7 +55,7 @@ _FLAGS = {
     "log_prompts": ("observability", "log_prompts"),
 }
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "server": ServerConfig,
-             "admission": AdmissionConfig, "pools": PoolsConfig, "observability": ObservabilityConfig}
+             "admission": AdmissionConfig, "pools": PoolsConfig, "observability": ObservabilityConfig, "admin": AdminConfig}
 
 
 def _on_off(value: str) -> bool:

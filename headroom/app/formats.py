@@ -55,9 +55,10 @@ class CompletionFormat(ResponseFormat):
     def start_chunks(self) -> list[dict]:
         return []
 
-    def delta_chunk(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None) -> dict:
+    def delta_chunk(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
+                    stop_reason: str | int | None = None) -> dict:
         return self.chunk({"index": 0, "text": text, "logprobs": self._logprobs(text, logprobs),
-                           "finish_reason": finish_reason, "stop_reason": None})
+                           "finish_reason": finish_reason, "stop_reason": stop_reason})
 
     def full(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
              stop_reason: str | int | None, usage: Usage) -> dict:
@@ -91,10 +92,11 @@ class ChatFormat(ResponseFormat):
         return [self.chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None})]
 
-    def delta_chunk(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None) -> dict:
+    def delta_chunk(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
+                    stop_reason: str | int | None = None) -> dict:
         delta = {"content": text} if text or finish_reason is None else {}
         return self.chunk({"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs),
-                           "finish_reason": finish_reason, "stop_reason": None})
+                           "finish_reason": finish_reason, "stop_reason": stop_reason})
 
     def full(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
              stop_reason: str | int | None, usage: Usage) -> dict:

@@ -189,7 +189,8 @@ async def _run(request: web.Request, engine_request: Request, fmt: ResponseForma
                     await response.write(encode_event(error_body(out.error, APIError.type, code="engine_error")))
                     break
                 if out.text or out.finished or out.logprobs:
-                    chunk = fmt.delta_chunk(out.text, out.logprobs, out.finish_reason if out.finished else None)
+                    chunk = fmt.delta_chunk(out.text, out.logprobs, out.finish_reason if out.finished else None,
+                                            out.stop_reason if out.finished else None)
                     await response.write(encode_event(chunk))
         if fmt.include_usage:
             await response.write(encode_event(fmt.usage_chunk(_usage(engine_request))))

@@ -11,6 +11,8 @@ import signal
 import aiohttp
 from aiohttp import web
 
+from headroom.admin import policies
+from headroom.admin.api import admin_token, create_admin_app
 from headroom.app import keys
 from headroom.app.admission_gate import AdmissionGate
 from headroom.app.engine_client import AsyncEngine
@@ -66,6 +68,13 @@ def create_app(config: Config, engine: Engine) -> web.Application:
     if config.pools.long.url:
         app.cleanup_ctx.append(_http_client)
     setup_routes(app)
+    token = admin_token(config)
+    if token is not None:
+        app.add_subapp("/admin/", create_admin_app(token))
+    else:
+        log.info("admin API off: set [admin] token or HEADROOM_ADMIN_TOKEN to enable /admin/")
+    if policies.enabled(config.admin):
+        app.cleanup_ctx.append(_policies)
     return app
 
 
@@ -95,6 +104,15 @@ async def _observability(app: web.Application):
         await monitor
     # Flushing may wait on a slow collector; the loop must not.
     await asyncio.get_running_loop().run_in_executor(None, observability.shutdown)
+
+
+async def _policies(app: web.Application):
+    task = asyncio.create_task(policies.enforce(app[keys.CONFIG].admin, app[keys.ENGINE].engine),
+                               name="headroom-policies")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def _http_client(app: web.Application):

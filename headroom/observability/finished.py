@@ -47,6 +47,7 @@ class FinishedRequest:
     preemptions: int = 0
     tokens_processed: int = 0
     first_token_at: float | None = None  # time.monotonic() of the first token
+    admin_actions: tuple[str, ...] = ()
 
     @classmethod
     def build(cls, *, request_id: str, endpoint: str, model: str, http_status: int, arrival: float, end: float,
@@ -91,5 +92,6 @@ class FinishedRequest:
             preemptions=request.num_preemptions,
             tokens_processed=request.num_processed_tokens,
             first_token_at=request.first_token_time,
+            admin_actions=tuple(request.admin_actions),
             **common,
         )

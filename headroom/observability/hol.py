@@ -1,7 +1,7 @@
 """The head-of-line signal: is the short class slow *because* long sequences dominate?
 
 Every interval the monitor reads an engine snapshot and the engine's per-class device
-time, keeps a rolling window of TTFTs per size class, and raises the signal when the
+time, takes the TTFT quantiles per size class over the rolling window, and raises the signal when the
 short class's p99 TTFT is above its threshold while long-class sequences took at least
 `hol_long_share` of the engine's time in the last interval or hold that share of the KV
 pool. When it rises, a warning names the sequences that took the most engine time.
@@ -10,14 +10,10 @@ pool. When it rises, a warning names the sequences that took the most engine tim
 from __future__ import annotations
 
 import logging
-import time
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from headroom.config import ObservabilityConfig
+from headroom.observability.windows import LatencyWindows
 from headroom.runtime.outputs import EngineSnapshot, EngineStats
 
 log = logging.getLogger("headroom.hol")
@@ -44,28 +40,13 @@ class HolState:
 
 
 class HolMonitor:
-    def __init__(self, config: ObservabilityConfig, now: Callable[[], float] = time.monotonic):
+    def __init__(self, config: ObservabilityConfig, windows: LatencyWindows):
         self.config = config
-        self._now = now
-        self._ttfts: dict[str, deque[tuple[float, float]]] = {}
+        self.windows = windows
         self._busy = 0.0
         self._long_busy = 0.0
         self._device: dict[str, float] = {}
         self.state = HolState(False, None, 0.0, 0.0)
-
-    def observe_ttft(self, size_class: str, ttft_s: float, at: float) -> None:
-        self._ttfts.setdefault(size_class, deque()).append((at, ttft_s))
-
-    def ttft_quantiles(self) -> dict[str, tuple[float, float]]:
-        horizon = self._now() - self.config.ttft_window_s
-        out = {}
-        for size_class, window in self._ttfts.items():
-            while window and window[0][0] < horizon:
-                window.popleft()
-            if window:
-                p50, p99 = np.quantile([t for _, t in window], [0.5, 0.99])
-                out[size_class] = (float(p50), float(p99))
-        return out
 
     def update(self, snapshot: EngineSnapshot, stats: EngineStats) -> HolState:
         busy = stats.step_time_s - self._busy
@@ -84,7 +65,7 @@ class HolMonitor:
         self._device = device
         offenders.sort(key=lambda o: (o.device_share, o.kv_share), reverse=True)
 
-        quantiles = self.ttft_quantiles()
+        quantiles = self.windows.ttft_quantiles(self.config.ttft_window_s)
         short_p99 = quantiles["short"][1] if "short" in quantiles else None
         dominated = max(long_device_share, long_kv_share) >= self.config.hol_long_share
         coupled = short_p99 is not None and short_p99 > self.config.hol_short_ttft_p99_s and dominated

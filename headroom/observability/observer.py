@@ -18,6 +18,7 @@ from headroom.observability.hol import HolMonitor, HolState
 from headroom.observability.logs import log_finished
 from headroom.observability.metrics import Metrics
 from headroom.observability.tracing import Tracing, exporter_from_env
+from headroom.observability.windows import LatencyWindows
 from headroom.runtime.engine import Engine
 from headroom.runtime.request import Request
 
@@ -53,7 +54,8 @@ class Observability:
         self.engine = engine
         self.tracing = tracing if tracing is not None else Tracing(exporter_from_env(), package_version())
         self.metrics = Metrics(engine, admission, self.tracing.dropped_spans)
-        self.hol = HolMonitor(config)
+        self.windows = LatencyWindows()
+        self.hol = HolMonitor(config, self.windows)
         if self.tracing.enabled:
             log.info("tracing: exporting spans over OTLP")
 
@@ -70,7 +72,7 @@ class Observability:
         )
         self.metrics.observe(done)
         if done.ttft_s is not None and done.first_token_at is not None:
-            self.hol.observe_ttft(done.size_class, done.ttft_s, done.first_token_at)
+            self.windows.observe(done.size_class, done.first_token_at, done.ttft_s, done.e2e_s)
         if trace.span is not None:
             self._end_span(trace, done, end)
         log_finished(done, trace.trace_id, trace.prompt if self.config.log_prompts else None)
@@ -154,6 +156,7 @@ def span_attributes(done: FinishedRequest) -> dict:
         "headroom.abort_cause": done.abort_cause,
         "headroom.stop_reason": done.stop_reason,
         "headroom.error": done.error,
+        "headroom.admin_actions": list(done.admin_actions) or None,
     }
     return attributes
 

@@ -11,6 +11,8 @@ import itertools
 import logging
 import threading
 import time
+from collections import OrderedDict
+from concurrent.futures import Future
 
 from headroom.config import Config
 from headroom.models.loader import LoadedModel, load_model
@@ -24,13 +26,18 @@ from headroom.runtime.outputs import (
     EngineStats,
     OutputSink,
     RequestOutput,
+    SequenceFinished,
     SequenceSnapshot,
+    UnknownSequence,
 )
 from headroom.runtime.request import Request, RequestStatus, SamplingParams
 from headroom.runtime.sampler import Sampler, TokenLogprob
 from headroom.runtime.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+
+DEPRIORITIZED = -(2**31)  # below every tier: runs last, preempted first
+RECENTLY_FINISHED = 10_000  # finished ids remembered, so a late action gets 409, not 404
 
 
 class Engine:
@@ -69,6 +76,7 @@ class Engine:
         self._inbox: list[tuple[str, object]] = []
         self._wakeup = threading.Condition()
         self._state_lock = threading.Lock()
+        self._finished: OrderedDict[str, str | None] = OrderedDict()  # request id -> finish reason
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -106,6 +114,17 @@ class Engine:
 
     def abort(self, request_id: str, cause: str = "client_disconnect") -> None:
         self._command("abort", (request_id, cause))
+
+    def control(self, request_id: str, action: str, **args) -> Future[SequenceSnapshot]:
+        """An operator's action on a live sequence, applied at the start of the next step:
+        abort (reason), deprioritize (long_lane) or cap (max_tokens). The future holds the
+        sequence as it was when the action took effect, or UnknownSequence /
+        SequenceFinished."""
+        if action not in ("abort", "deprioritize", "cap"):
+            raise ValueError(f"unknown action {action!r}")
+        future: Future[SequenceSnapshot] = Future()
+        self._command("control", (request_id, action, args, future))
+        return future
 
     def _command(self, kind: str, payload: object) -> None:
         with self._wakeup:
@@ -168,9 +187,48 @@ class Engine:
                 request.busy_at_arrival = self.stats.step_time_s
                 self.scheduler.add_request(request)
                 self.stats.prompt_tokens += request.num_prompt_tokens
+            elif kind == "control":
+                request_id, action, args, future = payload  # type: ignore[misc]
+                try:
+                    future.set_result(self._control(request_id, action, **args))
+                except (UnknownSequence, SequenceFinished) as exc:
+                    future.set_exception(exc)
             else:
                 request_id, cause = payload  # type: ignore[misc]
                 self._abort(request_id, cause)
+
+    def _control(self, request_id: str, action: str, **args) -> SequenceSnapshot:
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            if request_id in self._finished:
+                raise SequenceFinished(request_id, self._finished[request_id])
+            raise UnknownSequence(request_id)
+        by = args.get("by", "admin")
+        if action == "abort":
+            reason = args.get("reason") or "no reason given"
+            request.admin_actions.append(f"abort by {by}: {reason}")
+            request.stop_reason = f"aborted by {by}: {reason}"
+            snapshot = self._sequence_snapshot(request, time.monotonic())
+            self._abort(request_id, by)
+        elif action == "deprioritize":
+            request.priority = DEPRIORITIZED
+            request.deprioritized = True
+            if args.get("long_lane"):
+                request.size_class = "long"
+            lane = " to the long lane" if args.get("long_lane") else ""
+            reason = f": {args['reason']}" if args.get("reason") else ""
+            request.admin_actions.append(f"deprioritize by {by}{lane}{reason}")
+            snapshot = self._sequence_snapshot(request, time.monotonic())
+        else:
+            cap = int(args["max_tokens"])
+            request.max_tokens_cap = cap if request.max_tokens_cap is None else min(cap, request.max_tokens_cap)
+            request.admin_actions.append(f"cap by {by} at {cap} tokens")
+            snapshot = self._sequence_snapshot(request, time.monotonic())
+            if request.num_output_tokens >= request.max_tokens:
+                request.stop_reason = f"capped by {by} at {cap} tokens"
+                self._finish(request_id, RequestStatus.FINISHED_LENGTH)
+        log.info("%s on %s: %s", action, request_id, request.admin_actions[-1])
+        return snapshot
 
     def step(self) -> None:
         """One iteration: schedule, run the model, sample, deliver outputs."""
@@ -293,6 +351,9 @@ class Engine:
         output.finish_reason = "error" if output.error else request.status.finish_reason
         output.stop_reason = request.stop_reason
         self.stats.finished[output.finish_reason] += 1
+        self._finished[rid] = output.finish_reason
+        if len(self._finished) > RECENTLY_FINISHED:
+            self._finished.popitem(last=False)
         self._detokenizers.pop(rid)
         self.sampler.remove(rid)
         self._sinks.pop(rid)(output)
@@ -310,33 +371,39 @@ class Engine:
             now = time.monotonic()
             busy = self.stats.step_time_s
             num_blocks = self.block_manager.num_blocks
-            sequences = []
-            for request in self.scheduler.requests.values():
-                held = len(self.block_manager.block_table(request.request_id))
-                lifetime_busy = busy - request.busy_at_arrival
-                sequences.append(SequenceSnapshot(
-                    request_id=request.request_id,
-                    tenant=request.tenant,
-                    tier=request.tier,
-                    size_class=request.size_class,
-                    status=request.status.name.lower(),
-                    priority=request.priority,
-                    age_s=now - request.arrival_time,
-                    prompt_tokens=request.num_prompt_tokens,
-                    output_tokens=request.num_output_tokens,
-                    max_tokens=request.max_tokens,
-                    predicted_output_tokens=request.predicted_output_tokens,
-                    blocks_held=held,
-                    kv_share=held / num_blocks,
-                    device_time_s=request.device_time_s,
-                    device_share=request.device_time_s / lifetime_busy if lifetime_busy > 0 else 0.0,
-                    kv_block_seconds=request.kv_block_seconds,
-                    tokens_processed=request.num_processed_tokens,
-                    preemptions=request.num_preemptions,
-                    ttft_s=None if request.first_token_time is None else request.first_token_time - request.arrival_time,
-                ))
+            sequences = tuple(self._sequence_snapshot(r, now) for r in self.scheduler.requests.values())
             return EngineSnapshot(now, busy, self.stats.steps, num_blocks, self.block_manager.num_used_blocks,
-                                  tuple(sequences))
+                                  sequences)
+
+    def _sequence_snapshot(self, request: Request, now: float) -> SequenceSnapshot:
+        busy = self.stats.step_time_s
+        held = len(self.block_manager.block_table(request.request_id))
+        lifetime_busy = busy - request.busy_at_arrival
+        first = request.first_token_time
+        return SequenceSnapshot(
+            request_id=request.request_id,
+            tenant=request.tenant,
+            tier=request.tier,
+            size_class=request.size_class,
+            status=request.status.name.lower(),
+            priority=request.priority,
+            age_s=now - request.arrival_time,
+            prompt_tokens=request.num_prompt_tokens,
+            output_tokens=request.num_output_tokens,
+            max_tokens=request.max_tokens,
+            predicted_output_tokens=request.predicted_output_tokens,
+            blocks_held=held,
+            kv_share=held / self.block_manager.num_blocks,
+            device_time_s=request.device_time_s,
+            device_share=request.device_time_s / lifetime_busy if lifetime_busy > 0 else 0.0,
+            kv_block_seconds=request.kv_block_seconds,
+            tokens_processed=request.num_processed_tokens,
+            preemptions=request.num_preemptions,
+            ttft_s=None if first is None else first - request.arrival_time,
+            budget_left_s=None if request.deadline is None else request.deadline - now,
+            deprioritized=request.deprioritized,
+            admin_actions=tuple(request.admin_actions),
+        )
 
     # ---- conveniences for the CLI, tests and benchmarks --------------------------------
 

@@ -69,6 +69,9 @@ class SequenceSnapshot:
     tokens_processed: int
     preemptions: int
     ttft_s: float | None
+    budget_left_s: float | None = None  # wall-clock budget left (None: no budget)
+    deprioritized: bool = False
+    admin_actions: tuple[str, ...] = ()
 
     @property
     def progress(self) -> float | None:
@@ -76,6 +79,18 @@ class SequenceSnapshot:
         if not self.predicted_output_tokens:
             return None
         return self.output_tokens / self.predicted_output_tokens
+
+
+class UnknownSequence(LookupError):
+    """No live or recently finished sequence has this id."""
+
+
+class SequenceFinished(Exception):
+    """The sequence finished before the action reached it."""
+
+    def __init__(self, request_id: str, finish_reason: str | None):
+        super().__init__(f"sequence {request_id!r} has already finished ({finish_reason})")
+        self.finish_reason = finish_reason
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,10 @@ class Request:
     num_preemptions: int = 0
     stop_reason: str | int | None = None  # the stop string or token that ended it
     abort_cause: str | None = None  # client_disconnect | shutdown | engine_error | wall_clock_budget | admin
+    # Operator actions (admin API or automatic policy) taken on it, in order.
+    admin_actions: list[str] = field(default_factory=list)
+    deprioritized: bool = False
+    max_tokens_cap: int | None = None  # an operator's cap below sampling.max_tokens
 
     # Timestamps (time.monotonic) for spans and metrics.
     first_scheduled_time: float | None = None
@@ -134,6 +138,8 @@ class Request:
 
     @property
     def max_tokens(self) -> int:
+        if self.max_tokens_cap is not None:
+            return min(self.sampling.max_tokens, self.max_tokens_cap)
         return self.sampling.max_tokens
 
     @property

@@ -195,7 +195,7 @@ class Scheduler:
             if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
                 request.stop_reason = token if token in params.stop_token_ids else None
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens:
+        if request.num_output_tokens >= request.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -9,6 +9,7 @@ import pytest
 
 from headroom.config import ObservabilityConfig
 from headroom.observability.hol import HolMonitor
+from headroom.observability.windows import LatencyWindows
 from headroom.runtime.outputs import EngineSnapshot, EngineStats, SequenceSnapshot
 
 
@@ -38,23 +39,23 @@ CONFIG = ObservabilityConfig(ttft_window_s=30, hol_short_ttft_p99_s=1.0, hol_lon
 
 def test_rolling_quantiles_forget_what_left_the_window():
     clock = Clock()
-    monitor = HolMonitor(CONFIG, now=clock)
+    monitor = HolMonitor(CONFIG, LatencyWindows(now=clock))
     for i in range(100):
-        monitor.observe_ttft("short", 0.1 + 0.01 * i, at=clock.t - 40)  # outside the window
+        monitor.windows.observe("short", clock.t - 40, 0.1 + 0.01 * i, 1.0)  # outside the window
     for _ in range(10):
-        monitor.observe_ttft("short", 0.2, at=clock.t - 1)
-    assert monitor.ttft_quantiles() == {"short": (pytest.approx(0.2), pytest.approx(0.2))}
+        monitor.windows.observe("short", clock.t - 1, 0.2, 1.0)
+    assert monitor.windows.ttft_quantiles(30) == {"short": (pytest.approx(0.2), pytest.approx(0.2))}
 
 
 def test_fires_when_short_is_slow_and_long_dominates_and_names_the_offenders(caplog):
     clock = Clock()
-    monitor = HolMonitor(CONFIG, now=clock)
+    monitor = HolMonitor(CONFIG, LatencyWindows(now=clock))
     # Interval 1, the baseline: no short request has finished yet, so nothing fires.
     first = monitor.update(snapshot(seq("long-a", "long", 1.0, 10), seq("short-b", "short", 1.0, 2)),
                            stats(2.0, long=1.0))
     assert not first.coupled and first.short_ttft_p99_s is None
     for ttft in [0.2] * 90 + [3.0] * 10:
-        monitor.observe_ttft("short", ttft, at=clock.t)
+        monitor.windows.observe("short", clock.t, ttft, 1.0)
     # Interval 2: 10 s busy, 8 s of it on long-a, 1.5 s on long-c, 0.5 s on short-b.
     with caplog.at_level(logging.WARNING, logger="headroom.hol"):
         state = monitor.update(
@@ -85,8 +86,8 @@ def test_fires_when_short_is_slow_and_long_dominates_and_names_the_offenders(cap
 ])
 def test_needs_both_halves(short_ttfts, long_share, coupled):
     clock = Clock()
-    monitor = HolMonitor(CONFIG, now=clock)
+    monitor = HolMonitor(CONFIG, LatencyWindows(now=clock))
     for ttft in short_ttfts:
-        monitor.observe_ttft("short", ttft, at=clock.t)
+        monitor.windows.observe("short", clock.t, ttft, 1.0)
     state = monitor.update(snapshot(), stats(10.0, long=10.0 * long_share))
     assert state.coupled is coupled

@@ -1,0 +1,167 @@
+"""The operator's API, a sub-app under /admin/ with its own bearer token.
+
+A sequence is named by the id its client saw in the response's `id` field. Actions go
+to the engine as commands applied at the start of its next step, and each handler
+answers once the action has taken effect, so an abort's blocks are already free when
+the 200 arrives. Every action is logged and recorded on the sequence (its span carries
+them in `headroom.admin_actions`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import os
+import time
+from importlib import resources
+
+from aiohttp import web
+
+from headroom.admin.schemas import AbortBody, CapBody, DeprioritizeBody, parse, sequence_json
+from headroom.admin.tenants_api import list_tenants, patch_tenant, reload_predictor
+from headroom.app import keys
+from headroom.app.admission_gate import Unauthorized
+from headroom.app.errors import APIError, BadRequest, Conflict, NotFound
+from headroom.config import Config
+from headroom.runtime.outputs import SequenceFinished, UnknownSequence
+
+log = logging.getLogger("headroom.admin")
+
+TOKEN_ENV = "HEADROOM_ADMIN_TOKEN"
+TOKEN_DIGEST = web.AppKey("admin_token_digest", bytes)
+SORT_KEYS = {
+    "cost": lambda s: s.device_time_s,  # engine seconds used so far
+    "kv_blocks": lambda s: s.blocks_held,
+    "kv_block_seconds": lambda s: s.kv_block_seconds,
+    "age": lambda s: s.age_s,
+    "output_tokens": lambda s: s.output_tokens,
+    "progress": lambda s: s.progress or 0.0,
+}
+
+
+class Forbidden(APIError):
+    status = 403
+    type = "permission_error"
+
+
+def admin_token(config: Config) -> str | None:
+    return config.admin.token or os.environ.get(TOKEN_ENV) or None
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    if request.path == "/admin/ui" and request.method == "GET":
+        return await handler(request)  # the static page; everything it shows needs the token
+    header = request.headers.get("Authorization", "")
+    given = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+    # Digests of equal length, so the comparison's time says nothing about the token.
+    if given and hmac.compare_digest(_digest(given), request.app[TOKEN_DIGEST]):
+        return await handler(request)
+    if given and request.config_dict[keys.GATE].registry.by_api_key(given) is not None:
+        raise Forbidden("tenant API keys cannot use the admin API", code="admin_forbidden")
+    raise Unauthorized("the admin API needs its bearer token", code="invalid_admin_token")
+
+
+def create_admin_app(token: str) -> web.Application:
+    admin = web.Application(middlewares=[auth_middleware])
+    admin[TOKEN_DIGEST] = _digest(token)
+    admin.router.add_get("/sequences", list_sequences)
+    admin.router.add_get("/sequences/{id}", get_sequence)
+    admin.router.add_post("/sequences/{id}/abort", abort)
+    admin.router.add_post("/sequences/{id}/deprioritize", deprioritize)
+    admin.router.add_post("/sequences/{id}/cap", cap)
+    admin.router.add_get("/tenants", list_tenants)
+    admin.router.add_patch("/tenants/{name}", patch_tenant)
+    admin.router.add_post("/predictor/reload", reload_predictor)
+    admin.router.add_get("/stats", stats)
+    admin.router.add_get("/ui", ui)
+    return admin
+
+
+async def list_sequences(request: web.Request) -> web.Response:
+    sort = request.query.get("sort", "cost")
+    if sort not in SORT_KEYS:
+        raise BadRequest(f"sort must be one of {', '.join(SORT_KEYS)}", param="sort", code="invalid_value")
+    try:
+        limit = int(request.query.get("limit", "100"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 10_000:
+        raise BadRequest("limit must be an integer in [1, 10000]", param="limit", code="invalid_value")
+    snapshot = request.config_dict[keys.ENGINE].engine.snapshot()
+    ordered = sorted(snapshot.sequences, key=SORT_KEYS[sort], reverse=True)[:limit]
+    return web.json_response({
+        "object": "list", "sort": sort, "taken_at": time.time(),
+        "kv_blocks_total": snapshot.num_blocks, "kv_blocks_used": snapshot.used_blocks,
+        "running": snapshot.running, "waiting": snapshot.waiting,
+        "data": [sequence_json(s) for s in ordered],
+    })
+
+
+async def get_sequence(request: web.Request) -> web.Response:
+    rid = request.match_info["id"]
+    for s in request.config_dict[keys.ENGINE].engine.snapshot().sequences:
+        if s.request_id == rid:
+            return web.json_response(sequence_json(s))
+    raise NotFound(f"no live sequence {rid!r}", param="id", code="sequence_not_found")
+
+
+async def act(request: web.Request, action: str, **args) -> web.Response:
+    rid = request.match_info["id"]
+    engine = request.config_dict[keys.ENGINE].engine
+    try:
+        before = await asyncio.wrap_future(engine.control(rid, action, by="admin", **args))
+    except UnknownSequence:
+        raise NotFound(f"no live sequence {rid!r}", param="id", code="sequence_not_found") from None
+    except SequenceFinished as exc:
+        raise Conflict(str(exc), param="id", code="sequence_finished") from None
+    log.info("admin action", extra={"action": action, "sequence": rid, "action_args": args,
+                                    "tenant": before.tenant, "device_time_s": before.device_time_s})
+    return web.json_response({"id": rid, "action": action, "sequence": sequence_json(before)})
+
+
+async def abort(request: web.Request) -> web.Response:
+    body = await parse(request, AbortBody, optional=True)
+    return await act(request, "abort", reason=body.reason)
+
+
+async def deprioritize(request: web.Request) -> web.Response:
+    body = await parse(request, DeprioritizeBody, optional=True)
+    return await act(request, "deprioritize", long_lane=body.long_lane)
+
+
+async def cap(request: web.Request) -> web.Response:
+    body = await parse(request, CapBody)
+    return await act(request, "cap", max_tokens=body.max_tokens)
+
+
+async def stats(request: web.Request) -> web.Response:
+    observability = request.config_dict[keys.OBSERVABILITY]
+    snapshot = request.config_dict[keys.ENGINE].engine.snapshot()
+    hol = observability.hol.state
+    return web.json_response({
+        "kv_blocks_total": snapshot.num_blocks, "kv_blocks_used": snapshot.used_blocks,
+        "kv_usage": snapshot.used_blocks / snapshot.num_blocks,
+        "running": snapshot.running, "waiting": snapshot.waiting, "engine_busy_s": snapshot.busy_s,
+        "latency": observability.windows.summary(),
+        "hol": {
+            "coupled": hol.coupled, "short_ttft_p99_s": hol.short_ttft_p99_s,
+            "long_device_share": hol.long_device_share, "long_kv_share": hol.long_kv_share,
+            "offenders": [{"id": o.request_id, "tenant": o.tenant, "size_class": o.size_class,
+                           "device_share": o.device_share, "kv_share": o.kv_share} for o in hol.offenders],
+        },
+    })
+
+
+async def ui(request: web.Request) -> web.Response:
+    page = resources.files("headroom.admin").joinpath("ui/index.html").read_text(encoding="utf-8")
+    return web.Response(text=page, content_type="text/html",
+                        headers={"Cache-Control": "no-store", "Content-Security-Policy":
+                                 "default-src 'self'; script-src 'self' 'unsafe-inline'; "
+                                 "style-src 'self' 'unsafe-inline'"})
