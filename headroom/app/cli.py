@@ -1,5 +1,6 @@
-"""The `headroom` command line: serve (the HTTP API) and generate (one completion to
-the terminal). Settings come from --config FILE (TOML), then flags override them."""
+"""The `headroom` command line: serve (the HTTP API), generate (one completion to the
+terminal), predictor (train, eval, calibrate) and top (a live view over the admin API).
+Settings come from --config FILE (TOML), then flags override them."""
 
 from __future__ import annotations
 
@@ -193,6 +194,12 @@ def cmd_predictor_eval(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_top(ns: argparse.Namespace) -> int:
+    from headroom.admin import top
+
+    return top.main(ns)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="headroom", description="headroom LLM inference server")
     parser.add_argument("--log-level", default="INFO")
@@ -243,6 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     evl.add_argument("--predictor", default=None, help="model directory (default: the packaged one)")
     evl.add_argument("--all-rows", action="store_true", help="score every row, not only split=test")
     evl.set_defaults(func=cmd_predictor_eval)
+
+    top = sub.add_parser("top", help="live terminal view of the costliest sequences (admin API)")
+    top.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    top.add_argument("--token", default=None, help="admin bearer token (default: $HEADROOM_ADMIN_TOKEN)")
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    top.add_argument("--sort", choices=["cost", "kv_blocks", "age", "output_tokens", "progress"], default="cost")
+    top.set_defaults(func=cmd_top)
 
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

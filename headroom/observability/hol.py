@@ -45,6 +45,7 @@ class HolMonitor:
         self.windows = windows
         self._busy = 0.0
         self._long_busy = 0.0
+        self._live_busy = 0.0
         self._device: dict[str, float] = {}
         self.state = HolState(False, None, 0.0, 0.0)
 
@@ -52,16 +53,21 @@ class HolMonitor:
         busy = stats.step_time_s - self._busy
         long_busy = stats.device_time_by_class.get("long", 0.0) - self._long_busy
         self._busy, self._long_busy = stats.step_time_s, stats.device_time_by_class.get("long", 0.0)
-        long_device_share = long_busy / busy if busy > 0 else 0.0
+        # No step finished in this interval (one long prefill step can outlast it): the
+        # last interval's share still describes what the engine is doing.
+        long_device_share = long_busy / busy if busy > 0 else self.state.long_device_share
         long_blocks = sum(s.blocks_held for s in snapshot.sequences if s.size_class == "long")
         long_kv_share = long_blocks / snapshot.num_blocks
 
+        # Offenders by the snapshot's live numbers (which count the step running now).
         offenders = []
+        live_busy, self._live_busy = snapshot.busy_s - self._live_busy, snapshot.busy_s
         device = {s.request_id: s.device_time_s for s in snapshot.sequences}
         for s in snapshot.sequences:
             used = s.device_time_s - self._device.get(s.request_id, 0.0)
-            if busy > 0 and used > 0:
-                offenders.append(Offender(s.request_id, s.tenant, s.size_class, used / busy, s.kv_share, s.age_s))
+            if live_busy > 0 and used > 0:
+                offenders.append(Offender(s.request_id, s.tenant, s.size_class, used / live_busy, s.kv_share,
+                                          s.age_s))
         self._device = device
         offenders.sort(key=lambda o: (o.device_share, o.kv_share), reverse=True)
 

@@ -77,6 +77,7 @@ class Engine:
         self._wakeup = threading.Condition()
         self._state_lock = threading.Lock()
         self._finished: OrderedDict[str, str | None] = OrderedDict()  # request id -> finish reason
+        self._running_step = None  # (SchedulerOutput, perf_counter start) while the model runs
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -242,12 +243,14 @@ class Engine:
             self.stats.preemptions += len(out.preempted)
             if out.is_empty:
                 return
+            self._running_step = (out, started)
         try:
             model_out = self.runner.execute(out, self.block_manager)
             samples = self.sampler(model_out.logits, [out.requests[i] for i in model_out.sample_indices])
         except Exception as exc:  # a failed step fails its own sequences, not the engine
             log.exception("engine step failed; failing %d sequences", len(out.requests))
             with self._state_lock:
+                self._running_step = None
                 for request in out.requests:
                     self._abort(request.request_id, "engine_error", error=f"engine error: {exc}")
             return
@@ -255,6 +258,7 @@ class Engine:
             self._complete_step(out, model_out, samples, started)
 
     def _complete_step(self, out, model_out, samples, started: float) -> None:
+        self._running_step = None
         # The tokens exist from here on; update_from_output stamps finished_time later.
         sampled_time = time.monotonic()
         sampled: list[int | None] = [None] * len(out.requests)
@@ -369,16 +373,27 @@ class Engine:
         """Every live sequence's cost, and the pool's, at one consistent instant."""
         with self._state_lock:
             now = time.monotonic()
+            # The step running now counts as far as it has got, shared by its tokens as
+            # it will be when it completes: a sequence's cost shows from its first step.
+            in_step: dict[str, float] = {}
             busy = self.stats.step_time_s
-            num_blocks = self.block_manager.num_blocks
-            sequences = tuple(self._sequence_snapshot(r, now) for r in self.scheduler.requests.values())
-            return EngineSnapshot(now, busy, self.stats.steps, num_blocks, self.block_manager.num_used_blocks,
-                                  sequences)
+            if self._running_step is not None:
+                out, started = self._running_step
+                elapsed = time.perf_counter() - started
+                busy += elapsed
+                for request, n in zip(out.requests, out.num_scheduled_tokens, strict=True):
+                    in_step[request.request_id] = elapsed * n / out.total_tokens
+            sequences = tuple(self._sequence_snapshot(r, now, busy, in_step.get(r.request_id, 0.0))
+                              for r in self.scheduler.requests.values())
+            return EngineSnapshot(now, busy, self.stats.steps, self.block_manager.num_blocks,
+                                  self.block_manager.num_used_blocks, sequences)
 
-    def _sequence_snapshot(self, request: Request, now: float) -> SequenceSnapshot:
-        busy = self.stats.step_time_s
+    def _sequence_snapshot(self, request: Request, now: float, busy: float | None = None,
+                           in_step_s: float = 0.0) -> SequenceSnapshot:
+        busy = self.stats.step_time_s if busy is None else busy
         held = len(self.block_manager.block_table(request.request_id))
         lifetime_busy = busy - request.busy_at_arrival
+        device_time = request.device_time_s + in_step_s
         first = request.first_token_time
         return SequenceSnapshot(
             request_id=request.request_id,
@@ -394,8 +409,8 @@ class Engine:
             predicted_output_tokens=request.predicted_output_tokens,
             blocks_held=held,
             kv_share=held / self.block_manager.num_blocks,
-            device_time_s=request.device_time_s,
-            device_share=request.device_time_s / lifetime_busy if lifetime_busy > 0 else 0.0,
+            device_time_s=device_time,
+            device_share=device_time / lifetime_busy if lifetime_busy > 0 else 0.0,
             kv_block_seconds=request.kv_block_seconds,
             tokens_processed=request.num_processed_tokens,
             preemptions=request.num_preemptions,

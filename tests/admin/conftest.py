@@ -75,9 +75,11 @@ class Stream:
         return self
 
 
-def start_stream(server, body: dict, request_id: str | None = None) -> Stream:
+def start_stream(server, body: dict, request_id: str | None = None, api_key: str | None = None) -> Stream:
     stream = Stream()
     headers = {"X-Request-Id": request_id} if request_id else {}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
 
     def run() -> None:
         try:
@@ -101,10 +103,10 @@ def start_stream(server, body: dict, request_id: str | None = None) -> Stream:
 RUNAWAY_PROMPT = [(13 * i) % 30000 + 100 for i in range(1500)]
 
 
-def plant_runaway(server, request_id: str = "runaway") -> Stream:
+def plant_runaway(server, request_id: str = "runaway", api_key: str | None = None) -> Stream:
     """A long prompt that never stops on its own: ignore_eos and a large max_tokens."""
     return start_stream(server, {"prompt": RUNAWAY_PROMPT, "max_tokens": 4000, "ignore_eos": True},
-                        request_id=request_id)
+                        request_id=request_id, api_key=api_key)
 
 
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05):

@@ -169,3 +169,25 @@ def test_stats_reports_windows_kv_and_the_hol_signal(admin_server):
     assert set(body["latency"]) == {"1m", "5m", "15m"}
     assert body["kv_blocks_total"] == 512 and 0 <= body["kv_usage"] <= 1
     assert set(body["hol"]) == {"coupled", "short_ttft_p99_s", "long_device_share", "long_kv_share", "offenders"}
+
+
+def test_no_token_no_admin_api_and_the_env_var_turns_it_on(monkeypatch, default_model):
+    from headroom.app.background import BackgroundServer
+    from headroom.config import CacheConfig, Config
+    from headroom.runtime.engine import Engine
+
+    monkeypatch.delenv("HEADROOM_ADMIN_TOKEN", raising=False)
+    config = Config(cache=CacheConfig(num_blocks=64))
+    server = BackgroundServer(config, Engine(config, loaded=default_model)).start()
+    try:
+        assert admin(server, "GET", "/sequences").status_code == 404
+    finally:
+        server.stop()
+    monkeypatch.setenv("HEADROOM_ADMIN_TOKEN", ADMIN_TOKEN)
+    server = BackgroundServer(config, Engine(config, loaded=default_model)).start()
+    try:
+        r = admin(server, "GET", "/sequences")
+        assert r.status_code == 200 and r.json()["data"] == [] and r.json()["kv_blocks_total"] == 64
+        assert admin(server, "GET", "/sequences", token="x" * 32).status_code == 401
+    finally:
+        server.stop()

@@ -26,8 +26,8 @@ def seq(rid: str, size_class: str, device_s: float, blocks: int, tenant: str = "
                             blocks / 100, device_s, 0.0, 0.0, 110, 0, None)
 
 
-def snapshot(*sequences: SequenceSnapshot) -> EngineSnapshot:
-    return EngineSnapshot(0.0, 0.0, 1, 100, sum(s.blocks_held for s in sequences), sequences)
+def snapshot(*sequences: SequenceSnapshot, busy: float = 0.0) -> EngineSnapshot:
+    return EngineSnapshot(0.0, busy, 1, 100, sum(s.blocks_held for s in sequences), sequences)
 
 
 def stats(busy: float, **by_class: float) -> EngineStats:
@@ -51,7 +51,7 @@ def test_fires_when_short_is_slow_and_long_dominates_and_names_the_offenders(cap
     clock = Clock()
     monitor = HolMonitor(CONFIG, LatencyWindows(now=clock))
     # Interval 1, the baseline: no short request has finished yet, so nothing fires.
-    first = monitor.update(snapshot(seq("long-a", "long", 1.0, 10), seq("short-b", "short", 1.0, 2)),
+    first = monitor.update(snapshot(seq("long-a", "long", 1.0, 10), seq("short-b", "short", 1.0, 2), busy=2.0),
                            stats(2.0, long=1.0))
     assert not first.coupled and first.short_ttft_p99_s is None
     for ttft in [0.2] * 90 + [3.0] * 10:
@@ -59,7 +59,8 @@ def test_fires_when_short_is_slow_and_long_dominates_and_names_the_offenders(cap
     # Interval 2: 10 s busy, 8 s of it on long-a, 1.5 s on long-c, 0.5 s on short-b.
     with caplog.at_level(logging.WARNING, logger="headroom.hol"):
         state = monitor.update(
-            snapshot(seq("long-a", "long", 9.0, 30), seq("short-b", "short", 1.5, 2), seq("long-c", "long", 1.5, 5)),
+            snapshot(seq("long-a", "long", 9.0, 30), seq("short-b", "short", 1.5, 2), seq("long-c", "long", 1.5, 5),
+                     busy=12.0),
             stats(12.0, long=10.5, short=1.5),
         )
     assert state.coupled
@@ -75,7 +76,7 @@ def test_fires_when_short_is_slow_and_long_dominates_and_names_the_offenders(cap
     # Still coupled on the next interval: no second warning.
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="headroom.hol"):
-        again = monitor.update(snapshot(seq("long-a", "long", 17.0, 30)), stats(20.0, long=18.5, short=1.5))
+        again = monitor.update(snapshot(seq("long-a", "long", 17.0, 30), busy=20.0), stats(20.0, long=18.5, short=1.5))
     assert again.coupled and caplog.records == []
 
 

@@ -1,0 +1,111 @@
+"""The planted offender, on the real server: 20 short streams and one runaway. The
+operator finds it first by cost within a second, aborts it, its blocks are freed, and
+the short requests that follow are as fast as before it came."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.admin.conftest import TENANT_KEY, admin, plant_runaway, wait_until
+from tests.app.test_openai_api import wait_idle
+
+pytestmark = pytest.mark.slow
+
+WORKERS = 20
+PHASE_S = 4.0
+
+
+class ShortLoad:
+    """WORKERS threads, each streaming one short chat request after another until stopped,
+    so the short class's load is the same before, during and after the offender."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.stop = threading.Event()
+        self.ttfts: list[tuple[float, float]] = []  # (start, ttft), time.monotonic()
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self.work, args=(i,), daemon=True) for i in range(WORKERS)]
+
+    def work(self, i: int) -> None:
+        body = {"messages": [{"role": "user", "content": f"Say hello to friend {i}."}], "max_tokens": 16,
+                "stream": True, "ignore_eos": True}
+        with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {TENANT_KEY}"}) as client:
+            while not self.stop.is_set():
+                start = time.monotonic()
+                ttft = None
+                with client.stream("POST", self.url + "/v1/chat/completions", json=body) as r:
+                    assert r.status_code == 200
+                    for line in r.iter_lines():
+                        compact = line.replace(" ", "")
+                        if ttft is None and '"content":"' in compact and '"content":""' not in compact:
+                            ttft = time.monotonic() - start
+                with self.lock:
+                    self.ttfts.append((start, ttft))
+
+    def median_ttft(self, since: float, until: float) -> float:
+        with self.lock:
+            window = [t for s, t in self.ttfts if since <= s < until and t is not None]
+        assert len(window) >= 10, f"only {len(window)} short requests in the window"
+        return statistics.median(window)
+
+    def __enter__(self) -> ShortLoad:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+
+
+def test_planted_offender_is_found_aborted_and_forgotten(admin_server):
+    engine = admin_server.engine
+    wait_idle(engine)
+    with ShortLoad(admin_server.url) as load:
+        time.sleep(1.0)  # warm: every worker has its first request in
+        a = time.monotonic()
+        time.sleep(PHASE_S)
+
+        sent = time.monotonic()
+        runaway = plant_runaway(admin_server, "offender", api_key=TENANT_KEY)
+        rid = "cmpl-offender"
+
+        def offender_first() -> bool:
+            data = admin(admin_server, "GET", "/sequences?sort=cost&limit=5").json()["data"]
+            return bool(data) and data[0]["id"] == rid
+
+        assert wait_until(offender_first, timeout=10, interval=0.05)
+        found_after = time.monotonic() - sent
+        assert found_after <= 1.0, f"offender first by cost only after {found_after:.2f}s"
+        top = admin(admin_server, "GET", f"/sequences/{rid}").json()
+        assert top["kv_blocks"] > 0 and top["prompt_tokens"] == 1500
+        time.sleep(PHASE_S)
+
+        aborted = time.monotonic()
+        r = admin(admin_server, "POST", f"/sequences/{rid}/abort", json={"reason": "runaway"})
+        assert r.status_code == 200
+        # Its blocks are free when the answer arrives; what is used belongs to the others
+        # (who share their chat template's prefix blocks, hence <=).
+        assert r.json()["sequence"]["kv_blocks"] >= 1500 // 16
+        assert engine.block_manager.block_table(rid) == []
+        snap = engine.snapshot()
+        assert rid not in {s.request_id for s in snap.sequences}
+        assert snap.used_blocks <= sum(s.blocks_held for s in snap.sequences)
+        assert runaway.wait().finish_reason == "abort"
+        time.sleep(PHASE_S)
+        c = time.monotonic()
+
+    short_only = load.median_ttft(a, sent)
+    with_offender = load.median_ttft(sent + found_after, aborted)
+    after = load.median_ttft(aborted + 0.5, c)
+    print(f"short TTFT p50: short-only {short_only:.3f}s, with offender {with_offender:.3f}s, "
+          f"after abort {after:.3f}s; offender first by cost after {found_after:.2f}s")
+    assert after <= 1.5 * short_only
+    wait_idle(engine)
+    engine.block_manager.check_invariants()

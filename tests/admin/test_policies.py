@@ -1,0 +1,83 @@
+"""Automatic policies: which sequences break which rule (pure), and the loop acting on
+the real engine through the same command as the admin API."""
+
+from __future__ import annotations
+
+import pytest
+
+from headroom.admin.policies import Violation, enabled, violations
+from headroom.config import AdminConfig, ConfigError
+from headroom.runtime.outputs import EngineSnapshot, SequenceSnapshot
+
+
+def seq(rid: str, *, age: float = 1.0, kv_share: float = 0.01, output: int = 10, predicted: float | None = 50.0,
+        deprioritized: bool = False) -> SequenceSnapshot:
+    return SequenceSnapshot(rid, "t", "standard", "short", "running", 0, age, 100, output, 1000, predicted,
+                            int(kv_share * 100), kv_share, 0.1, 0.1, 0.0, 110, 0, 0.1,
+                            deprioritized=deprioritized)
+
+
+def snap(*sequences: SequenceSnapshot) -> EngineSnapshot:
+    return EngineSnapshot(0.0, 1.0, 10, 100, 0, sequences)
+
+
+def test_off_by_default():
+    assert not enabled(AdminConfig())
+    assert violations(AdminConfig(), snap(seq("a", age=1e6, kv_share=1.0, output=10**6))) == []
+
+
+def test_each_rule_names_what_was_broken():
+    config = AdminConfig(max_wall_s=30, max_kv_share=0.25, max_predicted_ratio=4, policy_action="abort")
+    found = violations(config, snap(
+        seq("old", age=31.5),
+        seq("fat", kv_share=0.5),
+        seq("overrun", output=201, predicted=50.0),
+        seq("fine", age=29, kv_share=0.25, output=200, predicted=50.0),
+        seq("unpredicted", output=10**5, predicted=None),
+    ))
+    assert found == [
+        Violation("old", "ran 31.5s, over the 30s budget"),
+        Violation("fat", "holds 50% of the KV pool, over 25%"),
+        Violation("overrun", "201 output tokens, over 4x the predicted 50"),
+    ]
+
+
+def test_deprioritize_acts_once():
+    config = AdminConfig(max_wall_s=10)  # action: deprioritize
+    assert violations(config, snap(seq("a", age=11, deprioritized=True))) == []
+    assert [v.request_id for v in violations(config, snap(seq("a", age=11)))] == ["a"]
+    aborting = AdminConfig(max_wall_s=10, policy_action="abort")
+    assert [v.request_id for v in violations(aborting, snap(seq("a", age=11, deprioritized=True)))] == ["a"]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"policy_action": "kill"}, "policy_action must be abort or deprioritize, got 'kill'"),
+    ({"max_kv_share": 1.5}, "max_kv_share must be in (0, 1], got 1.5"),
+    ({"max_wall_s": 0}, "max_wall_s must be > 0, got 0"),
+    ({"token": "short"}, "admin token must be at least 16 characters"),
+])
+def test_bad_settings_are_refused(kwargs, message):
+    with pytest.raises(ConfigError) as exc:
+        AdminConfig(**kwargs)
+    assert str(exc.value) == message
+
+
+@pytest.mark.slow
+def test_the_policy_loop_aborts_a_runaway_on_the_real_server(default_model):
+    from headroom.app.background import BackgroundServer
+    from headroom.runtime.engine import Engine
+    from tests.admin.conftest import admin_config, plant_runaway, wait_until
+    from tests.app.test_openai_api import wait_idle
+
+    config = admin_config(max_wall_s=1.5, policy_action="abort", policy_interval_s=0.1)
+    server = BackgroundServer(config, Engine(config, loaded=default_model)).start()
+    try:
+        runaway = plant_runaway(server, "too-slow")
+        runaway.wait(60)
+        assert runaway.finish_reason == "abort"
+        stop = runaway.final_choice["stop_reason"]
+        assert stop.startswith("aborted by policy: ran ") and stop.endswith("s, over the 1.5s budget")
+        assert wait_until(lambda: server.engine.counters().aborts["policy"] == 1, timeout=5)
+        wait_idle(server.engine)
+    finally:
+        server.stop()
