@@ -6,6 +6,7 @@ import pytest
 
 from headroom.app import keys
 from tests.admin.conftest import (
+    ADMIN_TOKEN,
     TENANT_KEY,
     admin,
     plant_runaway,
