@@ -47,13 +47,12 @@ class ShortLoad:
                 with self.lock:
                     self.ttfts.append((start, ttft))
 
-    def median_ttft(self, since: float, until: float) -> float:
+    def ttfts_between(self, since: float, until: float) -> list[float]:
+        """TTFTs of the short requests that started in [since, until)."""
         with self.lock:
-            window = [t for s, t in self.ttfts if since <= s < until and t is not None]
-        assert len(window) >= 10, f"only {len(window)} short requests in the window"
-        return statistics.median(window)
+            return [t for s, t in self.ttfts if since <= s < until and t is not None]
 
-    def __enter__(self) -> ShortLoad:
+    def __enter__(self) -> ShortLoad:  # noqa: PYI034
         for t in self.threads:
             t.start()
         return self
@@ -101,11 +100,15 @@ def test_planted_offender_is_found_aborted_and_forgotten(admin_server):
         time.sleep(PHASE_S)
         c = time.monotonic()
 
-    short_only = load.median_ttft(a, sent)
-    with_offender = load.median_ttft(sent + found_after, aborted)
-    after = load.median_ttft(aborted + 0.5, c)
-    print(f"short TTFT p50: short-only {short_only:.3f}s, with offender {with_offender:.3f}s, "
-          f"after abort {after:.3f}s; offender first by cost after {found_after:.2f}s")
-    assert after <= 1.5 * short_only
+    before, during, after = (load.ttfts_between(a, sent), load.ttfts_between(sent, aborted),
+                             load.ttfts_between(aborted + 0.5, c))
+    # While the offender's prefill chunks share every step, few short requests may even
+    # start (the running ones crawl): that window is reported, not asserted.
+    print(f"short TTFT p50: short-only {statistics.median(before):.3f}s over {len(before)}, "
+          f"with offender {statistics.median(during) if during else float('nan'):.3f}s over {len(during)}, "
+          f"after abort {statistics.median(after):.3f}s over {len(after)}; "
+          f"offender first by cost after {found_after:.2f}s")
+    assert len(before) >= 10 and len(after) >= 10
+    assert statistics.median(after) <= 1.5 * statistics.median(before)
     wait_idle(engine)
     engine.block_manager.check_invariants()
