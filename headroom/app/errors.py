@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -69,6 +70,8 @@ def validation_error(exc: ValidationError) -> BadRequest:
     first = exc.errors()[0]
     param = ".".join(str(p) for p in first["loc"] if not str(p).startswith("function-")) or None
     msg = first["msg"].removeprefix("Value error, ")
+    if param is None and (named := re.match(r"(\w+): ", msg)):  # a model-level check names its field
+        param = named.group(1)
     if first["type"] == "json_invalid":
         return BadRequest(f"request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}",
                           code="invalid_json")

@@ -30,9 +30,18 @@ from headroom.runtime.sampler import TokenLogprob
 
 log = logging.getLogger("headroom.api")
 
-def base_request_id(request: web.Request) -> str:
-    # As vLLM: the client's X-Request-Id, when given, becomes the response id's base.
-    return request.headers.get("X-Request-Id") or uuid.uuid4().hex
+def request_id(request: web.Request, prefix: str, tenant: Tenant) -> str:
+    """As vLLM: the client's X-Request-Id, when given, becomes the response id's base.
+    An id another tenant has in flight is replaced by a fresh one, so that no tenant can
+    learn of, or block, another's requests by guessing ids; a tenant's own duplicate is
+    a 409 in build_request."""
+    given = request.headers.get("X-Request-Id")
+    if given:
+        rid = f"{prefix}-{given}"
+        other = request.app[keys.ENGINE].in_flight.get(rid)
+        if other is None or other.tenant == tenant.name:
+            return rid
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def check_accepting(request: web.Request) -> None:
@@ -105,7 +114,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     model = check_model(request, body.model)
     tokenizer = request.app[keys.ENGINE].engine.tokenizer
     prompt_ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-    rid = f"cmpl-{base_request_id(request)}"
+    rid = request_id(request, "cmpl", tenant)
     note(request, request_id=rid)
     engine_request = build_request(request, rid, body, prompt_ids, body.max_tokens, body.logprobs, tenant)
     fmt = CompletionFormat(rid, int(time.time()), model, _token_text(tokenizer), body.include_usage)
@@ -126,7 +135,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         prompt_ids = tokenizer.apply_chat_template(messages)
     except ValueError as exc:
         raise BadRequest(f"messages: {exc}", param="messages") from None
-    rid = f"chatcmpl-{base_request_id(request)}"
+    rid = request_id(request, "chatcmpl", tenant)
     note(request, request_id=rid)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     engine_request = build_request(request, rid, body, prompt_ids, body.requested_max_tokens, logprobs, tenant)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 MAX_STOP_STRINGS = 16
 
@@ -97,8 +97,16 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Annotated[str | list[TextPart] | None, Field(validate_default=True)] = None
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, v, info: ValidationInfo):
+        # Only an assistant turn (one that made tool calls) may come without content.
+        if v is None and info.data.get("role", "assistant") != "assistant":
+            raise ValueError(f"required for role {info.data['role']!r}")
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, list):

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from headroom.config import Config
@@ -32,7 +33,7 @@ from headroom.runtime.outputs import (
 )
 from headroom.runtime.request import Request, RequestStatus, SamplingParams
 from headroom.runtime.sampler import Sampler, TokenLogprob
-from headroom.runtime.scheduler import Scheduler
+from headroom.runtime.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ class Engine:
         self._state_lock = threading.Lock()
         self._finished: OrderedDict[str, str | None] = OrderedDict()  # request id -> finish reason
         self._running_step = None  # (SchedulerOutput, perf_counter start) while the model runs
+        # Tests set this to inject a fault into a step (it may raise); never set in serving.
+        self.fault_hook: Callable[[SchedulerOutput], None] | None = None
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -245,6 +248,8 @@ class Engine:
                 return
             self._running_step = (out, started)
         try:
+            if self.fault_hook is not None:
+                self.fault_hook(out)
             model_out = self.runner.execute(out, self.block_manager)
             samples = self.sampler(model_out.logits, [out.requests[i] for i in model_out.sample_indices])
         except Exception as exc:  # a failed step fails its own sequences, not the engine

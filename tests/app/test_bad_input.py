@@ -1,0 +1,140 @@
+"""Hostile and broken input on the real server: each gets the right 4xx with an OpenAI
+error body, and the server is healthy and leak-free afterwards."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from headroom.app import keys
+from headroom.app.background import BackgroundServer
+from headroom.config import CacheConfig, Config
+from headroom.runtime.engine import Engine
+from tests.app.test_openai_api import wait_idle
+
+pytestmark = pytest.mark.slow
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+@pytest.fixture(scope="module")
+def server(default_model):
+    config = Config(cache=CacheConfig(num_blocks=256))
+    srv = BackgroundServer(config, Engine(config, loaded=default_model)).start()
+    yield srv
+    srv.stop()
+
+
+def post_raw(server, path: str, content: bytes, **headers) -> httpx.Response:
+    return httpx.post(server.url + path, content=content, timeout=60,
+                      headers={"Content-Type": "application/json", **headers})
+
+
+def assert_openai_error(r: httpx.Response, status: int, code: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+def chat(content, **fields) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 2, **fields}).encode()
+
+
+@pytest.mark.parametrize("content,code", [
+    (b'{"prompt": "\xff\xfe broken", "max_tokens": 2}', "invalid_json"),  # not UTF-8
+    (b'{"prompt": "abc', "invalid_json"),  # truncated
+    (b"[" * 100_000 + b"]" * 100_000, "invalid_json"),  # nesting far past any parser's limit
+    (b'{"prompt": ' + b"[" * 5000 + b"1" + b"]" * 5000 + b"}", "invalid_json"),
+])
+def test_unparseable_bodies_are_400(server, content, code):
+    assert_openai_error(post_raw(server, COMPLETIONS, content), 400, code)
+
+
+def test_lone_surrogates_are_refused_not_crashed_on(server):
+    # An escaped lone surrogate encodes no text; the JSON parser refuses it up front, so
+    # it never reaches the tokenizer.
+    for path, content in [(COMPLETIONS, b'{"prompt": "hi \\ud800 there", "max_tokens": 2}'),
+                          (CHAT, b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}')]:
+        error = assert_openai_error(post_raw(server, path, content), 400, "invalid_json")
+        assert error["message"].startswith("request body is not valid JSON")
+
+
+def test_ten_megabyte_body_is_413(server):
+    body = json.dumps({"prompt": "a" * (10 * 2**20), "max_tokens": 1}).encode()
+    assert_openai_error(post_raw(server, COMPLETIONS, body), 413, "request_too_large")
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -5}, "max_tokens"),
+    ({"max_tokens": 2.5}, "max_tokens"),
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"max_tokens": 10**12}, "max_tokens"),
+    ({"stop": [f"s{i}" for i in range(1000)]}, "stop"),
+    ({"n": 2}, "n"),
+])
+def test_bad_sampling_fields_are_400_naming_the_field(server, fields, param):
+    error = assert_openai_error(post_raw(server, CHAT, chat("hi", **fields)), 400)
+    assert error["param"] == param
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity"])
+def test_non_finite_temperature_is_400(server, literal):
+    content = b'{"prompt": "hi", "max_tokens": 2, "temperature": ' + literal + b"}"
+    error = assert_openai_error(post_raw(server, COMPLETIONS, content), 400)
+    assert error["param"] in ("temperature", None)
+
+
+@pytest.mark.parametrize("messages,param", [
+    ([], "messages"),
+    ([{"role": "wizard", "content": "hi"}], "messages.0.role"),
+    ([{"content": "hi"}], "messages.0.role"),
+    ([{"role": "user"}], "messages.0.content"),
+])
+def test_bad_messages_are_400(server, messages, param):
+    error = assert_openai_error(post_raw(server, CHAT, json.dumps({"messages": messages}).encode()), 400)
+    assert error["param"] == param
+
+
+def test_prompts_of_only_special_tokens_are_served(server):
+    tok = server.engine.tokenizer
+    specials = "".join(tok.hf.all_special_tokens)
+    r = httpx.post(server.url + COMPLETIONS, json={"prompt": specials, "max_tokens": 3, "ignore_eos": True},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    eos = min(tok.eos_token_ids)
+    r = httpx.post(server.url + COMPLETIONS, json={"prompt": [eos] * 8, "max_tokens": 3, "ignore_eos": True},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 8
+
+
+def test_oversized_headers_are_refused(server):
+    r = httpx.post(server.url + COMPLETIONS, content=chat("hi"), timeout=60,
+                   headers={"Content-Type": "application/json", "X-Padding": "x" * 20_000})
+    assert r.status_code in (400, 431)
+
+
+def test_cors_is_off_by_default(server):
+    r = httpx.options(server.url + CHAT, timeout=10, headers={
+        "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in {k.lower() for k in r.headers}
+    r = httpx.post(server.url + CHAT, content=chat("hi"), timeout=60,
+                   headers={"Content-Type": "application/json", "Origin": "https://evil.example"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in {k.lower() for k in r.headers}
+
+
+def test_after_all_that_the_server_is_healthy_and_holds_nothing(server):
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    wait_idle(server.engine)
+    server.engine.block_manager.check_invariants()
+    gate = server.app[keys.GATE]
+    assert all(t.bucket.in_flight == 0 for t in gate.registry)

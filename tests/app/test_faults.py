@@ -1,0 +1,152 @@
+"""Faults on the real server: a model step that raises, and hundreds of clients that
+hang up at random points. Afterwards nothing is left: no KV block, no reserved tenant
+token, no engine sequence, no stray asyncio task."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import aiohttp
+import httpx
+import pytest
+
+from headroom.app import keys
+from headroom.app.background import BackgroundServer
+from headroom.config import CacheConfig, Config, SchedulerConfig, ServerConfig
+from headroom.runtime.engine import Engine
+from tests.admin.conftest import wait_until
+from tests.app.test_openai_api import wait_idle
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def server(default_model):
+    config = Config(cache=CacheConfig(num_blocks=512), scheduler=SchedulerConfig(max_num_seqs=1),
+                    server=ServerConfig(max_queue_len=1024))
+    srv = BackgroundServer(config, Engine(config, loaded=default_model)).start()
+    yield srv
+    srv.engine.fault_hook = None
+    srv.stop()
+
+
+def events(text: str) -> list[dict]:
+    return [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+def test_a_failing_step_fails_only_its_sequences(server):
+    engine = server.engine
+    steps_with_victim = 0
+
+    def fault(out) -> None:
+        nonlocal steps_with_victim
+        if any(r.request_id == "cmpl-victim" for r in out.requests):
+            steps_with_victim += 1
+            if steps_with_victim == 3:
+                raise RuntimeError("injected device fault")
+
+    engine.fault_hook = fault
+    body = {"prompt": "Once upon a time", "max_tokens": 20, "ignore_eos": True, "stream": True}
+
+    async def both() -> tuple[str, str]:
+        async with aiohttp.ClientSession() as session:
+            async def one(rid: str) -> str:
+                async with session.post(server.url + "/v1/completions", json=body,
+                                        headers={"X-Request-Id": rid}) as r:
+                    assert r.status == 200
+                    return await r.text()
+            victim = asyncio.create_task(one("victim"))
+            await asyncio.sleep(0.2)  # max_num_seqs=1: the bystander waits, outside the victim's steps
+            return await victim, await one("bystander")
+
+    victim, bystander = server.call(both())
+    [error] = [e for e in events(victim) if "error" in e]
+    assert error["error"] == {"message": "engine error: injected device fault", "type": "server_error",
+                              "param": None, "code": "engine_error"}
+    assert victim.rstrip().endswith("data: [DONE]")
+    chunks = events(bystander)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(1 for c in chunks if c["choices"][0]["text"]) >= 1
+    # The engine keeps serving, the victim's blocks are free, and its abort is counted.
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    wait_idle(engine)
+    engine.block_manager.check_invariants()
+    assert engine.counters().aborts["engine_error"] == 1
+
+
+async def hang_up(url: str, rng: random.Random, prompt: list[int]) -> str:
+    """One client that leaves at a random point; returns where."""
+    where = rng.choice(["before_headers", "mid_prefill", "mid_decode", "after_first_byte"])
+    host, port = url.removeprefix("http://").split(":")
+    if where == "before_headers":
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 500\r\n\r\n{\"prompt\": \"half a bo")
+        await writer.drain()
+        await asyncio.sleep(rng.uniform(0, 0.05))
+        writer.close()
+        return where
+    body = {"prompt": prompt, "max_tokens": 24, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession() as session:
+        task = asyncio.create_task(session.post(url + "/v1/completions", json=body))
+        if where == "mid_prefill":
+            await asyncio.sleep(rng.uniform(0.0, 0.2))
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, aiohttp.ClientError):
+                pass
+            return where
+        response = await task
+        async with response:
+            chunks = rng.randint(1, 6) if where == "mid_decode" else 0
+            async for line in response.content:
+                if chunks == 0 or (line.startswith(b"data: {") and (chunks := chunks - 1) == 0):
+                    break
+    return where
+
+
+def test_500_clients_that_hang_up_leave_nothing_behind(default_model):
+    config = Config(cache=CacheConfig(num_blocks=512), scheduler=SchedulerConfig(max_num_seqs=32),
+                    server=ServerConfig(max_queue_len=1024))
+    server = BackgroundServer(config, Engine(config, loaded=default_model)).start()
+    try:
+        idle_tasks = server.call(_task_count())
+        rng = random.Random(7)
+        prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(8, 300))] for _ in range(50)]
+
+        async def crowd() -> dict[str, int]:
+            counts: dict[str, int] = {}
+            for wave in range(10):  # 10 waves of 50 concurrent clients
+                wheres = await asyncio.gather(*(hang_up(server.url, rng, prompts[i]) for i in range(50)))
+                for w in wheres:
+                    counts[w] = counts.get(w, 0) + 1
+            return counts
+
+        counts = asyncio.run(crowd())
+        assert sum(counts.values()) == 500 and len(counts) == 4
+        engine = server.engine
+        client = server.app[keys.ENGINE]
+        gate = server.app[keys.GATE]
+        wait_idle(engine, timeout=60)
+        assert wait_until(lambda: not client.in_flight, timeout=30)
+        assert engine.scheduler.requests == {}
+        assert engine.block_manager.num_used_blocks == 0
+        engine.block_manager.check_invariants()
+        assert all(t.bucket.in_flight == 0 for t in gate.registry)
+        assert gate.admission.in_flight_seqs == 0
+        assert wait_until(lambda: server.call(_task_count()) <= idle_tasks, timeout=30), \
+            f"{server.call(_task_count())} tasks left, {idle_tasks} when idle"
+        # And it still serves.
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+    finally:
+        server.stop()
+
+
+async def _task_count() -> int:
+    return len(asyncio.all_tasks()) - 1  # not counting the task asking
