@@ -1,7 +1,10 @@
-"""The OpenAPI document of the public API, built from the pydantic request models."""
+"""The OpenAPI document of the public API (and of the admin API when it is on), built
+from the pydantic request models."""
 
 from __future__ import annotations
 
+from headroom.admin.api import SORT_KEYS
+from headroom.admin.schemas import AbortBody, CapBody, DeprioritizeBody, ReloadBody, TenantPatch
 from headroom.app.schemas import ChatCompletionRequest, CompletionRequest
 
 _ERROR = {
@@ -39,13 +42,59 @@ def _generation(summary: str, schema: str) -> dict:
     }}
 
 
-def build_openapi(version: str) -> dict:
+def _json(summary: str) -> dict:
+    return {"description": summary, "content": {"application/json": {"schema": {"type": "object"}}}}
+
+
+def _admin_op(method: str, summary: str, body: str | None = None, *, optional_body: bool = True,
+              params: list[dict] | None = None, errors: tuple[int, ...] = ()) -> dict:
+    op: dict = {"summary": summary, "security": [{"adminToken": []}],
+                "responses": {"200": _json(summary), **_errors(401, 403, *errors)}}
+    if params:
+        op["parameters"] = params
+    if body is not None:
+        op["requestBody"] = {"required": not optional_body, "content": {
+            "application/json": {"schema": {"$ref": f"#/components/schemas/{body}"}}}}
+    return {method: op}
+
+
+def _path_param(name: str) -> dict:
+    return {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+
+
+def _admin_paths() -> dict:
+    sid = [_path_param("id")]
+    listing = [{"name": "sort", "in": "query", "schema": {"type": "string", "enum": list(SORT_KEYS)}},
+               {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 10000}}]
+    return {
+        "/admin/sequences": _admin_op("get", "Live sequences by cost", params=listing, errors=(400,)),
+        "/admin/sequences/{id}": _admin_op("get", "One live sequence", params=sid, errors=(404,)),
+        "/admin/sequences/{id}/abort": _admin_op("post", "Abort a sequence", "AbortBody", params=sid,
+                                                 errors=(404, 409, 422)),
+        "/admin/sequences/{id}/deprioritize": _admin_op("post", "Deprioritize a sequence", "DeprioritizeBody",
+                                                        params=sid, errors=(404, 409, 422)),
+        "/admin/sequences/{id}/cap": _admin_op("post", "Cap a sequence's output", "CapBody", params=sid,
+                                               optional_body=False, errors=(404, 409, 422)),
+        "/admin/tenants": _admin_op("get", "Tenants and their live limits"),
+        "/admin/tenants/{name}": _admin_op("patch", "Change a tenant's limits", "TenantPatch",
+                                           params=[_path_param("name")], optional_body=False,
+                                           errors=(404, 422)),
+        "/admin/predictor/reload": _admin_op("post", "Reload the length predictor", "ReloadBody",
+                                             errors=(409, 422)),
+        "/admin/stats": _admin_op("get", "Occupancy, latency windows, head-of-line signal"),
+    }
+
+
+def build_openapi(version: str, admin: bool = False) -> dict:
     schemas: dict = {"Error": _ERROR}
-    for model in (CompletionRequest, ChatCompletionRequest):
+    models = [CompletionRequest, ChatCompletionRequest]
+    if admin:
+        models += [AbortBody, DeprioritizeBody, CapBody, TenantPatch, ReloadBody]
+    for model in models:
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
-    return {
+    spec = {
         "openapi": "3.1.0",
         "info": {"title": "headroom", "version": version,
                  "description": "OpenAI-compatible LLM inference API"},
@@ -60,3 +109,7 @@ def build_openapi(version: str) -> dict:
         },
         "components": {"schemas": schemas},
     }
+    if admin:
+        spec["paths"].update(_admin_paths())
+        spec["components"]["securitySchemes"] = {"adminToken": {"type": "http", "scheme": "bearer"}}
+    return spec
