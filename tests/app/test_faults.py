@@ -83,7 +83,7 @@ async def hang_up(url: str, rng: random.Random, prompt: list[int]) -> str:
     where = rng.choice(["before_headers", "mid_prefill", "mid_decode", "after_first_byte"])
     host, port = url.removeprefix("http://").split(":")
     if where == "before_headers":
-        reader, writer = await asyncio.open_connection(host, int(port))
+        _, writer = await asyncio.open_connection(host, int(port))
         writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 500\r\n\r\n{\"prompt\": \"half a bo")
         await writer.drain()

@@ -8,13 +8,20 @@ import itertools
 import httpx
 import pytest
 import schemathesis
-from schemathesis import GenerationMode
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
 
 from headroom.app import keys
 from headroom.app.background import BackgroundServer
-from headroom.config import AdminConfig, AdmissionConfig, CacheConfig, Config, SchedulerConfig, TenantConfig
+from headroom.config import (
+    AdminConfig,
+    AdmissionConfig,
+    CacheConfig,
+    Config,
+    SchedulerConfig,
+    TenantConfig,
+)
 from headroom.runtime.engine import Engine
 from tests.app.test_openai_api import wait_idle
 
@@ -53,6 +60,18 @@ def check(case, response) -> None:
         assert isinstance(body["error"]["message"], str)
 
 
+def fuzzer(operation, mode: GenerationMode, url: str, headers: dict, calls: dict, label: str):
+    # Positive cases follow the schema; negative ones break it on purpose.
+    @given(case=operation.as_strategy(generation_mode=mode))
+    @settings(max_examples=30, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    def fuzz(case):
+        calls[label] = calls.get(label, 0) + 1
+        check(case, case.call(base_url=url, headers=headers, timeout=60))
+
+    return fuzz
+
+
 def test_no_5xx_and_errors_are_openai_shaped(api_schema, fuzz_server):
     # Hypothesis driven directly over each operation's strategy (schemathesis's pytest
     # plugin is not used: it does not work with this pytest).
@@ -61,16 +80,9 @@ def test_no_5xx_and_errors_are_openai_shaped(api_schema, fuzz_server):
     headers = {"Authorization": f"Bearer {TOKEN}"}
     calls: dict[str, int] = {}
     for operation, mode in itertools.product(operations, GenerationMode):
-        # Positive cases follow the schema; negative ones break it on purpose.
-        @given(case=operation.as_strategy(generation_mode=mode))
-        @settings(max_examples=30, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
-        def fuzz(case):
-            calls[f"{operation.label} {mode.value}"] = calls.get(f"{operation.label} {mode.value}", 0) + 1
-            check(case, case.call(base_url=fuzz_server.url, headers=headers, timeout=60))
-
+        label = f"{operation.label} {mode.value}"
         try:
-            fuzz()
+            fuzzer(operation, mode, fuzz_server.url, headers, calls, label)()
         except Unsatisfiable:
             assert mode is GenerationMode.NEGATIVE  # nothing to break in an operation without inputs
     print({label: n for label, n in sorted(calls.items())})
