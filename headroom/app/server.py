@@ -30,7 +30,10 @@ log = logging.getLogger("headroom.server")
 async def health(request: web.Request) -> web.Response:
     if request.app[keys.LIFECYCLE].draining:
         return web.json_response(error_body("draining", "service_unavailable", code="draining"), status=503)
-    return web.json_response({"status": "ok"})
+    engine = request.app[keys.ENGINE].engine
+    backend = {"name": engine.backend.name, "reason": getattr(engine.backend, "reason", None),
+               "block_size": engine.block_size}
+    return web.json_response({"status": "ok", "attention_backend": backend})
 
 
 async def openapi(request: web.Request) -> web.Response:

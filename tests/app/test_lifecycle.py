@@ -108,10 +108,22 @@ def test_sigterm_drains_aborts_and_exits_zero(tmp_path):
         else:
             pytest.fail("server did not come up")
 
+        async def short_stream(session: aiohttp.ClientSession) -> str | None:
+            body = {**LONG, "max_tokens": 6}
+            async with session.post(url + "/v1/completions", json=body) as r:
+                finish = None
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        finish = json.loads(line[6:])["choices"][0]["finish_reason"] or finish
+                return finish
+
         async def run() -> tuple[list[bytes], int, int]:
             async with aiohttp.ClientSession() as session:
                 resp = await session.post(url + "/v1/completions", json=LONG)
                 events = [await resp.content.readline()]
+                # Under load: short streams in flight when the signal comes finish normally.
+                shorts = [asyncio.create_task(short_stream(session)) for _ in range(4)]
+                await asyncio.sleep(0.05)
                 proc.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.3)
                 async with session.post(url + "/v1/completions", json={"prompt": "x"}) as late:
@@ -120,6 +132,7 @@ def test_sigterm_drains_aborts_and_exits_zero(tmp_path):
                     health_status = health.status
                 async for line in resp.content:
                     events.append(line)
+                assert await asyncio.gather(*shorts) == ["length"] * 4
                 return events, late_status, health_status
 
         events, late_status, health_status = asyncio.run(run())

@@ -276,7 +276,11 @@ def test_draining_server_answers_503(server):
         assert httpx.get(server.url + "/health").status_code == 503
     finally:
         lifecycle.draining = False
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/health").json() == {
+        "status": "ok",
+        "attention_backend": {"name": "torch", "reason": "auto on cpu: torch is the best available",
+                              "block_size": 16},
+    }
 
 
 def test_health_and_openapi(server):

@@ -37,6 +37,7 @@ class AttentionBackend(Protocol):
 _REGISTRY = {
     "torch": "headroom.runtime.attention.torch_ref:TorchAttention",
     "flash_attn": "headroom.runtime.attention.flash_attn:FlashAttention",
+    "triton": "headroom.runtime.attention.triton_paged:TritonAttention",
     "xformers": "headroom.runtime.attention.xformers:XFormersAttention",
 }
 
@@ -46,27 +47,49 @@ def _load(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
-def available_backends(device: torch.device) -> list[str]:
-    """Backends usable here, best first; the torch reference is always last."""
-    found = []
+# On CUDA, best first: upstream flash-attn, then our Triton kernels, then xformers.
+GPU_PREFERENCE = ("flash_attn", "triton", "xformers")
+
+
+def probe_backends(device: torch.device) -> dict[str, str | None]:
+    """Each backend this device could use, best first, with why it cannot (None: it can).
+    The torch reference is always last and always usable."""
+    found: dict[str, str | None] = {}
     if device.type == "cuda":
-        for name in ("flash_attn", "xformers"):
+        for name in GPU_PREFERENCE:
             try:
                 _load(name).check_available(device)
             except (ImportError, RuntimeError) as exc:
-                log.info("attention backend %s unavailable: %s", name, exc)
+                found[name] = f"{type(exc).__name__}: {exc}"
             else:
-                found.append(name)
-    found.append("torch")
+                found[name] = None
+    found["torch"] = None
     return found
 
 
+def available_backends(device: torch.device) -> list[str]:
+    """Backends usable here, best first; the torch reference is always last."""
+    return [name for name, why_not in probe_backends(device).items() if why_not is None]
+
+
+def choose_backend(name: str, device: torch.device) -> tuple[str, str]:
+    """The backend to use and why, in words for the start-up log and /health."""
+    if name != "auto":
+        if name not in _REGISTRY:
+            raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(_REGISTRY)}")
+        return name, "chosen by --attention-backend"
+    probed = probe_backends(device)
+    chosen = next(n for n, why_not in probed.items() if why_not is None)
+    passed = [f"{n} unavailable ({why_not})" for n, why_not in probed.items() if why_not is not None]
+    reason = f"auto on {device.type}: " + "; ".join([*passed, f"{chosen} is the best available"])
+    return chosen, reason
+
+
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    if name == "auto":
-        name = available_backends(device)[0]
-    elif name not in _REGISTRY:
-        raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(_REGISTRY)}")
+    name, reason = choose_backend(name, device)
     backend_cls = _load(name)
     backend_cls.check_available(device)
-    log.info("attention backend: %s", name)
-    return backend_cls()
+    backend = backend_cls()
+    backend.reason = reason
+    log.info("attention backend: %s (%s)", name, reason)
+    return backend

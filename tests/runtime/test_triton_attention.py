@@ -1,0 +1,132 @@
+"""Our Triton paged-attention kernels against the torch reference, on the CPU through
+Triton's interpreter (TRITON_INTERPRET=1): decode, prefill and chunked prefill, block
+sizes 16 and 64, GQA 3:1 and 4:1, random lengths, float32 and bfloat16."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported: run the kernels on the CPU
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from headroom.runtime.attention import backend as registry  # noqa: E402
+from headroom.runtime.attention.torch_ref import TorchAttention  # noqa: E402
+from tests.runtime.test_attention import CPU, assert_cache_written, clone, make_batch, run  # noqa: E402
+
+triton_paged = pytest.importorskip("headroom.runtime.attention.triton_paged")
+pytestmark = pytest.mark.triton
+
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_cpu_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def lengths(kind: str, block_size: int, rng: random.Random) -> tuple[list[int], list[int]]:
+    decodes = [rng.randint(1, 3 * block_size) for _ in range(3)]
+    # Prefill chunks: fresh (no cached prefix) and chunked (a cached prefix, maybe ending
+    # mid-block), longer than one query tile so tiles and blocks both cross boundaries.
+    q_lens = [rng.randint(2, 40), rng.randint(17, 40), rng.randint(2, 20)]
+    prefixes = [0, rng.randint(1, 2 * block_size), rng.randint(1, 3 * block_size)]
+    if kind == "decode":
+        return [1] * len(decodes), decodes
+    if kind == "prefill":
+        return q_lens, [p + q for p, q in zip(prefixes, q_lens, strict=True)]
+    return [1] * len(decodes) + q_lens, decodes + [p + q for p, q in zip(prefixes, q_lens, strict=True)]
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [pytest.param(6, 2, id="gqa3"), pytest.param(8, 2, id="gqa4")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_matches_torch(kind: str, block_size: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype):
+    seed = block_size + num_heads + len(kind)
+    q_lens, seq_lens = lengths(kind, block_size, random.Random(seed))
+    batch = make_batch(q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size,
+                       seed=seed, head_dim=32).to(CPU, dtype)
+    # The reference sees the very values the kernel sees (rounded to dtype), in float32.
+    reference = batch.to(CPU, torch.float32)
+    before = clone(batch)
+    out = run(triton_paged.TritonAttention(), batch)
+    expected = run(TorchAttention(), reference)
+    assert out.dtype == dtype and out.shape == batch.q.shape
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+    assert_cache_written(batch, before)
+
+
+def test_head_dim_that_is_not_a_power_of_two():
+    q_lens, seq_lens = [1, 1, 9], [5, 30, 20]
+    batch = make_batch(q_lens, seq_lens, num_heads=4, num_kv_heads=1, block_size=16, seed=3, head_dim=48)
+    expected = run(TorchAttention(), clone(batch))
+    torch.testing.assert_close(run(triton_paged.TritonAttention(), batch), expected, rtol=1e-3, atol=1e-3)
+
+
+# Selection: flash-attn, then Triton, then xformers on CUDA; torch always last.
+
+
+class Usable:
+    @staticmethod
+    def check_available(device):
+        return None
+
+
+class Missing:
+    @staticmethod
+    def check_available(device):
+        raise ImportError("not installed")
+
+
+@pytest.mark.parametrize("installed,expected", [
+    ({"flash_attn", "triton", "xformers"}, "flash_attn"),
+    ({"triton", "xformers"}, "triton"),
+    ({"xformers"}, "xformers"),
+    (set(), "torch"),
+])
+def test_auto_prefers_flash_then_triton_then_xformers_on_cuda(monkeypatch, installed, expected):
+    monkeypatch.setattr(registry, "_load", lambda name: Usable if name in installed | {"torch"} else Missing)
+    name, reason = registry.choose_backend("auto", torch.device("cuda"))
+    assert name == expected
+    assert reason.endswith(f"{expected} is the best available")
+    for skipped in registry.GPU_PREFERENCE[: registry.GPU_PREFERENCE.index(expected)] if expected != "torch" \
+            else registry.GPU_PREFERENCE:
+        assert f"{skipped} unavailable (ImportError: not installed)" in reason
+
+
+def test_cpu_never_probes_gpu_backends_and_a_flag_overrides():
+    assert registry.choose_backend("auto", CPU) == ("torch", "auto on cpu: torch is the best available")
+    assert registry.choose_backend("triton", CPU) == ("triton", "chosen by --attention-backend")
+
+
+def test_triton_refuses_cpu_without_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        triton_paged.TritonAttention.check_available(CPU)
+
+
+@pytest.mark.slow
+def test_greedy_tokens_through_the_whole_model_equal_torch(default_model):
+    from headroom.config import CacheConfig, Config
+    from headroom.runtime.engine import Engine
+    from headroom.runtime.request import SamplingParams
+
+    # Two prompts of different lengths: the first steps are prefill, the rest decode.
+    prompts = [default_model.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+               for text in ("What is the capital of France?", "Hi")]
+    sampling = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    outputs = {}
+    for backend in ("torch", "triton"):
+        config = Config(cache=CacheConfig(num_blocks=64, block_size=16), attention_backend=backend)
+        engine = Engine(config, loaded=default_model)
+        assert engine.backend.name == backend
+        outputs[backend] = [r.output_token_ids for r in engine.generate(prompts, sampling)]
+    assert outputs["triton"] == outputs["torch"]
