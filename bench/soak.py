@@ -84,7 +84,7 @@ class Soak:
                 else:
                     reason = (await r.json())["choices"][0]["finish_reason"]
                 self.outcomes[f"200 {reason}"] += 1
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             self.outcomes[f"client error {type(exc).__name__}"] += 1
 
     async def worker(self, session: aiohttp.ClientSession) -> None:

@@ -4,20 +4,19 @@ sizes 16 and 64, GQA 3:1 and 4:1, random lengths, float32 and bfloat16."""
 
 from __future__ import annotations
 
-import os
+import random
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported: run the kernels on the CPU
+import pytest
+import torch
 
-import random  # noqa: E402
+from headroom.runtime.attention import backend as registry
+from headroom.runtime.attention.torch_ref import TorchAttention
+from tests.runtime.test_attention import CPU, assert_cache_written, clone, make_batch, run
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from headroom.runtime.attention import backend as registry  # noqa: E402
-from headroom.runtime.attention.torch_ref import TorchAttention  # noqa: E402
-from tests.runtime.test_attention import CPU, assert_cache_written, clone, make_batch, run  # noqa: E402
-
+# tests/conftest.py sets TRITON_INTERPRET=1 when there is no GPU; with one, the same
+# tests run the compiled kernels on it.
 triton_paged = pytest.importorskip("headroom.runtime.attention.triton_paged")
+DEVICE = torch.device("cuda") if torch.cuda.is_available() else CPU
 pytestmark = pytest.mark.triton
 
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 1e-2}
@@ -52,9 +51,9 @@ def test_triton_matches_torch(kind: str, block_size: int, num_heads: int, num_kv
     seed = block_size + num_heads + len(kind)
     q_lens, seq_lens = lengths(kind, block_size, random.Random(seed))
     batch = make_batch(q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size,
-                       seed=seed, head_dim=32).to(CPU, dtype)
+                       seed=seed, head_dim=32).to(DEVICE, dtype)
     # The reference sees the very values the kernel sees (rounded to dtype), in float32.
-    reference = batch.to(CPU, torch.float32)
+    reference = batch.to(DEVICE, torch.float32)
     before = clone(batch)
     out = run(triton_paged.TritonAttention(), batch)
     expected = run(TorchAttention(), reference)
@@ -66,7 +65,8 @@ def test_triton_matches_torch(kind: str, block_size: int, num_heads: int, num_kv
 
 def test_head_dim_that_is_not_a_power_of_two():
     q_lens, seq_lens = [1, 1, 9], [5, 30, 20]
-    batch = make_batch(q_lens, seq_lens, num_heads=4, num_kv_heads=1, block_size=16, seed=3, head_dim=48)
+    batch = make_batch(q_lens, seq_lens, num_heads=4, num_kv_heads=1, block_size=16, seed=3,
+                       head_dim=48).to(DEVICE, torch.float32)
     expected = run(TorchAttention(), clone(batch))
     torch.testing.assert_close(run(triton_paged.TritonAttention(), batch), expected, rtol=1e-3, atol=1e-3)
 
@@ -108,16 +108,20 @@ def test_cpu_never_probes_gpu_backends_and_a_flag_overrides():
 
 
 def test_triton_refuses_cpu_without_the_interpreter(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="needs CUDA"):
         triton_paged.TritonAttention.check_available(CPU)
 
 
 @pytest.mark.slow
 def test_greedy_tokens_through_the_whole_model_equal_torch(default_model):
-    from headroom.config import CacheConfig, Config
+    from headroom.config import CacheConfig, Config, ModelConfig
+    from headroom.models.loader import load_model
     from headroom.runtime.engine import Engine
     from headroom.runtime.request import SamplingParams
+
+    if DEVICE.type == "cuda":
+        default_model = load_model(ModelConfig(), DEVICE, torch.float32)
 
     # Two prompts of different lengths: the first steps are prefill, the rest decode.
     prompts = [default_model.tokenizer.apply_chat_template([{"role": "user", "content": text}])

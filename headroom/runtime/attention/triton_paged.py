@@ -46,7 +46,7 @@ def _decode_kernel(
     m = tl.max(tl.full([BLOCK_SIZE], float("-inf"), tl.float32), axis=0)  # running max
     total = tl.sum(tl.zeros([BLOCK_SIZE], tl.float32), axis=0)  # running sum of exp
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for b in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
+    for b in range(tl.cdiv(seq_len, BLOCK_SIZE)):
         block = tl.load(block_tables + seq * stride_bt + b).to(tl.int64)
         pos = b * BLOCK_SIZE + offs
         ok = pos < seq_len
@@ -95,7 +95,7 @@ def _prefill_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         # Keys past this tile's last row are masked for every row in it: stop there.
         visible = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)
-        for b in range(0, tl.cdiv(visible, BLOCK_SIZE)):
+        for b in range(tl.cdiv(visible, BLOCK_SIZE)):
             block = tl.load(block_tables + seq * stride_bt + b).to(tl.int64)
             k_pos = b * BLOCK_SIZE + offs
             k_ok = k_pos < seq_len
