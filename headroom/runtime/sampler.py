@@ -8,6 +8,8 @@ import torch
 
 from headroom.runtime.request import Request
 
+CPU = torch.device("cpu")
+
 
 @dataclass
 class TokenLogprob:
@@ -24,16 +26,21 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: set[int], seed: int = 0):
+    """Samples where the logits are (on a GPU, only the chosen token ids come back to the
+    host). A seed gives the same tokens on the same device; CPU and CUDA generators draw
+    different streams."""
+
+    def __init__(self, eos_token_ids: set[int], seed: int = 0, device: torch.device = CPU):
         self.eos_token_ids = sorted(eos_token_ids)
+        self.device = device
         # Requests without a seed share one generator; seeded ones get their own, kept
         # across steps (and preemptions) so a seed always gives the same output.
-        self.shared_generator = torch.Generator().manual_seed(seed)
+        self.shared_generator = torch.Generator(device).manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}
 
     def add(self, request: Request) -> None:
         if request.sampling.seed is not None:
-            self.generators[request.request_id] = torch.Generator().manual_seed(request.sampling.seed)
+            self.generators[request.request_id] = torch.Generator(self.device).manual_seed(request.sampling.seed)
 
     def remove(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -41,7 +48,7 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         # logits: (B, V) float32, one row per request.
-        logits = logits.float().cpu()
+        logits = logits.float().to(self.device)
         raw = logits
         banned = self._min_tokens_mask(requests, logits.shape[1])
         if banned is not None:
@@ -50,7 +57,7 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, g in enumerate(greedy) if not g]
         if sampled_rows:
-            rows = torch.tensor(sampled_rows)
+            rows = torch.tensor(sampled_rows, device=logits.device)
             picked = self._sample(logits[rows], [requests[i] for i in sampled_rows])
             tokens[rows] = picked
         token_ids = tokens.tolist()
@@ -65,13 +72,13 @@ class Sampler:
                 rows.extend((i, t) for t in stops if t < vocab)
         if not rows:
             return None
-        mask = torch.zeros(len(requests), vocab, dtype=torch.bool)
-        index = torch.tensor(rows)
+        mask = torch.zeros(len(requests), vocab, dtype=torch.bool, device=self.device)
+        index = torch.tensor(rows, device=self.device)
         mask[index[:, 0], index[:, 1]] = True
         return mask
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        temps = torch.tensor([r.sampling.temperature for r in requests]).unsqueeze(1)
+        temps = torch.tensor([r.sampling.temperature for r in requests], device=logits.device).unsqueeze(1)
         logits = logits / temps
         top_ks = [r.sampling.top_k for r in requests]
         top_ps = [r.sampling.top_p for r in requests]
@@ -88,14 +95,15 @@ class Sampler:
     def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
         vocab = logits.shape[1]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab).unsqueeze(0)
-        ks = torch.tensor([k if k > 0 else vocab for k in top_ks]).unsqueeze(1)
+        device = logits.device
+        ranks = torch.arange(vocab, device=device).unsqueeze(0)
+        ks = torch.tensor([k if k > 0 else vocab for k in top_ks], device=device).unsqueeze(1)
         drop = ranks >= ks
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         # Keep the smallest prefix whose mass reaches top_p (the best token always stays).
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
-        drop = mass_before >= torch.tensor(top_ps).unsqueeze(1)
+        drop = mass_before >= torch.tensor(top_ps, device=device).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
@@ -106,10 +114,13 @@ class Sampler:
         if not wanted:
             return result
         logprobs = raw[wanted].log_softmax(dim=-1)
+        # A few batched ops and one copy to the host, not a sync per request.
+        chosen_ids = torch.tensor([token_ids[i] for i in wanted], device=logprobs.device)
+        chosen = logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
+        most = max(requests[i].sampling.logprobs or 0 for i in wanted)
+        top_vals, top_ids = logprobs.topk(most, dim=-1)
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
         for row, i in enumerate(wanted):
             n = requests[i].sampling.logprobs or 0
-            top_vals, top_ids = logprobs[row].topk(n) if n else (torch.empty(0), torch.empty(0, dtype=torch.long))
-            result[i] = TokenLogprob(
-                token_ids[i], logprobs[row, token_ids[i]].item(), list(zip(top_ids.tolist(), top_vals.tolist()))
-            )
+            result[i] = TokenLogprob(token_ids[i], chosen[row], list(zip(top_ids[row][:n], top_vals[row][:n])))
         return result
