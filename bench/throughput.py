@@ -4,6 +4,9 @@ Each run submits `concurrency` requests at once (prompt of --prompt-len random t
 ids, --output-len output tokens with ignore_eos) and steps the engine until all finish.
 Step overhead = 1 - (model forward time / step wall time): scheduling, input building,
 sampling and detokenisation.
+
+On CUDA, decode replays CUDA graphs; `--compare-eager` runs the same levels again on an
+engine with graphs off (in this process, same weights) and prints graphs/eager ratios.
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ def main() -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--concurrency", default="1,8,32,64")
+    p.add_argument("--concurrency", default=None, help="default: 1,8,32,64 on CPU, 1,32,128 on CUDA")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
+    p.add_argument("--compare-eager", action="store_true", help="CUDA: also run with graphs off; print ratios")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -58,9 +63,21 @@ def main() -> None:
     ns = p.parse_args()
     if ns.threads:
         torch.set_num_threads(ns.threads)
-    levels = [int(c) for c in ns.concurrency.split(",")]
+    cuda = ns.device == "cuda" or (ns.device == "auto" and torch.cuda.is_available())
+    levels = [int(c) for c in (ns.concurrency or ("1,32,128" if cuda else "1,8,32,64")).split(",")]
+    results = run_levels(ns, levels, enforce_eager=ns.enforce_eager)
+    if ns.compare_eager and not ns.enforce_eager:
+        if not cuda:
+            print("# --compare-eager: no CUDA graphs on the CPU; nothing to compare")
+            return
+        eager = run_levels(ns, levels, enforce_eager=True)
+        for g, e in zip(results, eager, strict=True):
+            print(f"# ratio graphs/eager at c{g['concurrency']}: {g['output_tok_s'] / e['output_tok_s']:.2f}x")
+
+
+def run_levels(ns: argparse.Namespace, levels: list[int], enforce_eager: bool) -> list[dict]:
     config = Config(
-        model=ModelConfig(model=ns.model, device=ns.device, dtype=ns.dtype),
+        model=ModelConfig(model=ns.model, device=ns.device, dtype=ns.dtype, enforce_eager=enforce_eager),
         cache=CacheConfig(kv_cache_memory_gib=2.0, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=max(levels), max_num_batched_tokens=ns.max_num_batched_tokens),
         attention_backend=ns.attention_backend,
@@ -68,8 +85,9 @@ def main() -> None:
     engine = Engine(config)
     print(
         f"# throughput: model={engine.loaded.name} device={engine.device} dtype={engine.dtype} "
-        f"backend={engine.backend.name} threads={torch.get_num_threads()} torch={torch.__version__} "
-        f"cpu={platform.processor() or platform.machine()}"
+        f"backend={engine.backend.name} cuda_graphs={engine.cuda_graphs} threads={torch.get_num_threads()} "
+        f"torch={torch.__version__} cpu={platform.processor() or platform.machine()}"
+        + (f" gpu={torch.cuda.get_device_name(engine.device)}" if engine.device.type == "cuda" else "")
     )
     print(f"# prompt={ns.prompt_len} output={ns.output_len} ignore_eos=True, random prompt token ids")
     rng = random.Random(0)
@@ -87,6 +105,7 @@ def main() -> None:
     base = results[0]["output_tok_s"]
     for r in results[1:]:
         print(f"# ratio c{r['concurrency']}/c{results[0]['concurrency']}: {r['output_tok_s'] / base:.2f}x")
+    return results
 
 
 if __name__ == "__main__":

@@ -23,10 +23,19 @@ class ModelConfig:
     device: str = "auto"
     # Caps the checkpoint's own context length (None: use the checkpoint's).
     max_model_len: int | None = None
+    # On CUDA, decode steps replay CUDA graphs captured for these batch sizes (cut at
+    # max_num_seqs, which is always captured); enforce_eager turns graphs off.
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128,
+                                         160, 192, 224, 256)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        sizes = self.cuda_graph_sizes
+        if isinstance(sizes, (str, bytes)) or not all(isinstance(s, int) and s > 0 for s in sizes):
+            raise ConfigError(f"cuda_graph_sizes must be a list of positive integers, got {sizes!r}")
+        object.__setattr__(self, "cuda_graph_sizes", tuple(sorted(set(sizes))))  # TOML gives a list
         if self.max_model_len is not None and self.max_model_len < 16:
             raise ConfigError(f"max_model_len must be >= 16, got {self.max_model_len}")
 

@@ -37,6 +37,7 @@ _FLAGS = {
     "dtype": ("model", "dtype"),
     "device": ("model", "device"),
     "max_model_len": ("model", "max_model_len"),
+    "enforce_eager": ("model", "enforce_eager"),
     "block_size": ("cache", "block_size"),
     "num_kv_blocks": ("cache", "num_blocks"),
     "kv_cache_memory_gib": ("cache", "kv_cache_memory_gib"),
@@ -73,7 +74,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--max-model-len", type=int)
-    g.add_argument("--attention-backend", help="auto, torch, flash_attn, xformers")
+    g.add_argument("--attention-backend", help="auto, torch, triton, flash_attn, xformers")
+    g.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="on CUDA, run decode eagerly instead of replaying captured CUDA graphs")
     g.add_argument("--block-size", type=int)
     g.add_argument("--num-kv-blocks", type=int)
     g.add_argument("--kv-cache-memory-gib", type=float)

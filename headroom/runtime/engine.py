@@ -19,6 +19,7 @@ from headroom.config import Config
 from headroom.models.loader import LoadedModel, load_model
 from headroom.runtime.attention import select_backend
 from headroom.runtime.block_manager import BlockManager
+from headroom.runtime.cuda_graphs import capture_sizes, supports_graphs
 from headroom.runtime.detokenizer import IncrementalDetokenizer
 from headroom.runtime.device import resolve_device, resolve_dtype
 from headroom.runtime.model_runner import ModelRunner, kv_block_bytes
@@ -63,13 +64,17 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, self.block_size, config.cache.enable_prefix_caching)
         eos = self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos)
-        self.sampler = Sampler(eos, seed=config.seed)
-        self.runner = ModelRunner(self.loaded.model, self.backend, num_blocks, self.block_size, self.device, self.dtype)
+        self.sampler = Sampler(eos, seed=config.seed, device=self.device)
+        graph_sizes, self.cuda_graphs = self._graph_sizes(config)
+        self.runner = ModelRunner(self.loaded.model, self.backend, num_blocks, self.block_size, self.device,
+                                  self.dtype, graph_sizes=graph_sizes, max_model_len=self.max_model_len)
+        self.runner.capture_graphs()
         self.stats = EngineStats()
         log.info(
-            "engine ready: model=%s device=%s dtype=%s backend=%s block_size=%d kv_blocks=%d (%d tokens)",
+            "engine ready: model=%s device=%s dtype=%s backend=%s block_size=%d kv_blocks=%d (%d tokens) "
+            "cuda_graphs=%s",
             self.loaded.name, self.device, str(self.dtype).removeprefix("torch."), self.backend.name,
-            self.block_size, num_blocks, num_blocks * self.block_size,
+            self.block_size, num_blocks, num_blocks * self.block_size, self.cuda_graphs,
         )
 
         self._sinks: dict[str, OutputSink] = {}
@@ -84,6 +89,17 @@ class Engine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
+
+    def _graph_sizes(self, config: Config) -> tuple[tuple[int, ...], str]:
+        """Decode batch sizes to capture, and what to say about it at start and in /health."""
+        if self.device.type != "cuda":
+            return (), f"off (no CUDA graphs on {self.device.type})"
+        if config.model.enforce_eager:
+            return (), "off (enforce_eager)"
+        if not supports_graphs(self.backend):
+            return (), f"off (the {self.backend.name} backend reads host-side lengths in its forward)"
+        sizes = capture_sizes(config.scheduler.max_num_seqs, config.model.cuda_graph_sizes)
+        return sizes, "decode batch sizes " + ",".join(map(str, sizes))
 
     # ---- called from any thread -------------------------------------------------------
 

@@ -11,6 +11,7 @@ import torch
 from headroom.models.llama import ForwardContext, Llama, ModelArgs
 from headroom.runtime.attention import AttentionBackend, AttentionMetadata
 from headroom.runtime.block_manager import BlockManager
+from headroom.runtime.cuda_graphs import DecodeGraphs
 from headroom.runtime.scheduler import SchedulerOutput
 
 
@@ -20,11 +21,45 @@ def kv_block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
     return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * elem
 
 
-@dataclass
 class ModelOutput:
-    logits: torch.Tensor  # (S, V) float32 for the S sampling requests
-    sample_indices: list[int]  # positions in SchedulerOutput.requests that sample
-    forward_time_s: float
+    def __init__(self, logits: torch.Tensor, sample_indices: list[int], timer: StepTimer):
+        self.logits = logits  # (S, V) float32 for the S sampling requests
+        self.sample_indices = sample_indices  # positions in SchedulerOutput.requests that sample
+        self._timer = timer
+
+    @property
+    def forward_time_s(self) -> float:
+        """Device time of the forward pass. On CUDA, read it after the sampled token ids
+        have come back to the host: by then the step is done and this costs no sync."""
+        return self._timer.elapsed_s()
+
+
+class StepTimer:
+    """Wall time on the CPU; CUDA events on a GPU, so that timing a step never makes
+    the host wait for the device."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._started = time.perf_counter()
+            self._elapsed = 0.0
+
+    def stop(self) -> StepTimer:
+        if self.cuda:
+            self._end.record()
+        else:
+            self._elapsed = time.perf_counter() - self._started
+        return self
+
+    def elapsed_s(self) -> float:
+        if self.cuda:
+            self._end.synchronize()
+            return self._start.elapsed_time(self._end) / 1000.0
+        return self._elapsed
 
 
 @dataclass
@@ -45,18 +80,31 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        graph_sizes: tuple[int, ...] = (),
+        max_model_len: int | None = None,
     ):
+        """graph_sizes: decode batch sizes to serve from CUDA graphs (empty: always eager)."""
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.device = device
         args = model.args
-        shape = (num_blocks, block_size, args.num_kv_heads, args.head_dim)
+        # One block past the pool's end is scratch for the padding rows of graphed
+        # decode batches; the BlockManager only knows num_blocks, so never hands it out.
+        shape = (num_blocks + (1 if graph_sizes else 0), block_size, args.num_kv_heads, args.head_dim)
         # flash-attn's paged layout, one K and one V tensor per layer.
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(args.num_layers)
         ]
+        self.graphs: DecodeGraphs | None = None
+        if graph_sizes:
+            self.graphs = DecodeGraphs(model, backend, self.kv_caches, graph_sizes, block_size,
+                                       max_model_len or args.max_position_embeddings, num_blocks, device)
+
+    def capture_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.capture()
 
     def prepare(self, out: SchedulerOutput, block_manager: BlockManager) -> BatchInputs:
         bs = self.block_size
@@ -114,10 +162,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_manager: BlockManager) -> ModelOutput:
         batch = self.prepare(out, block_manager)
-        started = time.perf_counter()
-        ctx = ForwardContext(meta=batch.meta, kv_caches=self.kv_caches, backend=self.backend)
-        hidden = self.model(batch.input_ids, batch.positions, ctx)
+        timer = StepTimer(self.device)
+        meta = batch.meta
+        if self.graphs is not None and self.graphs.can_run(meta.num_seqs, meta.num_decodes):
+            hidden = self.graphs.run(batch.input_ids, batch.positions, meta)
+        else:
+            ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
+            hidden = self.model(batch.input_ids, batch.positions, ctx)
         logits = self.model.compute_logits(hidden[batch.logits_rows]) if batch.sample_indices else hidden[:0]
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return ModelOutput(logits, batch.sample_indices, time.perf_counter() - started)
+        return ModelOutput(logits, batch.sample_indices, timer.stop())

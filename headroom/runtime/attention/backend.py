@@ -17,6 +17,9 @@ class AttentionBackend(Protocol):
     name: str
     # Preferred KV block size; upstream flash-attn 2 pages must be a multiple of 256.
     block_size: int
+    # Whether a pure-decode forward reads only device tensors, so it can be captured in
+    # a CUDA graph (backends that loop over meta's host-side lengths cannot).
+    cuda_graphs: bool
 
     def forward(
         self,

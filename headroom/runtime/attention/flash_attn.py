@@ -14,6 +14,7 @@ class FlashAttention:
     name = "flash_attn"
     # flash-attn 2 rejects paged KV unless the page size is a multiple of 256.
     block_size = 256
+    cuda_graphs = True  # its decode path reads only device tensors
 
     @staticmethod
     def check_available(device: torch.device) -> None:

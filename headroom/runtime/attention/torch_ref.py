@@ -45,6 +45,7 @@ def decode_groups(seq_lens: list[int], slack: float = 1.5, min_len: int = 256) -
 class TorchAttention:
     name = "torch"
     block_size = 16
+    cuda_graphs = False  # its forward loops over host-side lengths
 
     @staticmethod
     def check_available(device: torch.device) -> None:

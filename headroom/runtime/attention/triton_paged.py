@@ -133,6 +133,7 @@ class TritonAttention:
     name = "triton"
     block_size = 16
     block_m = 16  # query rows per prefill program
+    cuda_graphs = True  # its decode kernel reads only device tensors
 
     @staticmethod
     def check_available(device: torch.device) -> None:

@@ -23,6 +23,7 @@ def context_slots(meta: AttentionMetadata, block_size: int) -> torch.Tensor:
 class XFormersAttention:
     name = "xformers"
     block_size = 16
+    cuda_graphs = False  # its forward loops over host-side lengths
 
     @staticmethod
     def check_available(device: torch.device) -> None:
