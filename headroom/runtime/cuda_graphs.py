@@ -72,6 +72,7 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.pad_block = pad_block
         self.pad_slot = pad_block * block_size
+        self.device = device
         rows = self.sizes[-1]
         width = math.ceil(max_model_len / block_size)
 
@@ -120,23 +121,25 @@ class DecodeGraphs:
         """Capture one graph per size, largest first, all in one memory pool (a smaller
         graph's intermediates fit in what the largest one reserved)."""
         started = time.perf_counter()
-        free_before = torch.cuda.mem_get_info()[0]
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        for size in reversed(self.sizes):
-            # Outside capture first: Triton compiles its kernels and cuBLAS sets up its
-            # workspaces on the first call, neither of which may happen inside a graph.
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._forward(size)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._forward(size)
-            self.graphs[size] = graph
-        torch.cuda.synchronize()
-        used = (free_before - torch.cuda.mem_get_info()[0]) / 2**20
+        dev = self.device
+        with torch.cuda.device(dev):
+            free_before = torch.cuda.mem_get_info(dev)[0]
+            pool = torch.cuda.graph_pool_handle()
+            stream = torch.cuda.Stream(device=dev)
+            for size in reversed(self.sizes):
+                # Outside capture first: Triton compiles its kernels and cuBLAS sets up its
+                # workspaces on the first call, neither of which may happen inside a graph.
+                stream.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        self._forward(size)
+                torch.cuda.current_stream(dev).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.outputs[size] = self._forward(size)
+                self.graphs[size] = graph
+            torch.cuda.synchronize(dev)
+            used = (free_before - torch.cuda.mem_get_info(dev)[0]) / 2**20
         log.info("captured CUDA graphs for decode batch sizes %s in %.1f s (%.0f MiB)",
                  ",".join(map(str, self.sizes)), time.perf_counter() - started, used)
 

@@ -6,9 +6,13 @@ import torch
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    """The device to serve on; "cuda" becomes "cuda:N" (the current card), so streams,
+    graphs and memory queries all name the card the weights are on."""
+    device = torch.device("cuda" if name == "auto" and torch.cuda.is_available() else
+                          "cpu" if name == "auto" else name)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

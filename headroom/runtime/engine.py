@@ -11,9 +11,11 @@ import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
+
+import torch
 
 from headroom.config import Config
 from headroom.models.loader import LoadedModel, load_model
@@ -22,7 +24,7 @@ from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.cuda_graphs import capture_sizes, supports_graphs
 from headroom.runtime.detokenizer import IncrementalDetokenizer
 from headroom.runtime.device import resolve_device, resolve_dtype
-from headroom.runtime.model_runner import ModelRunner, kv_block_bytes
+from headroom.runtime.model_runner import ModelRunner, StepTimer, kv_block_bytes
 from headroom.runtime.outputs import (
     EngineSnapshot,
     EngineStats,
@@ -52,6 +54,8 @@ class Engine:
         else:  # a model loaded by the caller decides device and dtype
             weight = loaded.model.embed_tokens.weight
             self.device, self.dtype = weight.device, weight.dtype
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # cuda:N: kernels, streams and graphs on card N
         self.loaded = loaded
         self.tokenizer = self.loaded.tokenizer
         args = self.loaded.args
@@ -68,7 +72,7 @@ class Engine:
         graph_sizes, self.cuda_graphs = self._graph_sizes(config)
         self.runner = ModelRunner(self.loaded.model, self.backend, num_blocks, self.block_size, self.device,
                                   self.dtype, graph_sizes=graph_sizes, max_model_len=self.max_model_len)
-        self.runner.capture_graphs()
+        self.cuda_graphs = self.runner.capture_graphs() or self.cuda_graphs
         self.stats = EngineStats()
         log.info(
             "engine ready: model=%s device=%s dtype=%s backend=%s block_size=%d kv_blocks=%d (%d tokens) "
@@ -87,6 +91,7 @@ class Engine:
         # Tests set this to inject a fault into a step (it may raise); never set in serving.
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
         self._ids = itertools.count()
+        self._timers: deque[StepTimer] = deque()  # forward passes whose device time is not yet read
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -173,6 +178,8 @@ class Engine:
     # ---- engine thread ----------------------------------------------------------------
 
     def _loop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per thread
         while True:
             with self._wakeup:
                 while not (self._inbox or self.scheduler.has_work() or self._stopping):
@@ -293,18 +300,21 @@ class Engine:
         with_token = self.scheduler.update_from_output(out, sampled)
 
         elapsed = time.perf_counter() - started
-        self._account(out, held, elapsed, model_out.forward_time_s)
+        self._account(out, held, elapsed, model_out.timer)
         for request in with_token:
             if request.first_token_time is None:
                 request.first_token_time = sampled_time
             self._deliver_token(request, logprobs.get(request.request_id))
 
-    def _account(self, out, held: list[int], elapsed: float, forward_time: float) -> None:
+    def _account(self, out, held: list[int], elapsed: float, timer: StepTimer) -> None:
         total = out.total_tokens
         stats = self.stats
         stats.steps += 1
         stats.step_time_s += elapsed
-        stats.forward_time_s += forward_time
+        # Read without waiting: a step that sampled nothing may still be on the device.
+        self._timers.append(timer)
+        while self._timers and self._timers[0].ready():
+            stats.forward_time_s += self._timers.popleft().elapsed_s()
         for request, n, blocks in zip(out.requests, out.num_scheduled_tokens, held, strict=True):
             if request.num_processed_tokens == 0:
                 stats.requests_started += 1

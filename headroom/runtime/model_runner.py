@@ -3,6 +3,7 @@ returns the logits of the sequences that sample this step."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -13,6 +14,8 @@ from headroom.runtime.attention import AttentionBackend, AttentionMetadata
 from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.cuda_graphs import DecodeGraphs
 from headroom.runtime.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 
 def kv_block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
@@ -25,40 +28,39 @@ class ModelOutput:
     def __init__(self, logits: torch.Tensor, sample_indices: list[int], timer: StepTimer):
         self.logits = logits  # (S, V) float32 for the S sampling requests
         self.sample_indices = sample_indices  # positions in SchedulerOutput.requests that sample
-        self._timer = timer
-
-    @property
-    def forward_time_s(self) -> float:
-        """Device time of the forward pass. On CUDA, read it after the sampled token ids
-        have come back to the host: by then the step is done and this costs no sync."""
-        return self._timer.elapsed_s()
+        self.timer = timer  # device time of the forward pass
 
 
 class StepTimer:
     """Wall time on the CPU; CUDA events on a GPU, so that timing a step never makes
-    the host wait for the device."""
+    the host wait for the device: read elapsed_s() once ready() (a step's events are
+    done by the time a later step's sampled ids reach the host)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         if self.cuda:
+            stream = torch.cuda.current_stream(device)
             self._start = torch.cuda.Event(enable_timing=True)
             self._end = torch.cuda.Event(enable_timing=True)
-            self._start.record()
+            self._stream = stream
+            self._start.record(stream)
         else:
             self._started = time.perf_counter()
             self._elapsed = 0.0
 
     def stop(self) -> StepTimer:
         if self.cuda:
-            self._end.record()
+            self._end.record(self._stream)
         else:
             self._elapsed = time.perf_counter() - self._started
         return self
 
+    def ready(self) -> bool:
+        return not self.cuda or self._end.query()
+
     def elapsed_s(self) -> float:
         if self.cuda:
-            self._end.synchronize()
-            return self._start.elapsed_time(self._end) / 1000.0
+            return self._start.elapsed_time(self._end) / 1000.0  # waits if not ready()
         return self._elapsed
 
 
@@ -102,9 +104,17 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, backend, self.kv_caches, graph_sizes, block_size,
                                        max_model_len or args.max_position_embeddings, num_blocks, device)
 
-    def capture_graphs(self) -> None:
-        if self.graphs is not None:
+    def capture_graphs(self) -> str | None:
+        """Capture the decode graphs; on failure, say why and run every step eagerly."""
+        if self.graphs is None:
+            return None
+        try:
             self.graphs.capture()
+        except Exception as exc:  # e.g. out of memory or a kernel that cannot be captured
+            log.exception("CUDA graph capture failed; decode runs eagerly")
+            self.graphs = None
+            return f"off (capture failed: {type(exc).__name__}: {exc})"
+        return None
 
     def prepare(self, out: SchedulerOutput, block_manager: BlockManager) -> BatchInputs:
         bs = self.block_size

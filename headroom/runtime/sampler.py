@@ -61,7 +61,7 @@ class Sampler:
             picked = self._sample(logits[rows], [requests[i] for i in sampled_rows])
             tokens[rows] = picked
         token_ids = tokens.tolist()
-        return SampleResult(token_ids, self._logprobs(raw, token_ids, requests))
+        return SampleResult(token_ids, self._logprobs(raw, tokens, token_ids, requests))
 
     def _min_tokens_mask(self, requests: list[Request], vocab: int) -> torch.Tensor | None:
         rows = []
@@ -108,11 +108,26 @@ class Sampler:
         return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor, token_ids: list[int], requests: list[Request]) -> list[TokenLogprob | None]:
+    def _logprobs(
+        raw: torch.Tensor, tokens: torch.Tensor, token_ids: list[int], requests: list[Request]
+    ) -> list[TokenLogprob | None]:
         wanted = [i for i, r in enumerate(requests) if r.sampling.logprobs is not None]
         result: list[TokenLogprob | None] = [None] * len(requests)
         if not wanted:
             return result
+        rows = torch.tensor(wanted, device=raw.device)
+        logprobs = raw[rows].log_softmax(dim=-1)
+        chosen = logprobs.gather(1, tokens[rows].unsqueeze(1))
+        most = max(requests[i].sampling.logprobs or 0 for i in wanted)
+        top_vals, top_ids = logprobs.topk(most, dim=-1)
+        # One copy to the host for the whole batch: [chosen | top values | top ids] per
+        # row (token ids are below 2**24, so exact in float32).
+        host = torch.cat([chosen, top_vals, top_ids.float()], dim=1).tolist()
+        for row, i in enumerate(wanted):
+            n = requests[i].sampling.logprobs or 0
+            values, ids = host[row][1 : 1 + most], host[row][1 + most :]
+            result[i] = TokenLogprob(token_ids[i], host[row][0], [(int(t), v) for t, v in zip(ids[:n], values[:n])])
+        return result
         logprobs = raw[wanted].log_softmax(dim=-1)
         # A few batched ops and one copy to the host, not a sync per request.
         chosen_ids = torch.tensor([token_ids[i] for i in wanted], device=logprobs.device)

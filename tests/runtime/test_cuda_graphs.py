@@ -173,15 +173,34 @@ def test_only_decode_batches_that_fit_are_run_padded():
         graphs.run(input_ids, positions, meta)
 
 
-# On a GPU: capture, replay, and the same tokens as eager decoding.
+# On a GPU: capture and replay.
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.mark.gpu
 @needs_cuda
+def test_a_replayed_graph_computes_what_the_same_forward_computes_eagerly():
+    # Same padded size, same static buffers, so the same kernels: only the launch differs.
+    model = tiny_model()
+    graphs = DecodeGraphs(model, triton_paged.TritonAttention(), kv_caches(model, seed=3), SIZES,
+                          BLOCK_SIZE, max_model_len=256, pad_block=NUM_BLOCKS, device=DEVICE)
+    graphs.capture()
+    assert sorted(graphs.graphs) == list(SIZES)
+    rng = random.Random(3)
+    for n in (1, 3, 5, 8, 2):  # shrinking after a larger batch re-pads its rows
+        input_ids, positions, meta = decode_batch([rng.randrange(2, 200) for _ in range(n)], rng)
+        replayed = graphs.run(input_ids, positions, meta).clone()
+        with torch.inference_mode():
+            eager = graphs._forward(padded_size(n, SIZES))[:n]
+        torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+    assert graphs.replays == 5
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("backend", ["triton", "flash_attn"])
-def test_graphed_decode_gives_the_eager_tokens(backend):
+def test_graphed_decode_follows_the_eager_tokens(backend):
     if backend == "flash_attn":
         pytest.importorskip("flash_attn")
     from headroom.config import CacheConfig, SchedulerConfig
@@ -201,4 +220,7 @@ def test_graphed_decode_gives_the_eager_tokens(backend):
     graphs = engines[False].runner.graphs
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8, 16]
     assert graphs.replays >= 20  # every decode step after the prefill
-    assert outputs[False] == outputs[True]
+    # Padding 11 rows to 16 may change which GEMM kernel runs, so in bf16 a greedy near-tie
+    # can break the other way somewhere; a wrong cache or a wrong row breaks every row early.
+    assert all(g[:4] == e[:4] for g, e in zip(outputs[False], outputs[True], strict=True))
+    assert sum(g == e for g, e in zip(outputs[False], outputs[True], strict=True)) >= 9
