@@ -39,7 +39,7 @@ def receive() -> None:
     count = 0
 
     class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-        def Export(self, request, context):  # noqa: N802 - the gRPC method's name
+        def Export(self, request, context):
             nonlocal count
             count += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
             return trace_service_pb2.ExportTraceServiceResponse()

@@ -15,6 +15,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import lightgbm as lgb
 import numpy as np
@@ -102,7 +103,7 @@ def _single_row_boosters(boosters: dict[str, lgb.Booster]) -> dict | None:
 class FallbackPredictor:
     """No trained model: estimates from max_tokens alone, so admission still works."""
 
-    meta: dict = {"kind": "fallback"}
+    meta: ClassVar[dict] = {"kind": "fallback"}
 
     def predict(self, f: RequestFeatures) -> Prediction:
         cap = float(max(f.max_tokens, 1))

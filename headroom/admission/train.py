@@ -37,6 +37,7 @@ _OBJECTIVES = {
     "cap": {"objective": "binary", "metric": "binary_logloss"},
 }
 MAX_ROUNDS = 400
+DEFAULT_THRESHOLDS = ClassThresholds()
 EARLY_STOPPING_ROUNDS = 40
 CV_FOLDS = 4
 HOLDOUT_FRACTION = 0.2
@@ -69,7 +70,7 @@ def _folds(records: list[dict], k: int, seed: int) -> np.ndarray:
 
 def _draws(records: list[dict], seed: int) -> np.ndarray:
     # Per prompt, so one prompt sampled at two temperatures never sits on both sides.
-    return np.array([zlib.crc32(f"{seed}:{_text_key(r)}".encode("utf-8")) / 2**32 for r in records])
+    return np.array([zlib.crc32(f"{seed}:{_text_key(r)}".encode()) / 2**32 for r in records])
 
 
 def _text_key(r: dict) -> str:
@@ -99,7 +100,7 @@ def _fit(name: str, x: np.ndarray, y: np.ndarray, fold: np.ndarray, seed: int) -
 
 
 def train(records: list[dict], out_dir: str | Path, seed: int = 0,
-          thresholds: ClassThresholds = ClassThresholds()) -> dict:
+          thresholds: ClassThresholds = DEFAULT_THRESHOLDS) -> dict:
     """Fit on the train rows, save to out_dir, and return held-out metrics."""
     train_rows, test_rows, how = split_records(records, seed)
     if len(train_rows) < 50:
@@ -121,7 +122,7 @@ def train(records: list[dict], out_dir: str | Path, seed: int = 0,
 
 
 def evaluate(predictor: LengthPredictor | FallbackPredictor, records: list[dict],
-             thresholds: ClassThresholds = ClassThresholds()) -> dict:
+             thresholds: ClassThresholds = DEFAULT_THRESHOLDS) -> dict:
     if not records:
         return {}
     preds = [predictor.predict(RequestFeatures.from_record(r)) for r in records]
@@ -182,8 +183,8 @@ def format_metrics(metrics: dict) -> str:
     classes = ", ".join(f"{k} {v}" for k, v in sorted(data["classes"].items()))
     lines = [
         f"held-out rows: {metrics['n']}" + (f" ({metrics['holdout']})" if "holdout" in metrics else ""),
-        f"  run to cap {data['cap_rate']:.1%}, mean output {data['mean_output_tokens']:.0f} tokens; "
-        f"true classes: {classes}",
+        (f"  run to cap {data['cap_rate']:.1%}, mean output {data['mean_output_tokens']:.0f} tokens; "
+         f"true classes: {classes}"),
         "",
         f"{'ranking vs actual output_tokens':<34}{'kendall tau':>12}{'spearman':>10}",
     ]

@@ -191,10 +191,10 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling
-        if request.num_output_tokens >= params.min_tokens:
-            if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-                request.stop_reason = token if token in params.stop_token_ids else None
-                return RequestStatus.FINISHED_STOPPED
+        stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        if stop_token and request.num_output_tokens >= params.min_tokens:
+            request.stop_reason = token if token in params.stop_token_ids else None
+            return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= request.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

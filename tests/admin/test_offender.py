@@ -49,7 +49,7 @@ class ShortLoad:
                             compact = line.replace(" ", "")
                             if ttft is None and '"content":"' in compact and '"content":""' not in compact:
                                 ttft = time.monotonic() - start
-                except Exception as e:  # a thread's failure would vanish; the test reports it
+                except Exception as e:  # noqa: BLE001 a thread's failure would vanish; the test reports it
                     with self.lock:
                         self.errors.append(f"worker {i}: {e!r}")
                     return

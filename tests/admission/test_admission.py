@@ -10,7 +10,7 @@ from headroom.config import AdmissionConfig, TenantConfig
 
 
 def tenant_config(name: str, **kw) -> TenantConfig:
-    limits = dict(rate_tokens_per_s=1e6, burst_tokens=100_000, max_in_flight_tokens=100_000)
+    limits = {"rate_tokens_per_s": 1e6, "burst_tokens": 100_000, "max_in_flight_tokens": 100_000}
     return TenantConfig(name, **(limits | kw))
 
 

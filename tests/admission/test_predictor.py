@@ -25,8 +25,7 @@ from headroom.admission.predictor import (
 from headroom.admission.train import evaluate, train
 from headroom.config import ConfigError
 
-_FILLER = ("the cat garden river market engine letter music window paper cloud forest city "
-           "table story coffee winter school bridge planet").split()
+_FILLER = ["the", "cat", "garden", "river", "market", "engine", "letter", "music", "window", "paper", "cloud", "forest", "city", "table", "story", "coffee", "winter", "school", "bridge", "planet"]
 # hint phrase -> median output tokens before the max_tokens cap
 _HINTS = {"": 90, "Answer briefly.": 12, "Write a detailed essay about it.": 2000}
 

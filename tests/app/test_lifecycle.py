@@ -141,7 +141,7 @@ def test_sigterm_drains_aborts_and_exits_zero(tmp_path):
         assert data[-1] == b"data: [DONE]\n"
         last = json.loads(data[-2][len(b"data: "):])
         assert last["choices"][0]["finish_reason"] == "abort"  # cut by the 1.5 s drain timeout
-        out, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=30)
         assert proc.returncode == 0, err.decode()[-2000:]
         assert b"Traceback" not in err
     finally:

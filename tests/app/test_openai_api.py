@@ -93,8 +93,8 @@ def test_completion_greedy_equals_runtime(client, reference):
 
 
 def test_streamed_chat_equals_non_streamed_and_ends_with_usage(client):
-    kwargs = dict(model=client.models.list().data[0].id, messages=[{"role": "user", "content": QUESTION}],
-                  max_tokens=24, temperature=0)
+    kwargs = {"model": client.models.list().data[0].id, "messages": [{"role": "user", "content": QUESTION}],
+              "max_tokens": 24, "temperature": 0}
     full = client.chat.completions.create(**kwargs)
     chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"

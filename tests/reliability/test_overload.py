@@ -14,7 +14,14 @@ import pytest
 
 from headroom.app import keys
 from headroom.app.background import BackgroundServer
-from headroom.config import AdmissionConfig, CacheConfig, Config, SchedulerConfig, ServerConfig, TenantConfig
+from headroom.config import (
+    AdmissionConfig,
+    CacheConfig,
+    Config,
+    SchedulerConfig,
+    ServerConfig,
+    TenantConfig,
+)
 from headroom.runtime.engine import Engine
 from tests.admin.conftest import wait_until
 from tests.app.test_openai_api import wait_idle

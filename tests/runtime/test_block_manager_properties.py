@@ -57,7 +57,7 @@ def test_no_block_leaked_or_double_owned(ops, num_blocks, block_size, chunked, c
             victim = live[op[1] % len(live)]
             s.finish_request(victim.request_id, RequestStatus.FINISHED_ABORTED)
         elif op[0] == "step":
-            out, _ = run_step(s, token=op[1])
+            run_step(s, token=op[1])
             # Every scheduled request holds exactly the blocks its tokens need.
             for r in s.running:
                 assert len(bm.block_table(r.request_id)) == bm.blocks_needed(r.num_computed_tokens)

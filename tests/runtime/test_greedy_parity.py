@@ -28,8 +28,8 @@ QUESTIONS = [
     "Explain in two sentences why the sky is blue, and mention Rayleigh scattering by name.",
     "List three fruits.",
     "Translate 'good morning' into Spanish, French and German, one per line.",
-    "Tell me a short story about a robot who learns to paint. Keep it under fifty words, "
-    "give the robot a name, and end with a surprising twist about its favourite colour.",
+    ("Tell me a short story about a robot who learns to paint. Keep it under fifty words, "
+     "give the robot a name, and end with a surprising twist about its favourite colour."),
     "2+2=?",
 ]
 LONG_SYSTEM = (
