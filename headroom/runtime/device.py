@@ -8,8 +8,9 @@ import torch
 def resolve_device(name: str) -> torch.device:
     """The device to serve on; "cuda" becomes "cuda:N" (the current card), so streams,
     graphs and memory queries all name the card the weights are on."""
-    device = torch.device("cuda" if name == "auto" and torch.cuda.is_available() else
-                          "cpu" if name == "auto" else name)
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     return device

@@ -39,11 +39,10 @@ class StepTimer:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         if self.cuda:
-            stream = torch.cuda.current_stream(device)
+            self._stream = torch.cuda.current_stream(device)
             self._start = torch.cuda.Event(enable_timing=True)
             self._end = torch.cuda.Event(enable_timing=True)
-            self._stream = stream
-            self._start.record(stream)
+            self._start.record(self._stream)
         else:
             self._started = time.perf_counter()
             self._elapsed = 0.0

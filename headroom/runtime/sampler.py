@@ -128,14 +128,3 @@ class Sampler:
             values, ids = host[row][1 : 1 + most], host[row][1 + most :]
             result[i] = TokenLogprob(token_ids[i], host[row][0], [(int(t), v) for t, v in zip(ids[:n], values[:n])])
         return result
-        logprobs = raw[wanted].log_softmax(dim=-1)
-        # A few batched ops and one copy to the host, not a sync per request.
-        chosen_ids = torch.tensor([token_ids[i] for i in wanted], device=logprobs.device)
-        chosen = logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
-        most = max(requests[i].sampling.logprobs or 0 for i in wanted)
-        top_vals, top_ids = logprobs.topk(most, dim=-1)
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-        for row, i in enumerate(wanted):
-            n = requests[i].sampling.logprobs or 0
-            result[i] = TokenLogprob(token_ids[i], chosen[row], list(zip(top_ids[row][:n], top_vals[row][:n])))
-        return result
