@@ -1,10 +1,15 @@
 """Head-of-line blocking on the real server: a Poisson stream of short chat requests
-from one tenant, plus long requests (prompt ~2,000 tokens, 512 output tokens) from
-another, in three runs, each against a fresh `headroom serve` on 127.0.0.1:
+plus long requests (prompt ~2,000 tokens, 512 output tokens), in three runs, each
+against a fresh `headroom serve` on 127.0.0.1:
 
   short-only       the short stream alone (the baseline short-class TTFT)
   mixed-fcfs       short + long with --admission off (plain FCFS)
-  mixed-admission  short + long with admission on (tiers, predictor, long lane)
+  mixed-admission  short + long with admission on
+
+Scenarios: `defaults` (the default) starts the server with no config file and no
+flags beyond the port, the way a new user would, and sends everything as one tenant;
+`tenants` writes a config with an interactive (premium) and a reasoning (batch) tenant
+and sends the long requests as the latter.
 
 Prints per-class p50/p99 TTFT and TPOT, long requests' TTFT and end-to-end, total
 output tokens/s, and writes a PNG of short-class TTFT over time for the three runs.
@@ -34,12 +39,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ROOT / "data" / "calibration" / "sharegpt_prompts.jsonl"
 
-ADMISSION_TOML = """
-[scheduler]
-long_max_running = 4
-long_kv_share = 0.6
-long_prefill_tokens_per_step = 64
-
+TENANTS_TOML = """
 [admission]
 enabled = {enabled}
 default_tenant = "interactive"
@@ -81,9 +81,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(config_path: str, port: int, dtype: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "headroom.app.cli", "--log-level", "WARNING", "serve", "--port", str(port),
-           "--config", config_path, "--dtype", dtype, "--max-num-seqs", "32", "--max-num-batched-tokens", "512"]
+def start_server(port: int, dtype: str, config_path: str | None, admission: bool) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "headroom.app.cli", "--log-level", "WARNING", "serve", "--port", str(port)]
+    if config_path:
+        cmd += ["--config", config_path]
+    if dtype != "auto":
+        cmd += ["--dtype", dtype]
+    if not admission:
+        cmd += ["--admission", "off"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -107,13 +112,14 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 async def one(session: aiohttp.ClientSession, url: str, cls: str, messages: list[dict], max_tokens: int,
-              tenant: str, t0: float) -> Result:
+              tenant: str | None, t0: float) -> Result:
     result = Result(cls, time.monotonic() - t0)
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": cls == "long", "stream_options": {"include_usage": True}}
     start = time.monotonic()
     first = None
-    async with session.post(url + "/v1/chat/completions", json=body, headers={"X-Tenant": tenant}) as r:
+    headers = {"X-Tenant": tenant} if tenant else {}
+    async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
         result.status = r.status
         if r.status != 200:
             await r.read()
@@ -135,7 +141,8 @@ async def one(session: aiohttp.ClientSession, url: str, cls: str, messages: list
 
 
 async def drive(url: str, short_msgs: list[list[dict]], long_msgs: list[list[dict]], rate: float,
-                duration: float, long_at: list[float], seed: int) -> Run:
+                duration: float, long_at: list[float], seed: int, short_tokens: int = 32,
+                tenants: tuple[str | None, str | None] = (None, None)) -> Run:
     rng = random.Random(seed)
     arrivals, t = [], 0.0
     while True:
@@ -154,12 +161,12 @@ async def drive(url: str, short_msgs: list[list[dict]], long_msgs: list[list[dic
 
         for i, a in enumerate(arrivals):
             msgs = short_msgs[i % len(short_msgs)]
-            tasks.append(asyncio.create_task(at(a, lambda m=msgs: one(session, url, "short", m, 64,
-                                                                       "interactive", t0))))
+            tasks.append(asyncio.create_task(at(a, lambda m=msgs: one(session, url, "short", m, short_tokens,
+                                                                       tenants[0], t0))))
         for j, a in enumerate(long_at):
             msgs = long_msgs[j % len(long_msgs)]
             tasks.append(asyncio.create_task(at(a, lambda m=msgs: one(session, url, "long", m, 512,
-                                                                       "reasoning", t0))))
+                                                                       tenants[1], t0))))
         results = await asyncio.gather(*tasks)
     run = Run("", list(results), time.monotonic() - t0)
     return run
@@ -233,9 +240,23 @@ def plot(runs: list[Run], path: str) -> bool:
     return True
 
 
+def cpu_line() -> str:
+    fields = {}
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "# cpu: unknown (no lscpu)"
+    flags = [f for f in fields.get("Flags", "").split() if f.startswith(("avx", "amx"))]
+    return f"# cpu: {fields.get('Model name', '?')}, {os.cpu_count()} cores, {' '.join(flags)}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rate", type=float, default=1.0, help="short requests per second (Poisson)")
+    p.add_argument("--scenario", choices=("defaults", "tenants"), default="defaults")
+    p.add_argument("--rate", type=float, default=1.5, help="short requests per second (Poisson)")
+    p.add_argument("--short-tokens", type=int, default=32, help="max_tokens of a short request")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of short arrivals")
     p.add_argument("--long-at", default="5,20,35", help="seconds at which long requests are sent")
     p.add_argument("--dtype", default="auto")
@@ -245,22 +266,30 @@ def main() -> None:
     ns = p.parse_args()
     short_msgs, long_msgs = load_prompts()
     long_at = [float(x) for x in ns.long_at.split(",") if x]
-    print(f"# hol: {ns.rate} short req/s (Poisson, max_tokens 64, greedy) for {ns.duration:.0f} s; "
-          f"{len(long_at)} long requests (~2,000-token prompts, 512 tokens, ignore_eos) at {long_at} s")
+    tenants = ("interactive", "reasoning") if ns.scenario == "tenants" else (None, None)
+    print(f"# hol, scenario {ns.scenario}: {ns.rate} short req/s (Poisson, max_tokens {ns.short_tokens}, greedy) "
+          f"for {ns.duration:.0f} s; {len(long_at)} long requests (~2,000-token prompts, 512 tokens, ignore_eos) "
+          f"at {long_at} s")
+    print(cpu_line())
     runs, summaries = [], []
     for name in ns.runs.split(","):
-        with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
-            f.write(ADMISSION_TOML.format(enabled="false" if name == "mixed-fcfs" else "true"))
+        admission = name != "mixed-fcfs"
+        config_path = None
+        if ns.scenario == "tenants":
+            with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+                f.write(TENANTS_TOML.format(enabled="true" if admission else "false"))
+            config_path = f.name
         port = free_port()
-        proc = start_server(f.name, port, ns.dtype)
+        proc = start_server(port, ns.dtype, config_path, admission)
         try:
             url = f"http://127.0.0.1:{port}"
-            asyncio.run(drive(url, short_msgs[:3], [], 5.0, 1.0, [], 1))  # warm-up
+            asyncio.run(drive(url, short_msgs[:3], [], 5.0, 1.0, [], 1, ns.short_tokens, tenants))  # warm-up
             run = asyncio.run(drive(url, short_msgs, long_msgs, ns.rate, ns.duration,
-                                    [] if name == "short-only" else long_at, seed=7))
+                                    [] if name == "short-only" else long_at, 7, ns.short_tokens, tenants))
         finally:
             stop_server(proc)
-            os.unlink(f.name)
+            if config_path:
+                os.unlink(config_path)
         run.name = name
         runs.append(run)
         s = summarize(run)
@@ -283,7 +312,11 @@ def main() -> None:
     fcfs = next((s for s in summaries if s["run"] == "mixed-fcfs"), None)
     adm = next((s for s in summaries if s["run"] == "mixed-admission"), None)
     if fcfs and adm:
-        print(f"# mixed-admission tok/s / mixed-fcfs tok/s: {adm['output_tok_s'] / fcfs['output_tok_s']:.2f}")
+        print(f"# mixed-admission / mixed-fcfs: total tok/s {adm['output_tok_s'] / fcfs['output_tok_s']:.2f}x")
+        if adm.get("long") and fcfs.get("long") and adm["long"]["ttft_each"] and fcfs["long"]["ttft_each"]:
+            for key, label in (("ttft_each", "long TTFT"), ("e2e_each", "long end-to-end")):
+                a, f = statistics.mean(adm["long"][key]), statistics.mean(fcfs["long"][key])
+                print(f"# {label} mean {a:.1f} s vs FCFS {f:.1f} s ({a / f:.2f}x)")
     if plot(runs, ns.plot):
         print(f"# plot: {ns.plot}")
     if ns.json:

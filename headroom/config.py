@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
 
 
 class ConfigError(ValueError):
@@ -21,6 +22,9 @@ class ModelConfig:
     served_model_name: str | None = None
     dtype: str = "auto"
     device: str = "auto"
+    # Weight-only quantised linears on the CPU: int4 (the GGUF's own Q4_1 groups), int8,
+    # none (the float reference), or auto (see runtime/device.py: resolve_quantization).
+    quantization: str = "auto"
     # Caps the checkpoint's own context length (None: use the checkpoint's).
     max_model_len: int | None = None
     # On CUDA, decode steps replay CUDA graphs captured for these batch sizes (cut at
@@ -32,6 +36,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ConfigError(f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}")
         sizes = self.cuda_graph_sizes
         if isinstance(sizes, (str, bytes)) or not all(isinstance(s, int) and s > 0 for s in sizes):
             raise ConfigError(f"cuda_graph_sizes must be a list of positive integers, got {sizes!r}")
@@ -70,12 +76,19 @@ class SchedulerConfig:
     # Waiting order within a priority: predicted output tokens minus this many tokens for
     # every second waited (predicted-short-first with ageing; FCFS without predictions).
     ageing_tokens_per_s: float = 50.0
-    # The long lane: at most this many long-class sequences running, holding at most this
-    # share of the KV blocks, and prefilling at most this many tokens per step while
-    # shorter requests are running or waiting (None: no limit).
+    # Head-of-line protection for the long lane (the long size class, set by admission).
+    # While shorter requests run, long prefill chunks are sized by the engine's measured
+    # step cost to add at most half of short_ttft_target_s to a step (less while the
+    # head-of-line monitor sees the short class suffer); while a shorter request waits
+    # to start, long prefill only gets a floor that grows with its wait and is the whole
+    # allowance once it has waited long_ttft_target_s. long_lane = false turns it all off.
+    long_lane: bool = True
+    short_ttft_target_s: float = 0.5
+    long_ttft_target_s: float = 10.0
+    # At most this many long-class sequences running (None: no cap), holding at most this
+    # share of the KV blocks.
     long_max_running: int | None = None
-    long_kv_share: float = 1.0
-    long_prefill_tokens_per_step: int | None = None
+    long_kv_share: float = 0.6
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -91,8 +104,10 @@ class SchedulerConfig:
             raise ConfigError(f"long_max_running must be >= 1, got {self.long_max_running}")
         if not 0 < self.long_kv_share <= 1:
             raise ConfigError(f"long_kv_share must be in (0, 1], got {self.long_kv_share}")
-        if self.long_prefill_tokens_per_step is not None and self.long_prefill_tokens_per_step < 1:
-            raise ConfigError("long_prefill_tokens_per_step must be >= 1")
+        for name in ("short_ttft_target_s", "long_ttft_target_s"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
         if self.preemption_order not in ("priority", "newest"):
             raise ConfigError(f"preemption_order must be 'priority' or 'newest', got {self.preemption_order!r}")
 

@@ -10,6 +10,7 @@ them in `headroom.admin_actions`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import hmac
 import logging
@@ -145,6 +146,7 @@ async def stats(request: web.Request) -> web.Response:
     observability = request.config_dict[keys.OBSERVABILITY]
     snapshot = request.config_dict[keys.ENGINE].engine.snapshot()
     hol = observability.hol.state
+    lane = request.config_dict[keys.ENGINE].engine.long_lane()
     return web.json_response({
         "kv_blocks_total": snapshot.num_blocks, "kv_blocks_used": snapshot.used_blocks,
         "kv_usage": snapshot.used_blocks / snapshot.num_blocks,
@@ -155,6 +157,14 @@ async def stats(request: web.Request) -> web.Response:
             "long_device_share": hol.long_device_share, "long_kv_share": hol.long_kv_share,
             "offenders": [{"id": o.request_id, "tenant": o.tenant, "size_class": o.size_class,
                            "device_share": o.device_share, "kv_share": o.kv_share} for o in hol.offenders],
+        },
+        "long_lane": {
+            "enabled": lane.enabled, "factor": lane.factor, "allowance_s": lane.allowance_s,
+            "step_cost": None if lane.step_cost is None else dataclasses.asdict(lane.step_cost),
+            "steps_observed": lane.steps_observed,
+            "chunk_tokens": {str(context): n for context, n in lane.chunk_tokens.items()},
+            "actions": {"tighten": observability.hol_feedback.actions["tighten"],
+                        "relax": observability.hol_feedback.actions["relax"]},
         },
     })
 

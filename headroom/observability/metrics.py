@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -53,6 +53,12 @@ class Metrics:
         self.long_device_share = Gauge("headroom:long_device_share",
                                        "Share of engine busy time spent on long-class sequences, last interval.",
                                        registry=self.registry)
+        self.hol_actions = Counter("headroom:hol_actions", "Head-of-line loop actions on the long lane.",
+                                   ("action",), registry=self.registry)
+        self.long_lane_factor = Gauge("headroom:long_lane_factor",
+                                      "Scale the head-of-line loop puts on the long lane's prefill allowance.",
+                                      registry=self.registry)
+        self.long_lane_factor.set(1.0)
         self.registry.register(EngineCollector(engine, admission, dropped_spans))
 
     def observe(self, done: FinishedRequest) -> None:

@@ -14,7 +14,7 @@ from opentelemetry.trace import Span, format_trace_id
 from headroom.admission.admission import Admission
 from headroom.config import ObservabilityConfig
 from headroom.observability.finished import FinishedRequest
-from headroom.observability.hol import HolMonitor, HolState
+from headroom.observability.hol import HolFeedback, HolMonitor, HolState
 from headroom.observability.logs import log_finished
 from headroom.observability.metrics import Metrics
 from headroom.observability.tracing import Tracing, exporter_from_env
@@ -56,6 +56,7 @@ class Observability:
         self.metrics = Metrics(engine, admission, self.tracing.dropped_spans)
         self.windows = LatencyWindows()
         self.hol = HolMonitor(config, self.windows)
+        self.hol_feedback = HolFeedback(engine.set_long_lane_factor, engine.config.scheduler.long_lane)
         if self.tracing.enabled:
             log.info("tracing: exporting spans over OTLP")
 
@@ -111,6 +112,10 @@ class Observability:
         metrics = self.metrics
         metrics.hol_coupling.set(1 if state.coupled else 0)
         metrics.long_device_share.set(state.long_device_share)
+        action = self.hol_feedback.update(state)
+        if action is not None:
+            metrics.hol_actions.labels(action).inc()
+        metrics.long_lane_factor.set(self.hol_feedback.factor)
         for size_class, (p50, p99) in state.ttft_s.items():
             metrics.rolling_ttft.labels(size_class, "0.5").set(p50)
             metrics.rolling_ttft.labels(size_class, "0.99").set(p99)

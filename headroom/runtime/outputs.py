@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 
 from headroom.runtime.request import Request
 from headroom.runtime.sampler import TokenLogprob
+from headroom.runtime.step_cost import StepCost
 
 
 @dataclass
@@ -44,6 +45,16 @@ class EngineStats:
     def copy(self) -> EngineStats:
         return replace(self, finished=Counter(self.finished), aborts=Counter(self.aborts),
                        device_time_by_class=Counter(self.device_time_by_class))
+
+
+@dataclass(frozen=True)
+class LongLaneState:
+    enabled: bool
+    factor: float  # the head-of-line loop's scale on the allowance, in (0, 1]
+    allowance_s: float  # what long prefill may add to a step while shorter requests run
+    step_cost: StepCost | None  # None until the engine has run some prefill
+    steps_observed: int
+    chunk_tokens: dict[int, int]  # context -> long chunk that fits the allowance now
 
 
 @dataclass(frozen=True)

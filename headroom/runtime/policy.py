@@ -5,9 +5,10 @@ Order: tier priority first, then predicted-short-first with ageing (a request's 
 is its predicted output tokens minus ageing_tokens_per_s for every second it has
 waited, so nothing starves). Without predictions every rank is just minus the wait,
 which is FCFS. Victims: lowest priority, then the longest predicted remaining, then the
-newest. Long-class requests run in a lane with its own concurrency and KV share; their
-prefill pauses for a step whenever a shorter request waits to start, and is capped per
-step (more tightly the longer its context) while shorter requests run.
+newest. Long-class requests run in a lane with its own concurrency and KV share; while
+shorter requests run, their prefill chunks are sized by the engine's measured step cost
+so that a step grows by at most half the short class's TTFT target (see
+long_prefill_allowance).
 """
 
 from __future__ import annotations
@@ -15,15 +16,18 @@ from __future__ import annotations
 from headroom.config import SchedulerConfig
 from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.request import Request
+from headroom.runtime.step_cost import StepCostModel
 
 LONG = "long"
-LONG_CHUNK_REFERENCE_CONTEXT = 512
 MIN_LONG_CHUNK = 8
 
 
 class SchedulingPolicy:
     def __init__(self, config: SchedulerConfig):
         self.config = config
+        self.cost = StepCostModel()  # fed by the engine after every step
+        # In (0, 1]: the head-of-line loop lowers it while the short class suffers.
+        self.long_lane_factor = 1.0
 
     def order_key(self, request: Request, now: float) -> tuple:
         waited = now - request.arrival_time
@@ -41,35 +45,47 @@ class SchedulingPolicy:
 
     def lane_admits(self, request: Request, running: list[Request], block_manager: BlockManager) -> bool:
         """May a waiting request start now, given its lane's limits?"""
-        if request.size_class != LONG:
+        if request.size_class != LONG or not self.config.long_lane:
             return True
         longs = [r for r in running if r.size_class == LONG]
         cap = self.config.long_max_running
         if cap is not None and len(longs) >= cap:
             return False
         if self.config.long_kv_share < 1.0:
-            held = sum(len(block_manager.block_table(r.request_id)) for r in longs)
+            # What running longs will hold once their prompts are in, not what they hold
+            # part-way through a chunked prefill.
+            held = sum(block_manager.blocks_needed(r.num_tokens) for r in longs)
             needed = block_manager.blocks_needed(request.num_tokens)
             if held + needed > self.config.long_kv_share * block_manager.num_blocks:
                 return False
         return True
 
-    def long_chunk_limit(self, context_tokens: int) -> int:
-        """A chunk's attention cost grows with the context it attends to, so past
-        LONG_CHUNK_REFERENCE_CONTEXT tokens the per-step cap shrinks in proportion: a step
-        with a long chunk then costs about the same at 2,000 tokens of context as at 500."""
-        cap = self.config.long_prefill_tokens_per_step or 0
-        if context_tokens <= LONG_CHUNK_REFERENCE_CONTEXT:
-            return cap
-        return max(MIN_LONG_CHUNK, cap * LONG_CHUNK_REFERENCE_CONTEXT // context_tokens)
+    def long_prefill_allowance(self, running: list[Request], waiting: list[Request], now: float) -> float | None:
+        """Seconds that long-class prefill chunks may add to this step (None: no limit).
 
-    def long_prefill_budget(self, running: list[Request], waiting: list[Request]) -> int | None:
-        """Tokens long-class prefill chunks may take this step (None: no cap)."""
-        cap = self.config.long_prefill_tokens_per_step
-        if cap is None:
+        A short request that arrives during a step waits for it, then gets a step of its
+        own without long chunks; so a long chunk may add at most half the short class's
+        TTFT target to a step, times the factor the head-of-line loop sets. The floor keeps
+        the long class moving: it grows with the oldest prefilling long request's wait and
+        reaches the untightened allowance at long_ttft_target_s."""
+        config = self.config
+        if not config.long_lane:
             return None
-        # A shorter request waiting for its first step gets that step without any long
-        # chunk in it: its TTFT is then one short step, not a long chunk's.
-        if any(r.size_class != LONG for r in waiting):
+        shorter_waiting = any(r.size_class != LONG for r in waiting)
+        if not shorter_waiting and not any(r.size_class != LONG for r in running):
+            return None
+        full = config.short_ttft_target_s / 2
+        waited = max((now - r.arrival_time for r in (*running, *waiting)
+                      if r.size_class == LONG and r.num_tokens - r.num_computed_tokens > 1), default=0.0)
+        floor = full * min(1.0, waited / config.long_ttft_target_s)
+        if shorter_waiting:
+            return floor
+        return max(floor, full * self.long_lane_factor)
+
+    def long_chunk(self, context: int, allowance_s: float, limit: int) -> int:
+        """Prefill tokens a long request at `context` may take within allowance_s."""
+        if allowance_s <= 0:
             return 0
-        return cap if any(r.size_class != LONG for r in running) else None
+        if not self.cost.ready:  # nothing learned yet: a small chunk, and learn from it
+            return min(limit, MIN_LONG_CHUNK)
+        return self.cost.tokens_within(allowance_s, context, limit)

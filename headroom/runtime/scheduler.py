@@ -12,12 +12,14 @@ preempted by recompute.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from headroom.config import SchedulerConfig
 from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.policy import LONG, SchedulingPolicy
 from headroom.runtime.request import Request, RequestStatus
+from headroom.runtime.step_cost import attention_pairs
 
 
 @dataclass
@@ -27,6 +29,7 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int] = field(default_factory=list)
     num_decodes: int = 0
     preempted: list[Request] = field(default_factory=list)
+    attention_pairs: int = 0  # (query, key) pairs the step computes, for the step-cost model
 
     @property
     def total_tokens(self) -> int:
@@ -38,8 +41,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: set[int]):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: set[int],
+                 clock: Callable[[], float] = time.monotonic):
         self.config = config
+        self.clock = clock
         self.block_manager = block_manager
         self.policy = SchedulingPolicy(config)
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -71,13 +76,15 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         preempted: list[Request] = []
-        now = time.monotonic()
-        long_budget = self.policy.long_prefill_budget(self.running, self.waiting)
+        now = self.clock()
+        long_left = self.policy.long_prefill_allowance(self.running, self.waiting, now)
 
-        def chunk(request: Request, remaining: int) -> int:
+        def chunk(request: Request, remaining: int, context: int) -> int:
+            nonlocal long_left
             n = min(remaining, budget)
-            if long_budget is not None and request.size_class == LONG and remaining > 1:
-                n = min(n, long_budget, self.policy.long_chunk_limit(request.num_computed_tokens))
+            if long_left is not None and request.size_class == LONG and remaining > 1:
+                n = self.policy.long_chunk(context, long_left, n)
+                long_left -= self.policy.cost.chunk_seconds(n, context)
             return n
 
         def make_room(request: Request, num_tokens: int, computed: list[int] | None, victims: list[Request]) -> bool:
@@ -102,7 +109,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if budget == 0:
                 break
-            num_tokens = chunk(request, request.num_tokens - request.num_computed_tokens)
+            num_tokens = chunk(request, request.num_tokens - request.num_computed_tokens, request.num_computed_tokens)
             if num_tokens == 0:
                 continue
             if not make_room(request, num_tokens, None, list(self.running)):
@@ -111,8 +118,6 @@ class Scheduler:
                 continue
             scheduled[request.request_id] = num_tokens
             budget -= num_tokens
-            if long_budget is not None and request.size_class == LONG and num_tokens > 1:
-                long_budget -= num_tokens
 
         # Then waiting requests in policy order, while budget and seats last. Not in a step
         # that had to preempt: the cache is full, and admitting now would thrash.
@@ -130,7 +135,7 @@ class Scheduler:
                     break
                 num_tokens = remaining
             else:
-                num_tokens = chunk(request, remaining)
+                num_tokens = chunk(request, remaining, request.num_computed_tokens + num_cached)
                 if num_tokens == 0:
                     continue
             # A waiting request may only displace running ones of strictly lower priority.
@@ -147,14 +152,13 @@ class Scheduler:
             self.running.append(request)
             scheduled[request.request_id] = num_tokens
             budget -= num_tokens
-            if long_budget is not None and request.size_class == LONG and num_tokens > 1:
-                long_budget -= num_tokens
 
         out = SchedulerOutput(preempted=preempted)
         by_id = self.requests
         for rid, n in scheduled.items():
             out.requests.append(by_id[rid])
             out.num_scheduled_tokens.append(n)
+            out.attention_pairs += attention_pairs(n, by_id[rid].num_computed_tokens)
         # Decodes first, as the attention metadata expects.
         order = sorted(range(len(out.requests)), key=lambda i: out.num_scheduled_tokens[i] > 1)
         out.requests = [out.requests[i] for i in order]

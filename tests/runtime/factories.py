@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import time
+from collections.abc import Callable
 
 from headroom.config import SchedulerConfig
 from headroom.runtime.block_manager import BlockManager
@@ -21,6 +23,7 @@ def create_scheduler(
     enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True,
     preemption_order: str = "priority",
+    clock: Callable[[], float] = time.monotonic,
     **policy,
 ) -> Scheduler:
     config = SchedulerConfig(
@@ -30,7 +33,7 @@ def create_scheduler(
         preemption_order=preemption_order,
         **policy,
     )
-    return Scheduler(config, BlockManager(num_blocks, block_size, enable_prefix_caching), {EOS})
+    return Scheduler(config, BlockManager(num_blocks, block_size, enable_prefix_caching), {EOS}, clock)
 
 
 def create_request(

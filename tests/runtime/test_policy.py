@@ -74,25 +74,6 @@ def test_long_lane_kv_share():
     assert out.requests == [a, c]
 
 
-def test_long_prefill_pauses_for_a_waiting_short_and_is_capped_while_shorts_run():
-    s = create_scheduler(max_num_batched_tokens=64, max_num_seqs=4, long_prefill_tokens_per_step=8)
-    long = create_request(prompt=100, size_class="long")
-    short = create_request(prompt=10, size_class="short", max_tokens=3)
-    s.add_request(long)
-    s.add_request(short)
-
-    def step() -> dict[str, int]:
-        out, _ = run_step(s)
-        return dict(zip([r.request_id for r in out.requests], out.num_scheduled_tokens))
-
-    assert step() == {short.request_id: 10}  # the short one waits to start: no long chunk
-    assert step() == {short.request_id: 1, long.request_id: 8}
-    assert step() == {short.request_id: 1, long.request_id: 8}
-    assert short.is_finished and long.num_computed_tokens == 16
-    # Once only long work is left, it gets the whole budget.
-    assert step() == {long.request_id: 64}
-
-
 def test_victim_is_lowest_tier_then_longest_predicted_remaining():
     s = create_scheduler(num_blocks=6, block_size=4, enable_prefix_caching=False)
     a = create_request(prompt=8, max_tokens=8, priority=1, predicted=10)
@@ -103,27 +84,3 @@ def test_victim_is_lowest_tier_then_longest_predicted_remaining():
     run_step(s)
     out, _ = run_step(s)
     assert out.preempted[0] is b
-
-
-def test_long_chunk_shrinks_with_the_context_it_attends_to():
-    s = create_scheduler(max_num_batched_tokens=256, max_num_seqs=4, num_blocks=400,
-                         long_prefill_tokens_per_step=64)
-    assert s.policy.long_chunk_limit(0) == 64
-    assert s.policy.long_chunk_limit(512) == 64
-    assert s.policy.long_chunk_limit(1024) == 32
-    assert s.policy.long_chunk_limit(2048) == 16
-    assert s.policy.long_chunk_limit(100_000) == 8
-    long = create_request(prompt=1100, size_class="long", max_tokens=2)
-    short = create_request(prompt=10, size_class="short", max_tokens=200)
-    s.add_request(long)
-    s.add_request(short)
-    run_step(s)  # the short request's first step carries no long chunk
-    sizes = []
-    for _ in range(40):
-        out, _ = run_step(s)
-        sizes.append(dict(zip([r.request_id for r in out.requests], out.num_scheduled_tokens))[long.request_id])
-        if long.num_computed_tokens >= 1100:
-            break
-    # 64 a step up to 512 tokens of context, then 64 * 512 // context.
-    assert sizes[:9] == [64] * 8 + [64 * 512 // 512]
-    assert sizes[9] == 64 * 512 // 576 and sizes[-1] <= 64 * 512 // 1000 + 1

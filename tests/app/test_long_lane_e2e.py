@@ -1,0 +1,108 @@
+"""Head-of-line protection out of the box: a server with the default config (admission
+on, one tenant, no long-lane settings) lets a short request that arrives during a long
+prompt's prefill start before that prefill ends. Under FCFS the running prefill takes
+the whole token budget of every step, so the short one would wait for all of it."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from headroom.app.background import BackgroundServer
+from headroom.config import AdminConfig, Config
+from headroom.runtime.engine import Engine
+from tests.app.test_openai_api import wait_idle
+
+pytestmark = pytest.mark.slow
+
+ADMIN_TOKEN = "admin-token-for-long-lane-tests"
+LONG_PROMPT = [(31 * i) % 20000 + 300 for i in range(3000)]  # classed long by its prompt alone
+
+
+@pytest.fixture(scope="module")
+def server(default_model):
+    config = Config(admin=AdminConfig(token=ADMIN_TOKEN))  # everything else as `headroom serve` has it
+    srv = BackgroundServer(config, Engine(config, loaded=default_model)).start()
+    yield srv
+    srv.stop()
+
+
+class Stream:
+    """A streaming completion in a thread, with the monotonic time of its first token."""
+
+    def __init__(self, server, body: dict):
+        self.first_token_at: float | None = None
+        self.chunks: list[dict] = []
+        self.error: Exception | None = None
+        self.thread = threading.Thread(target=self._run, args=(server, body), daemon=True)
+        self.thread.start()
+
+    def _run(self, server, body: dict) -> None:
+        try:
+            with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True},
+                              timeout=300) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[len("data: "):])
+                        if chunk["choices"] and self.first_token_at is None:
+                            self.first_token_at = time.monotonic()
+                        self.chunks.append(chunk)
+        except (httpx.HTTPError, AssertionError, ValueError) as exc:  # reported by join()
+            self.error = exc
+
+    def join(self) -> Stream:
+        self.thread.join(300)
+        assert not self.thread.is_alive(), "stream did not end"
+        if self.error is not None:
+            raise self.error
+        return self
+
+    @property
+    def finish_reason(self) -> str | None:
+        return next((c["choices"][0]["finish_reason"] for c in reversed(self.chunks)
+                     if c["choices"] and c["choices"][0].get("finish_reason")), None)
+
+
+def long_sequence(engine: Engine):
+    return next((s for s in engine.snapshot().sequences if s.size_class == "long"), None)
+
+
+def test_a_short_request_starts_during_a_long_prefill_with_default_settings(server):
+    engine = server.engine
+    # A short request decoding throughout: the long lane protects running short work too.
+    background = Stream(server, {"prompt": "Count to one hundred:", "max_tokens": 400, "ignore_eos": True})
+    deadline = time.monotonic() + 60
+    while background.first_token_at is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    long = Stream(server, {"prompt": LONG_PROMPT, "max_tokens": 4, "ignore_eos": True})
+    # Send the second short request once the long prefill is under way but not done.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        seq = long_sequence(engine)
+        if seq is not None and seq.tokens_processed > 0:
+            break
+        time.sleep(0.005)
+    seq = long_sequence(engine)
+    assert seq is not None and 0 < seq.tokens_processed < len(LONG_PROMPT), seq
+    short = Stream(server, {"prompt": "Say hi.", "max_tokens": 8, "ignore_eos": True})
+
+    short.join()
+    long.join()
+    assert short.first_token_at is not None and long.first_token_at is not None
+    assert short.first_token_at < long.first_token_at, "the short request waited for the whole long prefill"
+    assert short.finish_reason == "length" and long.finish_reason == "length"
+
+    stats = httpx.get(server.url + "/admin/stats", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+                      timeout=30).json()["long_lane"]
+    assert stats["enabled"] is True and stats["factor"] == 1.0
+    assert stats["allowance_s"] == engine.config.scheduler.short_ttft_target_s / 2
+    assert stats["steps_observed"] > 0 and stats["step_cost"]["per_token_s"] > 0
+    assert stats["chunk_tokens"]["0"] >= stats["chunk_tokens"]["4096"] > 0
+    assert stats["actions"] == {"tighten": 0, "relax": 0}
+    background.join()
+    wait_idle(engine)

@@ -1,0 +1,198 @@
+"""The long lane's prefill allowance: derived from the engine's measured step cost and the
+short class's TTFT target, bounded below by the long class's wait, and tightened by the
+head-of-line loop. A fake clock and a scripted step cost make every chunk exact."""
+
+from __future__ import annotations
+
+import pytest
+
+from headroom.config import ObservabilityConfig
+from headroom.observability.hol import TIGHTEST, HolFeedback, HolState
+from headroom.runtime.policy import MIN_LONG_CHUNK
+from headroom.runtime.step_cost import StepCostModel, attention_pairs
+from tests.runtime.factories import create_request, create_scheduler, run_step
+
+BASE, PER_TOKEN, PER_PAIR = 0.010, 0.002, 1e-6
+
+
+def scripted_cost(num_tokens: int, pairs: int) -> float:
+    return BASE + PER_TOKEN * num_tokens + PER_PAIR * pairs
+
+
+def teach(model: StepCostModel) -> None:
+    """Steps of many shapes: decodes, short prefills, long chunks deep in a context."""
+    for tokens in (1, 2, 5, 16, 40, 64, 100, 200, 300, 512):
+        for context in (0, 200, 1000, 3000):
+            pairs = attention_pairs(tokens, context)
+            model.observe(tokens, pairs, scripted_cost(tokens, pairs))
+
+
+def largest_chunk(seconds: float, context: int, limit: int) -> int:
+    """The oracle: the biggest n whose scripted cost fits, found by counting up."""
+    n = 0
+    while n < limit and PER_TOKEN * (n + 1) + PER_PAIR * attention_pairs(n + 1, context) <= seconds:
+        n += 1
+    return n
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_the_cost_model_recovers_a_scripted_step_cost():
+    model = StepCostModel()
+    assert not model.ready and model.cost() is None and model.tokens_within(1.0, 0, 512) == 0
+    teach(model)
+    fit = model.cost()
+    assert fit.base_s == pytest.approx(BASE, rel=1e-6)
+    assert fit.per_token_s == pytest.approx(PER_TOKEN, rel=1e-6)
+    assert fit.per_pair_s == pytest.approx(PER_PAIR, rel=1e-6)
+    # 1e-6 n^2 + 0.002 n <= 0.25 -> n = 118 (119 costs 0.2522 s).
+    assert model.tokens_within(0.25, 0, 512) == 118
+    for context in (0, 500, 1024, 2048, 8000):
+        assert model.tokens_within(0.25, context, 512) == largest_chunk(0.25, context, 512)
+    assert model.tokens_within(10.0, 0, 512) == 512  # the step's own budget still caps it
+
+
+def test_decode_only_steps_do_not_wash_out_what_prefill_taught():
+    model = StepCostModel()
+    teach(model)
+    for _ in range(5000):  # a long stretch of nothing but 8-sequence decodes
+        model.observe(8, attention_pairs(1, 700) * 8, scripted_cost(8, attention_pairs(1, 700) * 8))
+    assert model.cost().per_token_s == pytest.approx(PER_TOKEN, rel=1e-6)
+
+
+def test_allowance_is_half_the_short_target_while_shorts_run_and_the_floor_grows_while_they_wait():
+    clock = Clock()
+    s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock,
+                         short_ttft_target_s=0.5, long_ttft_target_s=10.0)
+    policy = s.policy
+    long = create_request(prompt=3000, size_class="long", arrival=clock.t)
+    short_running = create_request(prompt=10, size_class="short", arrival=clock.t)
+    short_waiting = create_request(prompt=10, size_class="short", arrival=clock.t)
+    assert policy.long_prefill_allowance([long], [], clock.t) is None  # nobody to protect
+    assert policy.long_prefill_allowance([long, short_running], [], clock.t) == 0.25
+    assert policy.long_prefill_allowance([long], [short_waiting], clock.t) == 0.0
+    assert policy.long_prefill_allowance([long], [short_waiting], clock.t + 4.0) == pytest.approx(0.1)
+    assert policy.long_prefill_allowance([long], [short_waiting], clock.t + 60.0) == 0.25
+    policy.long_lane_factor = 0.25
+    assert policy.long_prefill_allowance([long, short_running], [], clock.t) == 0.0625
+    assert policy.long_prefill_allowance([long, short_running], [], clock.t + 6.0) == pytest.approx(0.15)
+
+
+def chunks(s, request_id: str, steps: int) -> list[int]:
+    sizes = []
+    for _ in range(steps):
+        out, _ = run_step(s)
+        sizes.append(dict(zip([r.request_id for r in out.requests], out.num_scheduled_tokens)).get(request_id, 0))
+    return sizes
+
+
+def test_chunks_follow_the_learned_cost_as_the_context_grows():
+    clock = Clock()
+    s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock,
+                         short_ttft_target_s=0.5)
+    teach(s.policy.cost)
+    long = create_request(prompt=1500, size_class="long", max_tokens=2, arrival=clock.t)
+    short = create_request(prompt=10, size_class="short", max_tokens=500, arrival=clock.t)
+    s.add_request(long)
+    s.add_request(short)
+    assert chunks(s, long.request_id, 1) == [0]  # the short one's first step carries no long chunk
+    expected, context = [], 0
+    while context < 1500:
+        n = min(1500 - context, largest_chunk(0.25, context, 512 - 1))  # the short decode takes 1 token
+        expected.append(n)
+        context += n
+    assert chunks(s, long.request_id, len(expected)) == expected
+    assert expected[0] == 118 and expected[-2] == 72  # deeper context, smaller chunks
+    assert long.num_computed_tokens == 1500
+
+
+def test_without_a_learned_cost_long_chunks_start_small():
+    s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000)
+    long = create_request(prompt=100, size_class="long", max_tokens=2)
+    short = create_request(prompt=10, size_class="short", max_tokens=50)
+    s.add_request(long)
+    s.add_request(short)
+    run_step(s)
+    assert chunks(s, long.request_id, 2) == [MIN_LONG_CHUNK, MIN_LONG_CHUNK]
+
+
+def test_a_stream_of_waiting_shorts_cannot_starve_a_long_prefill():
+    # A new short request waits at every step, so the long one only gets its floor, which
+    # grows with its wait: 0 at first, the whole allowance once it has waited 10 s.
+    clock = Clock()
+    s = create_scheduler(max_num_seqs=64, max_num_batched_tokens=512, num_blocks=4000, clock=clock,
+                         short_ttft_target_s=0.5, long_ttft_target_s=10.0)
+    teach(s.policy.cost)
+    long = create_request(prompt=1000, size_class="long", max_tokens=2, arrival=clock.t)
+    s.add_request(long)
+    s.add_request(create_request(prompt=10, size_class="short", max_tokens=30, arrival=clock.t))
+    sizes = []
+    for step in range(60):
+        s.add_request(create_request(prompt=10, size_class="short", max_tokens=30, arrival=clock.t))
+        sizes.append(chunks(s, long.request_id, 1)[0])
+        clock.t += 0.5
+        if long.num_computed_tokens >= 1000:
+            break
+    context, expected = 0, []
+    for step in range(len(sizes)):
+        floor = 0.25 * min(1.0, 0.5 * step / 10.0)
+        expected.append(min(1000 - context, largest_chunk(floor, context, 512)))
+        context += expected[-1]
+    assert sizes == expected
+    assert sizes[0] == 0 and long.num_computed_tokens == 1000 and len(sizes) < 40
+
+
+def test_the_head_of_line_loop_tightens_the_scheduler_and_relaxes_it():
+    clock = Clock()
+    s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock,
+                         short_ttft_target_s=0.5)
+    teach(s.policy.cost)
+
+    def set_factor(factor: float) -> None:
+        s.policy.long_lane_factor = factor
+
+    feedback = HolFeedback(set_factor)
+    coupled, clear = HolState(True, 3.0, 0.8, 0.3), HolState(False, 0.4, 0.8, 0.3)
+    actions = [feedback.update(state) for state in [coupled] * 5 + [clear] * 5]
+    assert actions == ["tighten"] * 4 + [None] + ["relax"] * 4 + [None]
+    assert feedback.actions == {"tighten": 4, "relax": 4} and s.policy.long_lane_factor == 1.0
+
+    long = create_request(prompt=1500, size_class="long", max_tokens=2, arrival=clock.t)
+    short = create_request(prompt=10, size_class="short", max_tokens=500, arrival=clock.t)
+    s.add_request(long)
+    s.add_request(short)
+    run_step(s)
+    assert chunks(s, long.request_id, 1) == [largest_chunk(0.25, 0, 511)]
+    feedback.update(coupled)
+    feedback.update(coupled)
+    assert s.policy.long_lane_factor == 0.25
+    context = long.num_computed_tokens
+    assert chunks(s, long.request_id, 1) == [largest_chunk(0.25 * 0.25, context, 511)]
+    for _ in range(10):
+        feedback.update(coupled)
+    assert s.policy.long_lane_factor == TIGHTEST
+
+
+def test_the_loop_does_nothing_when_the_long_lane_is_off():
+    calls = []
+    feedback = HolFeedback(calls.append, enabled=False)
+    assert feedback.update(HolState(True, 3.0, 0.9, 0.9)) is None and calls == []
+
+
+def test_long_lane_off_means_no_long_limits():
+    s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=64, num_blocks=2000, long_lane=False)
+    long = create_request(prompt=100, size_class="long", max_tokens=2)
+    short = create_request(prompt=10, size_class="short", max_tokens=50)
+    s.add_request(long)
+    s.add_request(short)
+    assert chunks(s, long.request_id, 1) == [64]
+
+
+def test_observability_config_is_untouched_by_the_loop():
+    assert ObservabilityConfig().hol_short_ttft_p99_s == 2.0
