@@ -35,6 +35,7 @@ _FLAGS = {
     "model": ("model", "model"),
     "served_model_name": ("model", "served_model_name"),
     "dtype": ("model", "dtype"),
+    "quantization": ("model", "quantization"),
     "device": ("model", "device"),
     "max_model_len": ("model", "max_model_len"),
     "enforce_eager": ("model", "enforce_eager"),
@@ -72,6 +73,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="GGUF file or HF checkpoint dir (default: SmolLM2-135M-Instruct)")
     g.add_argument("--served-model-name")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--quantization", choices=["auto", "none", "int8", "int4"],
+                   help="weight-only quantised linears on the CPU (auto: int4 for a float32 model on the CPU)")
     g.add_argument("--device", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--attention-backend", help="auto, torch, triton, flash_attn, xformers")

@@ -33,7 +33,10 @@ async def health(request: web.Request) -> web.Response:
     engine = request.app[keys.ENGINE].engine
     backend = {"name": engine.backend.name, "reason": getattr(engine.backend, "reason", None),
                "block_size": engine.block_size}
-    return web.json_response({"status": "ok", "attention_backend": backend, "cuda_graphs": engine.cuda_graphs})
+    weights = {"dtype": str(engine.dtype).removeprefix("torch."), "quantization": engine.loaded.quantization,
+               "reason": engine.quantization_reason}
+    return web.json_response({"status": "ok", "attention_backend": backend, "cuda_graphs": engine.cuda_graphs,
+                              "weights": weights})
 
 
 async def openapi(request: web.Request) -> web.Response:

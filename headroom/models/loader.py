@@ -28,6 +28,7 @@ class LoadedModel:
     model: Llama
     tokenizer: Tokenizer
     name: str
+    quantization: str = "none"  # set by the engine once it has quantised the linears
 
 
 def default_model_path() -> str:

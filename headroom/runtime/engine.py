@@ -19,15 +19,17 @@ import torch
 
 from headroom.config import Config
 from headroom.models.loader import LoadedModel, load_model
+from headroom.models.quant import quantize_model
 from headroom.runtime.attention import select_backend
 from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.cuda_graphs import capture_sizes, supports_graphs
 from headroom.runtime.detokenizer import IncrementalDetokenizer
-from headroom.runtime.device import resolve_device, resolve_dtype
+from headroom.runtime.device import resolve_device, resolve_dtype, resolve_quantization
 from headroom.runtime.model_runner import ModelRunner, StepTimer, kv_block_bytes
 from headroom.runtime.outputs import (
     EngineSnapshot,
     EngineStats,
+    LongLaneState,
     OutputSink,
     RequestOutput,
     SequenceFinished,
@@ -51,9 +53,14 @@ class Engine:
             self.device = resolve_device(config.model.device)
             self.dtype = resolve_dtype(config.model.dtype, self.device)
             loaded = load_model(config.model, self.device, self.dtype)
+            args = loaded.args
+            loaded.quantization, self.quantization_reason = resolve_quantization(
+                config.model.quantization, self.device, self.dtype, args.hidden_size, args.intermediate_size)
+            quantize_model(loaded.model, loaded.quantization)
         else:  # a model loaded by the caller decides device and dtype
             weight = loaded.model.embed_tokens.weight
             self.device, self.dtype = weight.device, weight.dtype
+            self.quantization_reason = "as the caller loaded it"
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # cuda:N: kernels, streams and graphs on card N
         self.loaded = loaded
@@ -75,9 +82,10 @@ class Engine:
         self.cuda_graphs = self.runner.capture_graphs() or self.cuda_graphs
         self.stats = EngineStats()
         log.info(
-            "engine ready: model=%s device=%s dtype=%s backend=%s block_size=%d kv_blocks=%d (%d tokens) "
-            "cuda_graphs=%s",
-            self.loaded.name, self.device, str(self.dtype).removeprefix("torch."), self.backend.name,
+            "engine ready: model=%s device=%s dtype=%s quantization=%s (%s) backend=%s block_size=%d "
+            "kv_blocks=%d (%d tokens) cuda_graphs=%s",
+            self.loaded.name, self.device, str(self.dtype).removeprefix("torch."), self.loaded.quantization,
+            self.quantization_reason, self.backend.name,
             self.block_size, num_blocks, num_blocks * self.block_size, self.cuda_graphs,
         )
 
@@ -151,6 +159,12 @@ class Engine:
         self._command("control", (request_id, action, args, future))
         return future
 
+    def set_long_lane_factor(self, factor: float) -> None:
+        """Scale the long lane's per-step prefill allowance (the head-of-line loop's lever)."""
+        if not 0 < factor <= 1:
+            raise ValueError(f"long lane factor must be in (0, 1], got {factor}")
+        self._command("long_lane", factor)
+
     def _command(self, kind: str, payload: object) -> None:
         with self._wakeup:
             self._inbox.append((kind, payload))
@@ -214,6 +228,8 @@ class Engine:
                 request.busy_at_arrival = self.stats.step_time_s
                 self.scheduler.add_request(request)
                 self.stats.prompt_tokens += request.num_prompt_tokens
+            elif kind == "long_lane":
+                self.scheduler.policy.long_lane_factor = payload  # type: ignore[assignment]
             elif kind == "control":
                 request_id, action, args, future = payload  # type: ignore[misc]
                 try:
@@ -311,6 +327,7 @@ class Engine:
         stats = self.stats
         stats.steps += 1
         stats.step_time_s += elapsed
+        self.scheduler.policy.cost.observe(total, out.attention_pairs, elapsed)
         # Read without waiting: a step that sampled nothing may still be on the device.
         self._timers.append(timer)
         while self._timers and self._timers[0].ready():
@@ -399,6 +416,19 @@ class Engine:
         """A consistent copy of the engine's counters."""
         with self._state_lock:
             return self.stats.copy()
+
+    def long_lane(self) -> LongLaneState:
+        """The long lane's settings and what the engine has learned of its own step cost."""
+        with self._state_lock:
+            policy = self.scheduler.policy
+            config = self.config.scheduler
+            allowance = config.short_ttft_target_s / 2 * policy.long_lane_factor
+            return LongLaneState(
+                enabled=config.long_lane, factor=policy.long_lane_factor, allowance_s=allowance,
+                step_cost=policy.cost.cost(), steps_observed=policy.cost.num_steps,
+                chunk_tokens={context: policy.long_chunk(context, allowance, config.max_num_batched_tokens)
+                              for context in (0, 1024, 4096)},
+            )
 
     def snapshot(self) -> EngineSnapshot:
         """Every live sequence's cost, and the pool's, at one consistent instant."""

@@ -281,6 +281,7 @@ def test_draining_server_answers_503(server):
         "attention_backend": {"name": "torch", "reason": "auto on cpu: torch is the best available",
                               "block_size": 16},
         "cuda_graphs": "off (no CUDA graphs on cpu)",
+        "weights": {"dtype": "float32", "quantization": "none", "reason": "as the caller loaded it"},
     }
 
 
