@@ -81,8 +81,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, dtype: str, config_path: str | None, admission: bool) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "headroom.app.cli", "--log-level", "WARNING", "serve", "--port", str(port)]
+def start_server(port: int, dtype: str, config_path: str | None, admission: bool,
+                 extra: list[str] | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "headroom.app.cli", "--log-level", "WARNING", "serve", "--port", str(port),
+           *(extra or [])]
     if config_path:
         cmd += ["--config", config_path]
     if dtype != "auto":

@@ -52,6 +52,7 @@ def main() -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default="auto", help="auto, none, int8, int4 (CPU)")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--concurrency", default=None, help="default: 1,8,32,64 on CPU, 1,32,128 on CUDA")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
@@ -77,7 +78,8 @@ def main() -> None:
 
 def run_levels(ns: argparse.Namespace, levels: list[int], enforce_eager: bool) -> list[dict]:
     config = Config(
-        model=ModelConfig(model=ns.model, device=ns.device, dtype=ns.dtype, enforce_eager=enforce_eager),
+        model=ModelConfig(model=ns.model, device=ns.device, dtype=ns.dtype, quantization=ns.quantization,
+                          enforce_eager=enforce_eager),
         cache=CacheConfig(kv_cache_memory_gib=2.0, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=max(levels), max_num_batched_tokens=ns.max_num_batched_tokens),
         attention_backend=ns.attention_backend,
@@ -85,6 +87,7 @@ def run_levels(ns: argparse.Namespace, levels: list[int], enforce_eager: bool) -
     engine = Engine(config)
     print(
         f"# throughput: model={engine.loaded.name} device={engine.device} dtype={engine.dtype} "
+        f"quantization={engine.loaded.quantization} "
         f"backend={engine.backend.name} cuda_graphs={engine.cuda_graphs} threads={torch.get_num_threads()} "
         f"torch={torch.__version__} cpu={platform.processor() or platform.machine()}"
         + (f" gpu={torch.cuda.get_device_name(engine.device)}" if engine.device.type == "cuda" else "")

@@ -77,11 +77,12 @@ class SchedulerConfig:
     # every second waited (predicted-short-first with ageing; FCFS without predictions).
     ageing_tokens_per_s: float = 50.0
     # Head-of-line protection for the long lane (the long size class, set by admission).
-    # While shorter requests run, long prefill chunks are sized by the engine's measured
-    # step cost to add at most half of short_ttft_target_s to a step (less while the
-    # head-of-line monitor sees the short class suffer); while a shorter request waits
-    # to start, long prefill only gets a floor that grows with its wait and is the whole
-    # allowance once it has waited long_ttft_target_s. long_lane = false turns it all off.
+    # While shorter requests are present, long prefill chunks are sized by the engine's
+    # measured step cost to add at most a quarter of short_ttft_target_s to a step (or a
+    # quarter of the step, where one step is slower than that); the head-of-line monitor
+    # scales that down while the short class suffers, but never below a floor that grows
+    # with the long request's wait and is whole at long_ttft_target_s. long_lane = false
+    # turns it all off.
     long_lane: bool = True
     short_ttft_target_s: float = 0.5
     long_ttft_target_s: float = 10.0

@@ -159,7 +159,8 @@ async def stats(request: web.Request) -> web.Response:
                            "device_share": o.device_share, "kv_share": o.kv_share} for o in hol.offenders],
         },
         "long_lane": {
-            "enabled": lane.enabled, "factor": lane.factor, "allowance_s": lane.allowance_s,
+            "enabled": lane.enabled, "factor": lane.factor, "short_ttft_target_s": lane.short_ttft_target_s,
+            "allowance_s": lane.allowance_s,
             "step_cost": None if lane.step_cost is None else dataclasses.asdict(lane.step_cost),
             "steps_observed": lane.steps_observed,
             "chunk_tokens": {str(context): n for context, n in lane.chunk_tokens.items()},

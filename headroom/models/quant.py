@@ -1,115 +1,160 @@
-"""Weight-only quantised linears for the CPU, on PyTorch's own packed-weight kernels.
+"""Weight-only quantised linears for the CPU, on headroom's own kernels (models/kernels).
 
-int4: 4-bit weights in groups of 32 along the input dimension, each group with a scale
-and a minimum (w = scale * q + min, q in 0..15), run by _weight_int4pack_mm_for_cpu.
-That is llama.cpp's Q4_1 block: the default model's linears are stored that way, and
-re-quantising the weights the loader dequantised from such blocks finds the same q,
-scale and minimum again, so this path computes with the file's own weights.
-int8: one symmetric scale per output row (absmax / 127), run by _weight_int8pack_mm;
-used for the output head, which the file stores as Q8_0.
-Activations, accumulation and everything outside the linears stay in the model dtype.
+int4: the decoder's linears as 4-bit groups of 32 along the input dimension with a scale
+and a minimum each (w = scale * q + min, q in 0..15): llama.cpp's Q4_1 block. The
+default model's file stores its linears that way, and re-quantising the weights the
+loader dequantised from such blocks finds the same q, scale and minimum again, so this
+path computes with the file's own weights. The output head goes to int8.
+int8: groups of 32 with one scale each (w = scale * q, q in -127..127): Q8_0's block,
+which is how the default model stores its (tied) embedding and output head.
+
+A decode step of one sequence reads every weight once, so fewer bytes win there; a
+batch of many rows is compute-bound, and there the float GEMM wins. Each QuantLinear
+keeps the float weight it was built from (the same tensor, not a copy) and uses the
+packed one for batches of at most `small_batch` rows, the crossover measured at start.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from headroom.models.kernels import cpu_kernels
+
 QUANTIZATIONS = ("none", "int8", "int4")
-INT4_GROUP = 32
-
-
-class Int8Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        w = weight.float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scales", scale.to(weight.dtype))
-        self.bias = bias
-        self.out_features = weight.shape[0]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.qweight, self.scales)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
-
-    def dequantized(self) -> torch.Tensor:
-        return self.qweight.float() * self.scales.float()[:, None]
+GROUP = 32
+BATCH_SIZES = (1, 4, 16, 32, 64)
 
 
 def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q as int32 (N, K), scale (N, K/32), minimum (N, K/32)) with w ~ scale * q + minimum."""
+    """(q (N, K) in 0..15, scale (N, K/32), minimum (N, K/32)) with w ~ scale * q + minimum."""
     n, k = weight.shape
-    groups = weight.float().view(n, k // INT4_GROUP, INT4_GROUP)
+    groups = weight.float().view(n, k // GROUP, GROUP)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     scale = (high - low) / 15
     q = torch.round((groups - low[..., None]) / scale.clamp(min=1e-12)[..., None]).clamp(0, 15)
-    return q.view(n, k).to(torch.int32), scale, low
+    return q.view(n, k).to(torch.uint8), scale.contiguous(), low.contiguous()
 
 
-class Int4Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q (N, K) in -127..127, scale (N, K/32)) with w ~ scale * q."""
+    n, k = weight.shape
+    groups = weight.float().view(n, k // GROUP, GROUP)
+    scale = groups.abs().amax(dim=-1) / 127
+    q = torch.round(groups / scale.clamp(min=1e-12)[..., None]).clamp(-127, 127)
+    return q.view(n, k).to(torch.int8), scale.contiguous()
+
+
+def pack_q4(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) values 0..15 -> (N, K/2) bytes in Q4_1's order: byte j of a group of 32
+    holds element j in its low nibble and element j + 16 in its high one."""
+    n, k = q.shape
+    groups = q.view(n, k // GROUP, 2, GROUP // 2)
+    return (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bits: int, small_batch: int):
         super().__init__()
-        q, scale, low = int4_groups(weight)
-        self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(q, 1))
-        # The kernel computes (q - 8) * scale + zero.
-        zeros = low + 8 * scale
-        self.register_buffer("scales_and_zeros", torch.stack([scale.t(), zeros.t()], dim=-1).contiguous())
-        self.bias = bias
-        self.out_features = weight.shape[0]
+        kernels, why = cpu_kernels()
+        if kernels is None:
+            raise RuntimeError(f"quantised linears need headroom's CPU kernels: {why}")
+        self.kernels, self.bits, self.small_batch = kernels, bits, small_batch
+        self.weight, self.bias = weight, bias  # the float weight, for large batches
+        if bits == 4:
+            q, scale, low = int4_groups(weight)
+            self.qweight, self.scales, self.mins = pack_q4(q), scale, low
+        else:
+            self.qweight, self.scales = int8_groups(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), self.qweight, INT4_GROUP,
-                                              self.scales_and_zeros)
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] > self.small_batch:
+            y = F.linear(flat, self.weight)
+        elif self.bits == 4:
+            y = self.kernels.q4_linear(flat, self.qweight, self.scales, self.mins)
+        else:
+            y = self.kernels.q8_linear(flat, self.qweight, self.scales)
         if self.bias is not None:
             y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+        return y.view(*x.shape[:-1], self.weight.shape[0])
+
+    def dequantized(self) -> torch.Tensor:
+        n, k = self.weight.shape
+        if self.bits == 8:
+            return (self.qweight.float().view(n, -1, GROUP) * self.scales[..., None]).view(n, k)
+        halves = self.qweight.view(n, k // GROUP, GROUP // 2)
+        q = torch.cat([halves & 0x0F, halves >> 4], dim=-1).float()
+        return (q * self.scales[..., None] + self.mins[..., None]).view(n, k)
 
 
-def int4_fits(linear: nn.Linear) -> bool:
-    return linear.in_features % INT4_GROUP == 0 and linear.out_features % 8 == 0
+def packable(linear: nn.Linear) -> bool:
+    return linear.in_features % GROUP == 0
 
 
-def quantize_model(model: nn.Module, mode: str) -> None:
-    """Swap the model's linears for quantised ones in place (fp32 activations on the CPU)."""
+@dataclass(frozen=True)
+class Crossover:
+    """Seconds per call of a float and a packed linear at each batch size."""
+
+    float_s: dict[int, float]
+    packed_s: dict[int, float]
+
+    @property
+    def relative_cost(self) -> float:
+        """Time against float32's, the better path at each batch size, averaged over the
+        batch sizes: a lone stream and a full batch weigh alike."""
+        return sum(min(self.float_s[m], self.packed_s[m]) / self.float_s[m] for m in BATCH_SIZES) / len(BATCH_SIZES)
+
+    @property
+    def small_batch(self) -> int:
+        """The largest batch up to which the packed weights are faster (0: never)."""
+        best = 0
+        for m in BATCH_SIZES:
+            if self.packed_s[m] >= self.float_s[m]:
+                break
+            best = m
+        return best
+
+
+def measure_crossover(in_features: int, out_features: int, bits: int, repeats: int = 3) -> Crossover:
+    """Time linears of the model's shape, float against packed, at each batch size. The
+    weights span more than a last-level cache, as a model's do, so that the float path
+    pays for its bytes as it does when serving. Where the packed kernel wins depends on
+    the CPU's vectors, caches and memory, so it is measured where it serves, never assumed."""
+    copies = max(2, (48 * 2**20) // (4 * in_features * out_features))
+    weights = [torch.randn(out_features, in_features) for _ in range(copies)]
+    packed = [QuantLinear(w, None, bits, small_batch=max(BATCH_SIZES)) for w in weights]
+    float_s, packed_s = {}, {}
+    with torch.inference_mode():
+        for m in BATCH_SIZES:
+            x = torch.randn(m, in_features)
+            for layers, into in (([lambda x, w=w: F.linear(x, w) for w in weights], float_s), (packed, packed_s)):
+                for layer in layers:
+                    layer(x)
+                best = float("inf")
+                for _ in range(repeats):  # the fastest pass: the others met a noisy neighbour
+                    start = time.perf_counter()
+                    for layer in layers:
+                        layer(x)
+                    best = min(best, time.perf_counter() - start)
+                into[m] = best / copies
+    return Crossover(float_s, packed_s)
+
+
+def quantize_model(model: nn.Module, mode: str, small_batch: int) -> None:
+    """Swap the model's linears for packed ones in place: int4 for the decoder's linears
+    and int8 for the output head in "int4" mode, int8 for all in "int8" mode."""
     if mode == "none":
         return
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {mode!r}")
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear):
+            if not isinstance(child, nn.Linear) or not packable(child):
                 continue
-            bias = None if child.bias is None else child.bias.detach()
-            if mode == "int4" and name != "lm_head" and int4_fits(child):
-                setattr(parent, name, Int4Linear(child.weight.detach(), bias))
-            else:
-                setattr(parent, name, Int8Linear(child.weight.detach(), bias))
-
-
-def time_linears(in_features: int, out_features: int, batch_sizes: tuple[int, ...] = (1, 16),
-                 repeats: int = 5) -> dict[str, float]:
-    """Seconds per call of one linear of this shape in each mode, summed over batch sizes.
-    PyTorch's packed kernels are fast only where the CPU has the instructions they were
-    written for (on an AVX2-only core they lose to fp32 by 3-25x), so measure, never assume."""
-    weight = torch.randn(out_features, in_features)
-    dense = nn.Linear(in_features, out_features, bias=False)
-    dense.weight.data = weight
-    layers = {"none": dense, "int8": Int8Linear(weight, None), "int4": Int4Linear(weight, None)}
-    times: dict[str, float] = {}
-    with torch.inference_mode():
-        for mode, layer in layers.items():
-            total = 0.0
-            for m in batch_sizes:
-                x = torch.randn(m, in_features)
-                layer(x)
-                start = time.perf_counter()
-                for _ in range(repeats):
-                    layer(x)
-                total += (time.perf_counter() - start) / repeats
-            times[mode] = total
-    return times
+            bits = 4 if mode == "int4" and name != "lm_head" else 8
+            setattr(parent, name, QuantLinear(child.weight, child.bias, bits, small_batch))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from headroom.models.quant import time_linears
+from headroom.config import ConfigError
+from headroom.models.kernels import cpu_kernels
+from headroom.models.quant import measure_crossover
 
 
 def resolve_device(name: str) -> torch.device:
@@ -19,20 +21,31 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_quantization(name: str, device: torch.device, dtype: torch.dtype, hidden_size: int,
-                         intermediate_size: int) -> tuple[str, str]:
-    """The weight-only quantisation to serve with, and why (for the log and /health)."""
+                         intermediate_size: int) -> tuple[str, int, str]:
+    """(mode, largest batch served from packed weights, why) for the log and /health."""
+    if name == "none":
+        return "none", 0, "chosen by flag or config"
+    if device.type != "cpu" or dtype != torch.float32:
+        if name == "auto":
+            return "none", 0, f"auto: quantised linears are for float32 on the CPU, not {dtype} on {device.type}"
+        raise ConfigError(f"quantization {name} runs on the CPU with dtype float32 only")
+    kernels, why = cpu_kernels()
+    if kernels is None:
+        if name == "auto":
+            return "none", 0, f"auto: {why}"
+        raise ConfigError(f"quantization {name} needs headroom's CPU kernels: {why}")
+    # The MLP's gate/up projection, the largest linear of a layer, stands for all of them.
+    found = {mode: measure_crossover(hidden_size, 2 * intermediate_size, 4 if mode == "int4" else 8)
+             for mode in (("int4", "int8") if name == "auto" else (name,))}
+    said = "; ".join(f"{mode} {1e3 * c.packed_s[1]:.3f} ms vs float {1e3 * c.float_s[1]:.3f} ms at batch 1, "
+                     f"packed up to batch {c.small_batch}" for mode, c in found.items())
     if name != "auto":
-        return name, "chosen by flag or config"
-    if device.type != "cpu":
-        return "none", f"auto: no quantised kernels used on {device.type}"
-    if dtype != torch.float32:
-        return "none", f"auto: the CPU's {str(dtype).removeprefix('torch.')} path is used unquantised"
-    # One stream reads every weight once a token, so fewer weight bytes should win; but
-    # PyTorch's packed int4/int8 kernels are fast only on some CPUs, so time them here.
-    times = time_linears(hidden_size, intermediate_size)
-    best = min(times, key=times.__getitem__)
-    said = ", ".join(f"{mode} {1000 * t:.2f} ms" for mode, t in times.items())
-    return best, f"auto: fastest on this CPU for a {hidden_size}x{intermediate_size} linear at batch 1+16 ({said})"
+        return name, max(1, found[name].small_batch), f"chosen by flag or config ({said})"
+    useful = {mode: c for mode, c in found.items() if c.small_batch >= 1}
+    if not useful:
+        return "none", 0, f"auto: no packed kernel beats float32 here ({said})"
+    best = min(useful, key=lambda mode: useful[mode].relative_cost)
+    return best, useful[best].small_batch, f"auto: fastest against float32 over batch sizes 1-64 ({said})"
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -54,9 +54,9 @@ class Engine:
             self.dtype = resolve_dtype(config.model.dtype, self.device)
             loaded = load_model(config.model, self.device, self.dtype)
             args = loaded.args
-            loaded.quantization, self.quantization_reason = resolve_quantization(
+            loaded.quantization, small_batch, self.quantization_reason = resolve_quantization(
                 config.model.quantization, self.device, self.dtype, args.hidden_size, args.intermediate_size)
-            quantize_model(loaded.model, loaded.quantization)
+            quantize_model(loaded.model, loaded.quantization, small_batch)
         else:  # a model loaded by the caller decides device and dtype
             weight = loaded.model.embed_tokens.weight
             self.device, self.dtype = weight.device, weight.dtype
@@ -422,11 +422,13 @@ class Engine:
         with self._state_lock:
             policy = self.scheduler.policy
             config = self.config.scheduler
-            allowance = config.short_ttft_target_s / 2 * policy.long_lane_factor
+            allowance = self.scheduler.long_prefill_allowance(time.monotonic())
+            # The chunk a long prompt would get with shorter requests running and none waiting.
+            sized = allowance if allowance is not None else config.short_ttft_target_s / 4 * policy.long_lane_factor
             return LongLaneState(
-                enabled=config.long_lane, factor=policy.long_lane_factor, allowance_s=allowance,
-                step_cost=policy.cost.cost(), steps_observed=policy.cost.num_steps,
-                chunk_tokens={context: policy.long_chunk(context, allowance, config.max_num_batched_tokens)
+                enabled=config.long_lane, factor=policy.long_lane_factor, short_ttft_target_s=config.short_ttft_target_s,
+                allowance_s=allowance, step_cost=policy.cost.cost(), steps_observed=policy.cost.num_steps,
+                chunk_tokens={context: policy.long_chunk(context, sized, config.max_num_batched_tokens)
                               for context in (0, 1024, 4096)},
             )
 

@@ -51,7 +51,8 @@ class EngineStats:
 class LongLaneState:
     enabled: bool
     factor: float  # the head-of-line loop's scale on the allowance, in (0, 1]
-    allowance_s: float  # what long prefill may add to a step while shorter requests run
+    short_ttft_target_s: float
+    allowance_s: float | None  # what long prefill may add to the next step (None: no limit now)
     step_cost: StepCost | None  # None until the engine has run some prefill
     steps_observed: int
     chunk_tokens: dict[int, int]  # context -> long chunk that fits the allowance now

@@ -6,9 +6,9 @@ is its predicted output tokens minus ageing_tokens_per_s for every second it has
 waited, so nothing starves). Without predictions every rank is just minus the wait,
 which is FCFS. Victims: lowest priority, then the longest predicted remaining, then the
 newest. Long-class requests run in a lane with its own concurrency and KV share; while
-shorter requests run, their prefill chunks are sized by the engine's measured step cost
-so that a step grows by at most half the short class's TTFT target (see
-long_prefill_allowance).
+shorter requests are present, their prefill chunks are sized by the engine's measured
+step cost so that a step grows by at most a quarter of the short class's TTFT target
+(see long_prefill_allowance).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from headroom.runtime.step_cost import StepCostModel
 
 LONG = "long"
 MIN_LONG_CHUNK = 8
+LONG_STEP_STRETCH = 0.25  # a long chunk may make a step this much longer than it is without
 
 
 class SchedulingPolicy:
@@ -60,27 +61,27 @@ class SchedulingPolicy:
                 return False
         return True
 
-    def long_prefill_allowance(self, running: list[Request], waiting: list[Request], now: float) -> float | None:
+    def long_prefill_allowance(self, running: list[Request], waiting: list[Request], now: float,
+                               base_s: float = 0.0) -> float | None:
         """Seconds that long-class prefill chunks may add to this step (None: no limit).
 
-        A short request that arrives during a step waits for it, then gets a step of its
-        own without long chunks; so a long chunk may add at most half the short class's
-        TTFT target to a step, times the factor the head-of-line loop sets. The floor keeps
-        the long class moving: it grows with the oldest prefilling long request's wait and
-        reaches the untightened allowance at long_ttft_target_s."""
+        A short request meets at most two steps before its first token: the one running
+        when it arrives and its own. So a long chunk may add a quarter of the short
+        class's TTFT target to a step, or a quarter of what the step costs without it
+        (base_s) where a step is already slower than the target, whichever is more. The
+        head-of-line loop scales that down while the short class still suffers; the
+        floor keeps the long class moving even then: it grows with the oldest prefilling
+        long request's wait and is the whole allowance at long_ttft_target_s."""
         config = self.config
         if not config.long_lane:
             return None
-        shorter_waiting = any(r.size_class != LONG for r in waiting)
-        if not shorter_waiting and not any(r.size_class != LONG for r in running):
+        if not any(r.size_class != LONG for r in (*running, *waiting)):
             return None
-        full = config.short_ttft_target_s / 2
+        full = max(config.short_ttft_target_s / 4, LONG_STEP_STRETCH * base_s)
         waited = max((now - r.arrival_time for r in (*running, *waiting)
                       if r.size_class == LONG and r.num_tokens - r.num_computed_tokens > 1), default=0.0)
-        floor = full * min(1.0, waited / config.long_ttft_target_s)
-        if shorter_waiting:
-            return floor
-        return max(floor, full * self.long_lane_factor)
+        floor = min(1.0, waited / config.long_ttft_target_s)
+        return full * max(floor, self.long_lane_factor)
 
     def long_chunk(self, context: int, allowance_s: float, limit: int) -> int:
         """Prefill tokens a long request at `context` may take within allowance_s."""

@@ -72,12 +72,18 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def long_prefill_allowance(self, now: float) -> float | None:
+        """What long prefill chunks may add to the next step, in seconds (None: no limit)."""
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        base_s = self.policy.cost.predict(len(decodes), sum(attention_pairs(1, r.num_computed_tokens) for r in decodes))
+        return self.policy.long_prefill_allowance(self.running, self.waiting, now, base_s)
+
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         preempted: list[Request] = []
         now = self.clock()
-        long_left = self.policy.long_prefill_allowance(self.running, self.waiting, now)
+        long_left = self.long_prefill_allowance(now)
 
         def chunk(request: Request, remaining: int, context: int) -> int:
             nonlocal long_left

@@ -69,6 +69,13 @@ class StepCostModel:
             self._dirty = False
         return self._fit
 
+    def predict(self, num_tokens: int, pairs: int) -> float:
+        """A step's predicted wall time (0 before anything is learned)."""
+        fit = self.cost()
+        if fit is None or num_tokens <= 0:
+            return 0.0
+        return fit.base_s + fit.per_token_s * num_tokens + fit.per_pair_s * pairs
+
     def chunk_seconds(self, num_tokens: int, context: int) -> float:
         """What adding a prefill chunk of num_tokens at `context` adds to a step."""
         fit = self.cost()
@@ -78,7 +85,7 @@ class StepCostModel:
 
     def tokens_within(self, seconds: float, context: int, limit: int) -> int:
         """The largest chunk (at most `limit`) that adds no more than `seconds` to a step;
-        None-fit (nothing learned yet) answers 0 and the caller picks a cautious size."""
+        0 before anything is learned (the caller then picks a cautious size)."""
         fit = self.cost()
         if fit is None or seconds <= 0 or limit <= 0:
             return 0

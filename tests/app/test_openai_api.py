@@ -278,7 +278,7 @@ def test_draining_server_answers_503(server):
         lifecycle.draining = False
     assert httpx.get(server.url + "/health").json() == {
         "status": "ok",
-        "attention_backend": {"name": "torch", "reason": "auto on cpu: torch is the best available",
+        "attention_backend": {"name": "cpu_paged", "reason": "auto on cpu: cpu_paged is the best available",
                               "block_size": 16},
         "cuda_graphs": "off (no CUDA graphs on cpu)",
         "weights": {"dtype": "float32", "quantization": "none", "reason": "as the caller loaded it"},

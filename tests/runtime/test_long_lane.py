@@ -1,6 +1,6 @@
 """The long lane's prefill allowance: derived from the engine's measured step cost and the
-short class's TTFT target, bounded below by the long class's wait, and tightened by the
-head-of-line loop. A fake clock and a scripted step cost make every chunk exact."""
+short class's TTFT target, tightened by the head-of-line loop, and bounded below by the
+long class's wait. A fake clock and a scripted step cost make every chunk exact."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_decode_only_steps_do_not_wash_out_what_prefill_taught():
     assert model.cost().per_token_s == pytest.approx(PER_TOKEN, rel=1e-6)
 
 
-def test_allowance_is_half_the_short_target_while_shorts_run_and_the_floor_grows_while_they_wait():
+def test_allowance_is_a_quarter_of_the_short_target_and_the_floor_grows_with_the_long_wait():
     clock = Clock()
     s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock,
                          short_ttft_target_s=0.5, long_ttft_target_s=10.0)
@@ -75,13 +75,32 @@ def test_allowance_is_half_the_short_target_while_shorts_run_and_the_floor_grows
     short_running = create_request(prompt=10, size_class="short", arrival=clock.t)
     short_waiting = create_request(prompt=10, size_class="short", arrival=clock.t)
     assert policy.long_prefill_allowance([long], [], clock.t) is None  # nobody to protect
-    assert policy.long_prefill_allowance([long, short_running], [], clock.t) == 0.25
-    assert policy.long_prefill_allowance([long], [short_waiting], clock.t) == 0.0
-    assert policy.long_prefill_allowance([long], [short_waiting], clock.t + 4.0) == pytest.approx(0.1)
-    assert policy.long_prefill_allowance([long], [short_waiting], clock.t + 60.0) == 0.25
-    policy.long_lane_factor = 0.25
-    assert policy.long_prefill_allowance([long, short_running], [], clock.t) == 0.0625
-    assert policy.long_prefill_allowance([long, short_running], [], clock.t + 6.0) == pytest.approx(0.15)
+    assert policy.long_prefill_allowance([long, short_running], [], clock.t) == 0.125
+    assert policy.long_prefill_allowance([long], [short_waiting], clock.t) == 0.125
+    policy.long_lane_factor = 0.25  # tightened by the head-of-line loop ...
+    assert policy.long_prefill_allowance([long, short_running], [], clock.t) == 0.03125
+    # ... but not below the floor, which grows with the long request's wait.
+    assert policy.long_prefill_allowance([long, short_running], [], clock.t + 5.0) == 0.0625
+    assert policy.long_prefill_allowance([long], [short_waiting], clock.t + 60.0) == 0.125
+
+
+def test_where_a_step_is_slower_than_the_target_a_long_chunk_may_stretch_it_by_a_quarter():
+    clock = Clock()
+    s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock,
+                         short_ttft_target_s=0.5)
+    model = s.policy.cost
+    for tokens in (1, 2, 4, 8, 16, 64, 256):  # a slow machine: 1.2 s a step before any token
+        for context in (0, 500, 2000):
+            model.observe(tokens, attention_pairs(tokens, context), 1.2 + PER_TOKEN * tokens)
+    shorts = [create_request(prompt=10, size_class="short", arrival=clock.t) for _ in range(4)]
+    long = create_request(prompt=3000, size_class="long", arrival=clock.t)
+    for r in (*shorts, long):
+        s.add_request(r)
+    run_step(s)  # the shorts' prefill, and a first long chunk sized before anything decodes
+    base = model.predict(4, sum(attention_pairs(1, r.num_computed_tokens) for r in shorts))
+    assert base == pytest.approx(1.2 + 4 * PER_TOKEN, rel=1e-6)
+    assert s.long_prefill_allowance(clock.t) == pytest.approx(0.25 * base)  # 0.3 s > 0.125 s
+    assert chunks(s, long.request_id, 1) == [model.tokens_within(0.25 * base, 0, 512 - 4)]
 
 
 def chunks(s, request_id: str, steps: int) -> list[int]:
@@ -101,14 +120,14 @@ def test_chunks_follow_the_learned_cost_as_the_context_grows():
     short = create_request(prompt=10, size_class="short", max_tokens=500, arrival=clock.t)
     s.add_request(long)
     s.add_request(short)
-    assert chunks(s, long.request_id, 1) == [0]  # the short one's first step carries no long chunk
     expected, context = [], 0
     while context < 1500:
-        n = min(1500 - context, largest_chunk(0.25, context, 512 - 1))  # the short decode takes 1 token
+        # The first step also prefills the short one's 10 tokens; after it, the short decodes.
+        n = min(1500 - context, largest_chunk(0.125, context, 512 - (10 if not expected else 1)))
         expected.append(n)
         context += n
     assert chunks(s, long.request_id, len(expected)) == expected
-    assert expected[0] == 118 and expected[-2] == 72  # deeper context, smaller chunks
+    assert expected[0] == 60 and expected[-2] == 35  # deeper context, smaller chunks
     assert long.num_computed_tokens == 1500
 
 
@@ -122,18 +141,18 @@ def test_without_a_learned_cost_long_chunks_start_small():
     assert chunks(s, long.request_id, 2) == [MIN_LONG_CHUNK, MIN_LONG_CHUNK]
 
 
-def test_a_stream_of_waiting_shorts_cannot_starve_a_long_prefill():
-    # A new short request waits at every step, so the long one only gets its floor, which
-    # grows with its wait: 0 at first, the whole allowance once it has waited 10 s.
+def test_the_tightest_loop_cannot_starve_a_long_prefill():
+    # The loop has tightened the lane as far as it goes; a new short request arrives at
+    # every step. The long one's share still grows with its wait, whole after 10 s.
     clock = Clock()
     s = create_scheduler(max_num_seqs=64, max_num_batched_tokens=512, num_blocks=4000, clock=clock,
                          short_ttft_target_s=0.5, long_ttft_target_s=10.0)
     teach(s.policy.cost)
+    s.policy.long_lane_factor = TIGHTEST
     long = create_request(prompt=1000, size_class="long", max_tokens=2, arrival=clock.t)
     s.add_request(long)
-    s.add_request(create_request(prompt=10, size_class="short", max_tokens=30, arrival=clock.t))
     sizes = []
-    for step in range(60):
+    for _ in range(80):
         s.add_request(create_request(prompt=10, size_class="short", max_tokens=30, arrival=clock.t))
         sizes.append(chunks(s, long.request_id, 1)[0])
         clock.t += 0.5
@@ -141,11 +160,11 @@ def test_a_stream_of_waiting_shorts_cannot_starve_a_long_prefill():
             break
     context, expected = 0, []
     for step in range(len(sizes)):
-        floor = 0.25 * min(1.0, 0.5 * step / 10.0)
-        expected.append(min(1000 - context, largest_chunk(floor, context, 512)))
+        share = max(TIGHTEST, min(1.0, 0.5 * step / 10.0))
+        expected.append(min(1000 - context, largest_chunk(0.125 * share, context, 512 - 10 - step)))
         context += expected[-1]
     assert sizes == expected
-    assert sizes[0] == 0 and long.num_computed_tokens == 1000 and len(sizes) < 40
+    assert long.num_computed_tokens == 1000 and len(sizes) < 60
 
 
 def test_the_head_of_line_loop_tightens_the_scheduler_and_relaxes_it():
@@ -168,12 +187,13 @@ def test_the_head_of_line_loop_tightens_the_scheduler_and_relaxes_it():
     s.add_request(long)
     s.add_request(short)
     run_step(s)
-    assert chunks(s, long.request_id, 1) == [largest_chunk(0.25, 0, 511)]
+    context = long.num_computed_tokens
+    assert chunks(s, long.request_id, 1) == [largest_chunk(0.125, context, 511)]
     feedback.update(coupled)
     feedback.update(coupled)
     assert s.policy.long_lane_factor == 0.25
     context = long.num_computed_tokens
-    assert chunks(s, long.request_id, 1) == [largest_chunk(0.25 * 0.25, context, 511)]
+    assert chunks(s, long.request_id, 1) == [largest_chunk(0.125 * 0.25, context, 511)]
     for _ in range(10):
         feedback.update(coupled)
     assert s.policy.long_lane_factor == TIGHTEST

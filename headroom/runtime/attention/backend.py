@@ -39,6 +39,7 @@ class AttentionBackend(Protocol):
 # touches flash-attn or xformers.
 _REGISTRY = {
     "torch": "headroom.runtime.attention.torch_ref:TorchAttention",
+    "cpu_paged": "headroom.runtime.attention.cpu_paged:CpuPagedAttention",
     "flash_attn": "headroom.runtime.attention.flash_attn:FlashAttention",
     "triton": "headroom.runtime.attention.triton_paged:TritonAttention",
     "xformers": "headroom.runtime.attention.xformers:XFormersAttention",
@@ -50,16 +51,18 @@ def _load(name: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
-# On CUDA, best first: upstream flash-attn, then our Triton kernels, then xformers.
+# On CUDA, best first: upstream flash-attn, then our Triton kernels, then xformers; on
+# the CPU, our paged decode kernel where it built.
 GPU_PREFERENCE = ("flash_attn", "triton", "xformers")
+CPU_PREFERENCE = ("cpu_paged",)
 
 
 def probe_backends(device: torch.device) -> dict[str, str | None]:
     """Each backend this device could use, best first, with why it cannot (None: it can).
     The torch reference is always last and always usable."""
     found: dict[str, str | None] = {}
-    if device.type == "cuda":
-        for name in GPU_PREFERENCE:
+    if device.type in ("cuda", "cpu"):
+        for name in GPU_PREFERENCE if device.type == "cuda" else CPU_PREFERENCE:
             try:
                 _load(name).check_available(device)
             except (ImportError, RuntimeError) as exc:

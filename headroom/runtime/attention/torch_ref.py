@@ -63,17 +63,24 @@ class TorchAttention:
     ) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        for rows in decode_groups(meta.seq_lens_cpu[: meta.num_decodes]):
-            index = torch.tensor(rows, device=q.device)
-            out[index] = self._decode(q[index], k_cache, v_cache, meta.block_tables[index], meta.seq_lens[index],
-                                      max(meta.seq_lens_cpu[i] for i in rows), scale)
         nd = meta.num_decodes
+        if nd:
+            out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta, scale)
         starts = meta.query_start_loc.tolist() if nd < meta.num_seqs else []
         for i in range(nd, meta.num_seqs):
             lo, hi = starts[i], starts[i + 1]
             out[lo:hi] = self._prefill(
                 q[lo:hi], k_cache, v_cache, meta.block_tables[i], meta.seq_lens_cpu[i], scale
             )
+        return out
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """The first meta.num_decodes sequences, one query token each."""
+        out = torch.empty_like(q)
+        for rows in decode_groups(meta.seq_lens_cpu[: meta.num_decodes]):
+            index = torch.tensor(rows, device=q.device)
+            out[index] = self._decode(q[index], k_cache, v_cache, meta.block_tables[index], meta.seq_lens[index],
+                                      max(meta.seq_lens_cpu[i] for i in rows), scale)
         return out
 
     @staticmethod

@@ -1,0 +1,52 @@
+"""headroom's own CPU kernels, compiled from C++ with torch's extension builder.
+
+`make install` builds them once (`python -m headroom.models.kernels`) into torch's
+extension cache; at run time they load from there. Where no compiler is present or the
+build fails, cpu_kernels() answers None with the reason, and callers use PyTorch's ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+HERE = Path(__file__).resolve().parent
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+SOURCES = ("bindings.cpp", "q4_linear.cpp", "q8_linear.cpp", "paged_attention.cpp")
+
+
+@functools.cache
+def cpu_kernels() -> tuple[ModuleType | None, str]:
+    """(the compiled module with q4_linear, q8_linear and paged_decode_attention, or None; why)."""
+    if os.environ.get("HEADROOM_NO_KERNELS"):
+        return None, "HEADROOM_NO_KERNELS is set"
+    from torch.utils.cpp_extension import load
+
+    flags = ["-O3", "-fopenmp"]
+    if {"avx2", "fma"} <= _cpu_flags():
+        flags += ["-mavx2", "-mfma", "-mf16c"]
+    try:
+        module = load(name="headroom_cpu_kernels", sources=[str(HERE / name) for name in SOURCES],
+                      extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+    except (OSError, RuntimeError, ImportError) as exc:  # no compiler, or it failed
+        log.warning("headroom's CPU kernels did not build (%s); using PyTorch's ops", exc)
+        return None, f"build failed: {str(exc).splitlines()[0][:200]}"
+    simd = "AVX2+FMA" if "-mavx2" in flags else "portable C++"
+    return module, f"headroom's CPU kernels ({simd})"
+

@@ -1,0 +1,78 @@
+"""headroom's C++ CPU kernels against plain torch: the packed linears against a float
+matmul over the very weights they were packed from, and paged decode attention against
+the torch reference backend (the oracle) on a cache with scattered blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from headroom.models.kernels import cpu_kernels
+from headroom.models.quant import QuantLinear, int4_groups, int8_groups, pack_q4
+from headroom.runtime.attention.cpu_paged import CpuPagedAttention
+from headroom.runtime.attention.metadata import AttentionMetadata
+from headroom.runtime.attention.torch_ref import TorchAttention
+
+
+def test_the_kernels_build_on_this_machine():
+    # CI and every developer machine have a compiler: a failed build must not pass quietly.
+    module, why = cpu_kernels()
+    assert module is not None, why
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 70])
+def test_packed_linear_matches_a_float_matmul_of_its_weights(bits, rows):
+    torch.manual_seed(rows)
+    weight = torch.randn(200, 96)
+    linear = QuantLinear(weight, torch.randn(200), bits, small_batch=128)
+    x = torch.randn(rows, 96)
+    expected = x @ linear.dequantized().t() + linear.bias
+    assert torch.allclose(linear(x), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_above_small_batch_the_float_weight_is_used():
+    weight = torch.randn(64, 32)
+    linear = QuantLinear(weight, None, 4, small_batch=2)
+    x = torch.randn(3, 32)
+    assert torch.equal(linear(x), x @ weight.t())
+    assert not torch.allclose(linear(x[:2]), x[:2] @ weight.t(), atol=1e-6)  # packed: rounded weights
+
+
+def test_int4_packing_keeps_q4_1_order_and_values():
+    q = torch.arange(32, dtype=torch.uint8).remainder(16).repeat(2, 1)  # two rows, one group each
+    packed = pack_q4(q)
+    assert packed.shape == (2, 16)
+    assert packed[0, 0].item() == (0 | (0 << 4)) and packed[0, 1].item() == (1 | (1 << 4))
+    weight = torch.randn(8, 64)
+    q4, scale, low = int4_groups(weight)
+    assert q4.max() == 15 and q4.min() == 0
+    rebuilt = (q4.view(8, 2, 32).float() * scale[..., None] + low[..., None]).view(8, 64)
+    assert (rebuilt - weight).abs().max() <= scale.max() / 2 + 1e-6
+    q8, scale8 = int8_groups(weight)
+    assert (q8.view(8, 2, 32).float() * scale8[..., None]).view(8, 64).sub(weight).abs().max() <= scale8.max() / 2
+
+
+def test_paged_decode_attention_matches_the_torch_reference():
+    torch.manual_seed(0)
+    num_blocks, block, hkv, hq, d = 40, 16, 3, 9, 64
+    k_cache, v_cache = torch.randn(num_blocks, block, hkv, d), torch.randn(num_blocks, block, hkv, d)
+    lens = [1, 15, 16, 17, 100, 250]
+    perm = torch.randperm(num_blocks).tolist()
+    tables, at = [], 0
+    for n in lens:
+        need = -(-n // block)
+        tables.append(perm[at:at + need])
+        at += need
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q = torch.randn(len(lens), hq, d)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.int64),
+        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
+        seq_start_loc=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=table, max_query_len=1, max_seq_len=max(lens),
+        num_decodes=len(lens), query_lens_cpu=[1] * len(lens), seq_lens_cpu=lens)
+    expected = TorchAttention().decode(q, k_cache, v_cache, meta, 0.125)
+    got = CpuPagedAttention().decode(q, k_cache, v_cache, meta, 0.125)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
