@@ -16,10 +16,11 @@ from __future__ import annotations
 from headroom.config import SchedulerConfig
 from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.request import Request
-from headroom.runtime.step_cost import StepCostModel
+from headroom.runtime.step_cost import MIN_PREFILL_TOKENS, StepCostModel
 
 LONG = "long"
-MIN_LONG_CHUNK = 8
+# Before the step-cost model has seen any prefill: a chunk big enough to teach it.
+UNTRAINED_LONG_CHUNK = 2 * MIN_PREFILL_TOKENS
 LONG_STEP_STRETCH = 0.25  # a long chunk may make a step this much longer than it is without
 
 
@@ -88,5 +89,5 @@ class SchedulingPolicy:
         if allowance_s <= 0:
             return 0
         if not self.cost.ready:  # nothing learned yet: a small chunk, and learn from it
-            return min(limit, MIN_LONG_CHUNK)
+            return min(limit, UNTRAINED_LONG_CHUNK)
         return self.cost.tokens_within(allowance_s, context, limit)

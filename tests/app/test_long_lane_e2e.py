@@ -20,7 +20,7 @@ from tests.app.test_openai_api import wait_idle
 pytestmark = pytest.mark.slow
 
 ADMIN_TOKEN = "admin-token-for-long-lane-tests"
-LONG_PROMPT = [(31 * i) % 20000 + 300 for i in range(3000)]  # classed long by its prompt alone
+LONG_PROMPT = [(31 * i) % 20000 + 300 for i in range(1800)]  # classed long by its prompt alone
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def long_sequence(engine: Engine):
 def test_a_short_request_starts_during_a_long_prefill_with_default_settings(server):
     engine = server.engine
     # A short request decoding throughout: the long lane protects running short work too.
-    background = Stream(server, {"prompt": "Count to one hundred:", "max_tokens": 400, "ignore_eos": True})
+    background = Stream(server, {"prompt": "Count to one hundred:", "max_tokens": 120, "ignore_eos": True})
     deadline = time.monotonic() + 60
     while background.first_token_at is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -104,6 +104,7 @@ def test_a_short_request_starts_during_a_long_prefill_with_default_settings(serv
     assert stats["enabled"] is True and stats["factor"] == 1.0
     assert stats["short_ttft_target_s"] == engine.config.scheduler.short_ttft_target_s
     assert stats["allowance_s"] is None  # idle: no shorter request for a long one to hold up
-    assert stats["steps_observed"] > 0 and stats["step_cost"]["per_token_s"] > 0
-    assert stats["chunk_tokens"]["0"] >= stats["chunk_tokens"]["4096"] > 0
+    assert stats["steps_observed"] > 0 and stats["step_cost"] is not None, stats
+    assert stats["step_cost"]["per_token_s"] > 0, stats
+    assert stats["chunk_tokens"]["0"] >= stats["chunk_tokens"]["4096"] > 0, stats
     assert stats["actions"] == {"tighten": 0, "relax": 0}

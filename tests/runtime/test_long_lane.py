@@ -8,7 +8,7 @@ import pytest
 
 from headroom.config import ObservabilityConfig
 from headroom.observability.hol import TIGHTEST, HolFeedback, HolState
-from headroom.runtime.policy import MIN_LONG_CHUNK
+from headroom.runtime.policy import UNTRAINED_LONG_CHUNK
 from headroom.runtime.step_cost import StepCostModel, attention_pairs
 from tests.runtime.factories import create_request, create_scheduler, run_step
 
@@ -56,6 +56,8 @@ def test_the_cost_model_recovers_a_scripted_step_cost():
     for context in (0, 500, 1024, 2048, 8000):
         assert model.tokens_within(0.25, context, 512) == largest_chunk(0.25, context, 512)
     assert model.tokens_within(10.0, 0, 512) == 512  # the step's own budget still caps it
+    assert model.chunk_seconds(100, 1000) == pytest.approx(PER_TOKEN * 100 + PER_PAIR * 100 * 1100, rel=1e-6)
+    assert model.predict(8, 5000) == pytest.approx(BASE + PER_TOKEN * 8 + PER_PAIR * 5000, rel=1e-6)
 
 
 def test_decode_only_steps_do_not_wash_out_what_prefill_taught():
@@ -138,7 +140,7 @@ def test_without_a_learned_cost_long_chunks_start_small():
     s.add_request(long)
     s.add_request(short)
     run_step(s)
-    assert chunks(s, long.request_id, 2) == [MIN_LONG_CHUNK, MIN_LONG_CHUNK]
+    assert chunks(s, long.request_id, 2) == [UNTRAINED_LONG_CHUNK, UNTRAINED_LONG_CHUNK]
 
 
 def test_the_tightest_loop_cannot_starve_a_long_prefill():
@@ -216,3 +218,12 @@ def test_long_lane_off_means_no_long_limits():
 
 def test_observability_config_is_untouched_by_the_loop():
     assert ObservabilityConfig().hol_short_ttft_p99_s == 2.0
+
+
+def test_untrained_long_chunks_are_big_enough_to_teach_the_cost_model():
+    # With no short prefill to learn from, the long chunks themselves must teach it,
+    # or the lane would stay at the untrained size for the whole prompt.
+    model = StepCostModel()
+    for _ in range(2):
+        model.observe(UNTRAINED_LONG_CHUNK + 1, attention_pairs(UNTRAINED_LONG_CHUNK, 100), 0.1)
+    assert model.ready
