@@ -304,12 +304,14 @@ def test_xformers_context_slots_gather_every_context() -> None:
 # Backend selection
 
 
-def test_only_torch_is_available_on_cpu() -> None:
-    assert available_backends(CPU) == ["torch"]
+def test_on_cpu_our_paged_kernel_then_torch_are_available() -> None:
+    assert available_backends(CPU) == ["cpu_paged", "torch"]
 
 
-def test_auto_picks_torch_on_cpu() -> None:
-    assert isinstance(select_backend("auto", CPU), TorchAttention)
+def test_auto_picks_the_paged_kernel_on_cpu_and_it_extends_the_reference() -> None:
+    backend = select_backend("auto", CPU)
+    assert backend.name == "cpu_paged" and isinstance(backend, TorchAttention)
+    assert type(select_backend("torch", CPU)) is TorchAttention
 
 
 def test_unknown_backend_names_the_choices() -> None:

@@ -103,7 +103,7 @@ def test_auto_prefers_flash_then_triton_then_xformers_on_cuda(monkeypatch, insta
 
 
 def test_cpu_never_probes_gpu_backends_and_a_flag_overrides():
-    assert registry.choose_backend("auto", CPU) == ("torch", "auto on cpu: torch is the best available")
+    assert registry.choose_backend("auto", CPU) == ("cpu_paged", "auto on cpu: cpu_paged is the best available")
     assert registry.choose_backend("triton", CPU) == ("triton", "chosen by --attention-backend")
 
 
