@@ -43,7 +43,8 @@ def cpu_kernels() -> tuple[ModuleType | None, str]:
         flags += ["-mavx2", "-mfma", "-mf16c"]
     try:
         module = load(name="headroom_cpu_kernels", sources=[str(HERE / name) for name in SOURCES],
-                      extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+                      extra_cflags=flags, extra_ldflags=["-fopenmp"], extra_include_paths=[str(HERE)],
+                      verbose=False)
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler, or it failed
         log.warning("headroom's CPU kernels did not build (%s); using PyTorch's ops", exc)
         return None, f"build failed: {str(exc).splitlines()[0][:200]}"

@@ -8,10 +8,7 @@
 #include <cstdint>
 #include <limits>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define HEADROOM_AVX2 1
-#endif
+#include "simd.h"
 
 namespace {
 
@@ -20,10 +17,7 @@ inline float dot(const float* a, const float* b, int64_t d) {
   if (d % 8 == 0) {
     __m256 s = _mm256_setzero_ps();
     for (int64_t i = 0; i < d; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
+    return headroom::hsum(s);
   }
 #endif
   float s = 0.f;

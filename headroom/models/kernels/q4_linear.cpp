@@ -7,10 +7,7 @@
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define HEADROOM_AVX2 1
-#endif
+#include "simd.h"
 
 namespace {
 
@@ -37,13 +34,6 @@ inline void unpack_group_avx2(const uint8_t* q, float scale, __m256* w) {
   w[1] = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))));
   w[2] = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)));
   w[3] = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 #endif
 
@@ -92,7 +82,7 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor sc
             sums[r] = s;
           }
         }
-        for (int64_t r = 0; r < rows; ++r) acc[r] = hsum(sums[r]);
+        for (int64_t r = 0; r < rows; ++r) acc[r] = headroom::hsum(sums[r]);
 #else
         float w[kGroup];
         for (int64_t r = 0; r < rows; ++r) acc[r] = 0.f;

@@ -4,23 +4,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstdint>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define HEADROOM_AVX2 1
-#endif
+#include "simd.h"
 
 namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kRowTile = 32;
-
-#ifdef HEADROOM_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
 }  // namespace
 
 // x: (M, K) float32; qweight: (N, K) int8; scales: (N, K/32) float32 -> (M, N)
@@ -75,8 +63,8 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor sc
           }
         }
         for (int64_t r = 0; r < rows; ++r) {
-          yp[(m0 + r) * N + n] = hsum(suma[r]);
-          if (two) yp[(m0 + r) * N + n + 1] = hsum(sumb[r]);
+          yp[(m0 + r) * N + n] = headroom::hsum(suma[r]);
+          if (two) yp[(m0 + r) * N + n + 1] = headroom::hsum(sumb[r]);
         }
 #else
         for (int64_t r = 0; r < rows; ++r) {
