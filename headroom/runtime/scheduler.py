@@ -74,6 +74,9 @@ class Scheduler:
 
     def long_prefill_allowance(self, now: float) -> float | None:
         """What long prefill chunks may add to the next step, in seconds (None: no limit)."""
+        # Most steps have no long prompt to chunk: skip the cost-model fit they would not use.
+        if not any(r.size_class == LONG for r in (*self.running, *self.waiting)):
+            return None
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         base_s = self.policy.cost.predict(len(decodes), sum(attention_pairs(1, r.num_computed_tokens) for r in decodes))
         return self.policy.long_prefill_allowance(self.running, self.waiting, now, base_s)

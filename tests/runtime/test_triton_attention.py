@@ -10,12 +10,15 @@ import pytest
 import torch
 
 from headroom.runtime.attention import backend as registry
-from headroom.runtime.attention.torch_ref import TorchAttention
-from tests.runtime.test_attention import CPU, assert_cache_written, clone, make_batch, run
 
 # tests/conftest.py sets TRITON_INTERPRET=1 when there is no GPU; with one, the same
 # tests run the compiled kernels on it.
-triton_paged = pytest.importorskip("headroom.runtime.attention.triton_paged")
+# A plain import: triton is a dev dependency on Linux, so its absence must fail here,
+# not skip the interpreter tests (only CUDA may be missing).
+from headroom.runtime.attention import triton_paged
+from headroom.runtime.attention.torch_ref import TorchAttention
+from tests.runtime.test_attention import CPU, assert_cache_written, clone, make_batch, run
+
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else CPU
 pytestmark = pytest.mark.triton
 
