@@ -20,6 +20,7 @@ from headroom.app.errors import error_body, error_middleware
 from headroom.app.observe import metrics, observe_middleware
 from headroom.app.openai_api import chat_completions, completions, list_models
 from headroom.app.openapi import build_openapi
+from headroom.app.runner import Runner
 from headroom.config import Config
 from headroom.observability.observer import Observability, package_version
 from headroom.runtime.engine import Engine
@@ -145,7 +146,7 @@ async def drain(app: web.Application, timeout_s: float) -> None:
 def make_runner(app: web.Application) -> web.AppRunner:
     # handler_cancellation: a client that disconnects cancels its handler, whose finally
     # aborts the sequence.
-    return web.AppRunner(app, handler_cancellation=True, access_log=None)
+    return Runner(app, handler_cancellation=True, access_log=None)
 
 
 async def serve(config: Config, engine: Engine) -> None:

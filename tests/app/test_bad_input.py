@@ -4,6 +4,7 @@ error body, and the server is healthy and leak-free afterwards."""
 from __future__ import annotations
 
 import json
+import socket
 
 import httpx
 import pytest
@@ -117,10 +118,26 @@ def test_prompts_of_only_special_tokens_are_served(server):
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 8
 
 
-def test_oversized_headers_are_refused(server):
+def test_oversized_headers_are_431_in_openai_json(server):
+    # aiohttp refuses these before any middleware runs; the runner still answers in JSON.
     r = httpx.post(server.url + COMPLETIONS, content=chat("hi"), timeout=60,
                    headers={"Content-Type": "application/json", "X-Padding": "x" * 20_000})
-    assert r.status_code in (400, 431)
+    assert r.headers["Content-Type"].startswith("application/json")
+    error = assert_openai_error(r, 431, "headers_too_large")
+    assert error["message"].startswith("request header fields too large")
+
+
+def test_unparseable_http_is_400_in_openai_json(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n")
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.split(b" ")[1] == b"400" and b"Content-Type: application/json" in head
+    error = json.loads(body)["error"]
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "bad_request", None)
+    assert error["message"] == "malformed HTTP request: Invalid character in Content-Length"
 
 
 def test_cors_is_off_by_default(server):
@@ -132,9 +149,30 @@ def test_cors_is_off_by_default(server):
     assert r.status_code == 200 and "access-control-allow-origin" not in {k.lower() for k in r.headers}
 
 
-def test_after_all_that_the_server_is_healthy_and_holds_nothing(server):
+def test_hostile_input_leaves_the_server_healthy_and_holding_nothing(server):
+    # Self-contained (it does not lean on the tests above having run): its own mix of
+    # refused requests, streams cut at the first token, then nothing may be held.
+    engine = server.engine
+    refused = [
+        (COMPLETIONS, b'{"prompt": "abc', 400),
+        (COMPLETIONS, json.dumps({"prompt": "a" * (10 * 2**20), "max_tokens": 1}).encode(), 413),
+        (CHAT, chat("hi", max_tokens=0), 400),
+        (CHAT, json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}).encode(), 400),
+        (COMPLETIONS, json.dumps({"prompt": [10**9], "max_tokens": 2}).encode(), 400),
+    ]
+    for path, content, status in refused:
+        assert_openai_error(post_raw(server, path, content), status)
+    started = engine.counters().requests_started
+    for _ in range(3):
+        with httpx.stream("POST", server.url + COMPLETIONS, timeout=60, json={
+                "prompt": "Tell me a story.", "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+            assert r.status_code == 200
+            next(line for line in r.iter_lines() if line.startswith("data: {") and '"text": ""' not in line)
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
-    wait_idle(server.engine)
-    server.engine.block_manager.check_invariants()
+    wait_idle(engine)
+    assert engine.counters().requests_started == started + 3
+    assert engine.counters().aborts["client_disconnect"] >= 3
+    engine.block_manager.check_invariants()
     gate = server.app[keys.GATE]
     assert all(t.bucket.in_flight == 0 for t in gate.registry)
+    assert server.app[keys.ENGINE].in_flight == {}
