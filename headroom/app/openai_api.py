@@ -162,7 +162,9 @@ async def respond(request: web.Request, engine_request: Request, fmt: ResponseFo
     finish_reason: str | None = None
     try:
         if request.transport is None or request.transport.is_closing():
-            raise web.HTTPBadRequest(reason="Client Closed Request")  # gone before it ran: never runs
+            # Gone before it ran: never runs. Handler cancellation normally gets there first
+            # (acquire abandons the wait); this is the backstop when it has not landed yet.
+            raise web.HTTPBadRequest(reason="Client Closed Request")
         response = await _run(request, engine_request, fmt, stream)
         finish_reason = engine_request.status.finish_reason
         return response

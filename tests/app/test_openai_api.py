@@ -317,7 +317,7 @@ def test_disconnect_mid_stream_frees_blocks(server):
     engine.block_manager.check_invariants()
 
 
-def test_client_gone_before_admission_never_runs(server):
+def test_client_gone_mid_body_never_runs(server):
     engine = server.engine
     wait_idle(engine)
     started = engine.stats.requests_started
@@ -325,7 +325,8 @@ def test_client_gone_before_admission_never_runs(server):
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
     # Send only the headers and half the body, then vanish: the handler is waiting for
-    # the body, so the request never reaches the engine.
+    # the body, so the request never reaches the engine. (A client that sent it all and left
+    # while queued in admission: tests/app/test_admission_e2e.py.)
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(head + body[: len(body) // 2])
     time.sleep(0.5)
