@@ -16,6 +16,7 @@ from headroom.app import keys
 from headroom.app.background import BackgroundServer
 from headroom.config import CacheConfig, Config, SchedulerConfig, ServerConfig
 from headroom.runtime.engine import Engine
+from headroom.runtime.request import Request, RequestStatus
 from tests.admin.conftest import wait_until
 from tests.app.test_openai_api import wait_idle
 
@@ -78,62 +79,122 @@ def test_a_failing_step_fails_only_its_sequences(server):
     assert engine.counters().aborts["engine_error"] == 1
 
 
-async def hang_up(url: str, rng: random.Random, prompt: list[int]) -> str:
-    """One client that leaves at a random point; returns where."""
-    where = rng.choice(["before_headers", "mid_prefill", "mid_decode", "after_first_byte"])
+def test_a_failing_step_is_a_500_engine_error_for_a_non_streaming_request(server):
+    engine = server.engine
+    steps = 0
+
+    def fault(out) -> None:
+        nonlocal steps
+        if any(r.request_id == "cmpl-plain" for r in out.requests):
+            steps += 1
+            if steps == 2:
+                raise RuntimeError("injected device fault")
+
+    engine.fault_hook = fault
+    r = httpx.post(server.url + "/v1/completions", timeout=60, headers={"X-Request-Id": "plain"},
+                   json={"prompt": "Once upon a time", "max_tokens": 20, "ignore_eos": True})
+    assert r.status_code == 500 and r.headers["Content-Type"].startswith("application/json")
+    assert r.json() == {"error": {"message": "engine error: injected device fault", "type": "server_error",
+                                  "param": None, "code": "engine_error"}}
+    wait_idle(engine)
+    engine.block_manager.check_invariants()
+    assert engine.counters().aborts["engine_error"] == 1
+    assert server.app[keys.ENGINE].in_flight == {}
+
+
+async def hang_up(url: str, rng: random.Random, prompt: list[int], rid: str) -> tuple[str, int]:
+    """One client that leaves at a random point. Returns where it left, as the client saw
+    it, and how many text chunks it had read by then."""
+    where = rng.choice(["mid_body", "before_headers", "after_headers", "mid_decode"])
     host, port = url.removeprefix("http://").split(":")
-    if where == "before_headers":
+    if where == "mid_body":
         _, writer = await asyncio.open_connection(host, int(port))
         writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"X-Request-Id: " + rid.encode() + b"\r\n"
                      b"Content-Length: 500\r\n\r\n{\"prompt\": \"half a bo")
         await writer.drain()
         await asyncio.sleep(rng.uniform(0, 0.05))
         writer.close()
-        return where
-    body = {"prompt": prompt, "max_tokens": 24, "ignore_eos": True, "stream": True}
+        return where, 0
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True}
     async with aiohttp.ClientSession() as session:
-        task = asyncio.create_task(session.post(url + "/v1/completions", json=body))
-        if where == "mid_prefill":
+        task = asyncio.create_task(session.post(url + "/v1/completions", json=body, headers={"X-Request-Id": rid}))
+        if where == "before_headers":
             await asyncio.sleep(rng.uniform(0.0, 0.2))
-            task.cancel()
-            try:
-                await task
-            except (asyncio.CancelledError, aiohttp.ClientError):
-                pass
-            return where
+            if task.cancel():
+                try:
+                    await task
+                except (asyncio.CancelledError, aiohttp.ClientError):
+                    return where, 0
+            where = "after_headers"  # the headers came first
         response = await task
         async with response:
-            chunks = rng.randint(1, 6) if where == "mid_decode" else 0
+            assert response.status == 200
+            want = rng.randint(1, 6) if where == "mid_decode" else 0
+            read = 0
             async for line in response.content:
-                if chunks == 0 or (line.startswith(b"data: {") and (chunks := chunks - 1) == 0):
+                if read == want:
                     break
-    return where
+                if line.startswith(b"data: {") and json.loads(line[len(b"data: "):])["choices"][0]["text"]:
+                    read += 1
+    return where, read
+
+
+MAX_TOKENS = 24
 
 
 def test_500_clients_that_hang_up_leave_nothing_behind(default_model):
     config = Config(cache=CacheConfig(num_blocks=512), scheduler=SchedulerConfig(max_num_seqs=32),
                     server=ServerConfig(max_queue_len=1024))
     server = BackgroundServer(config, Engine(config, loaded=default_model)).start()
+    engine = server.engine
+    submitted: dict[str, Request] = {}
+    submit = engine.submit
+
+    def record(request: Request, sink) -> None:
+        submitted[request.request_id] = request
+        submit(request, sink)
+
+    engine.submit = record
     try:
         idle_tasks = server.call(_task_count())
         rng = random.Random(7)
         prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(8, 300))] for _ in range(50)]
 
-        async def crowd() -> dict[str, int]:
-            counts: dict[str, int] = {}
+        async def crowd() -> list[tuple[str, str, int]]:
+            left = []
             for wave in range(10):  # 10 waves of 50 concurrent clients
-                wheres = await asyncio.gather(*(hang_up(server.url, rng, prompts[i]) for i in range(50)))
-                for w in wheres:
-                    counts[w] = counts.get(w, 0) + 1
-            return counts
+                rids = [f"w{wave}-{i}" for i in range(50)]
+                wheres = await asyncio.gather(*(hang_up(server.url, rng, prompts[i], rids[i]) for i in range(50)))
+                left += [(f"cmpl-{rid}", where, read) for rid, (where, read) in zip(rids, wheres, strict=True)]
+            return left
 
-        counts = asyncio.run(crowd())
-        assert sum(counts.values()) == 500 and len(counts) == 4
-        engine = server.engine
+        left = asyncio.run(crowd())
         client = server.app[keys.ENGINE]
         gate = server.app[keys.GATE]
         wait_idle(engine, timeout=60)
         assert wait_until(lambda: not client.in_flight, timeout=30)
+
+        # What the engine saw of each client, by where the client left.
+        by_label: dict[str, list[Request | None]] = {}
+        for rid, where, _ in left:
+            by_label.setdefault(where, []).append(submitted.get(rid))
+        assert set(by_label) == {"mid_body", "before_headers", "after_headers", "mid_decode"}, \
+            {k: len(v) for k, v in by_label.items()}
+        assert all(r is None for r in by_label["mid_body"])  # a half body never reaches the engine
+        for request in submitted.values():  # everything that reached it was cut short by its client
+            assert request.status is RequestStatus.FINISHED_ABORTED, (request.request_id, request.status)
+            assert request.abort_cause == "client_disconnect"
+            assert request.num_output_tokens < MAX_TOKENS
+        for rid, where, read in left:
+            if where in ("after_headers", "mid_decode"):  # headers come after admission: it was submitted
+                assert submitted[rid].num_output_tokens >= read, (rid, where, read)
+        assert engine.counters().aborts["client_disconnect"] == len(submitted)
+        # Engine-side progress at the abort: some left before their first token (waiting or
+        # mid-prefill), some mid-decode.
+        outputs = [r.num_output_tokens for r in submitted.values()]
+        assert sum(1 for n in outputs if n == 0) >= 1 and sum(1 for n in outputs if n > 0) >= 1
+
         assert engine.scheduler.requests == {}
         assert engine.block_manager.num_used_blocks == 0
         engine.block_manager.check_invariants()
