@@ -64,6 +64,10 @@ class Stream:
         return None
 
     @property
+    def text(self) -> str:
+        return "".join(c["choices"][0].get("text") or "" for c in self.chunks if c.get("choices"))
+
+    @property
     def final_choice(self) -> dict | None:
         for chunk in reversed(self.chunks):
             if chunk.get("choices") and chunk["choices"][0].get("finish_reason"):

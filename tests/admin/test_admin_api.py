@@ -157,10 +157,11 @@ def test_predictor_reload_swaps_the_model(admin_server):
     old = gate.predictor
     r = admin(admin_server, "POST", "/predictor/reload")
     assert r.status_code == 200 and r.json()["fallback"] is False
-    assert gate.predictor is not old
+    reloaded = gate.predictor
+    assert reloaded is not old
     r = admin(admin_server, "POST", "/predictor/reload", json={"path": "/nonexistent/predictor"})
     assert r.status_code == 422 and error(r)["code"] == "predictor_load_failed"
-    assert gate.predictor is not old  # a failed reload keeps the current model
+    assert gate.predictor is reloaded  # a failed reload keeps the model the last good one installed
 
 
 def test_stats_reports_windows_kv_and_the_hol_signal(admin_server):

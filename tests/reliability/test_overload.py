@@ -1,6 +1,8 @@
 """Overload on loopback: 60 s of Poisson arrivals at 3x the rate the server sustains.
-It sheds with 429 + Retry-After, every admitted request completes correctly, /health
-stays fast, memory stays flat after warm-up, and nothing is left at the end."""
+It sheds with 429 + Retry-After, every admitted request completes correctly, the engine
+stays busy (shedding does not starve it), /health never waits for an engine step, memory
+stays flat after warm-up, and nothing is left at the end. Bounds are relative to this
+machine's own step time, so a slow or busy machine scales both sides."""
 
 from __future__ import annotations
 
@@ -126,7 +128,13 @@ def test_three_times_the_sustainable_rate_for_a_minute(default_model):
     server = BackgroundServer(CONFIG, Engine(CONFIG, loaded=default_model)).start()
     try:
         rate = asyncio.run(sustainable_rate(server.url))
+        stats = server.engine.counters()
+        started = time.monotonic()
         run = asyncio.run(overload(server.url, 3 * rate))
+        wall = time.monotonic() - started
+        after = server.engine.counters()
+        busy = (after.step_time_s - stats.step_time_s) / wall
+        step_ms = 1000 * (after.step_time_s - stats.step_time_s) / max(1, after.steps - stats.steps)
         results = run["results"]
         ok = sum(1 for s, _, _ in results if s == 200)
         shed = [(code, retry) for s, code, retry in results if s == 429]
@@ -136,13 +144,19 @@ def test_three_times_the_sustainable_rate_for_a_minute(default_model):
         steady = [mib for t, mib in run["rss"] if t >= WARMUP_S]
         print(f"sustainable {rate:.2f} req/s; offered {len(results)} at {3 * rate:.2f} req/s: {ok} served, "
               f"{len(shed)} shed with 429, {len(other)} other; /health p50 {statistics.median(health):.1f} ms "
-              f"p99 {p99:.1f} ms; RSS after warm-up {min(steady):.0f}-{max(steady):.0f} MiB")
+              f"p99 {p99:.1f} ms; engine busy {busy:.0%} of the run, mean step {step_ms:.1f} ms; "
+              f"RSS after warm-up {min(steady):.0f}-{max(steady):.0f} MiB")
         assert other == []
         assert shed, "3x the sustainable rate must shed"
-        assert ok >= 0.5 * rate * DURATION_S  # it kept serving at about its capacity
         assert all(retry is not None and retry >= 1 for _, retry in shed)
         assert {code for code, _ in shed} <= {"queue_full", "tenant_queue_full", "tenant_timeout"}
-        assert p99 < 100.0
+        # It kept serving at its capacity: the engine was stepping nearly all the time
+        # (measured 99% on 2 busy cores; idle gaps would mean shedding emptied its queue).
+        assert busy >= 0.75, f"engine busy only {busy:.0%} under 3x overload"
+        # /health is answered between steps, never behind one: even its p99 is below one
+        # mean step (measured p99 5.6 ms against steps of ~100 ms).
+        assert p99 < step_ms, f"/health p99 {p99:.1f} ms, mean step {step_ms:.1f} ms"
+        # Flat memory (measured spread 0.5%; the bound leaves 20x margin for allocator noise).
         assert (max(steady) - min(steady)) / min(steady) <= 0.10
         # Nothing is left behind.
         wait_idle(server.engine, timeout=30)
