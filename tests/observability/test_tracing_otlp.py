@@ -36,9 +36,11 @@ class Collected:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.spans: list[tuple[dict, object]] = []
+        self.raw: list[bytes] = []  # each OTLP/HTTP export's body, decompressed
 
-    def add(self, request: trace_service_pb2.ExportTraceServiceRequest) -> None:
+    def add(self, request: trace_service_pb2.ExportTraceServiceRequest, raw: bytes = b"") -> None:
         with self.lock:
+            self.raw.append(raw)
             for resource_spans in request.resource_spans:
                 resource = attributes(resource_spans.resource.attributes)
                 for scope_spans in resource_spans.scope_spans:
@@ -63,6 +65,7 @@ class GrpcReceiver(trace_service_pb2_grpc.TraceServiceServicer):
 
 class HttpReceiver:
     def __init__(self, collected: Collected):
+        self.collected = collected
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
@@ -70,7 +73,7 @@ class HttpReceiver:
                     body = gzip.decompress(body)
                 assert self.path == "/v1/traces", self.path
                 assert self.headers["Content-Type"] == "application/x-protobuf"
-                collected.add(trace_service_pb2.ExportTraceServiceRequest.FromString(body))
+                collected.add(trace_service_pb2.ExportTraceServiceRequest.FromString(body), body)
                 reply = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
@@ -95,7 +98,9 @@ def value(v: AnyValue):
     kind = v.WhichOneof("value")
     if kind == "array_value":
         return [value(x) for x in v.array_value.values]
-    return getattr(v, kind)
+    if kind == "kvlist_value":
+        return {kv.key: value(kv.value) for kv in v.kvlist_value.values}
+    return getattr(v, kind) if kind else None
 
 
 def attributes(kvs) -> dict:
