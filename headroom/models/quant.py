@@ -5,8 +5,12 @@ and a minimum each (w = scale * q + min, q in 0..15): llama.cpp's Q4_1 block. Th
 default model's file stores its linears that way, and re-quantising the weights the
 loader dequantised from such blocks finds the same q, scale and minimum again, so this
 path computes with the file's own weights. The output head goes to int8.
-int8: groups of 32 with one scale each (w = scale * q, q in -127..127): Q8_0's block,
-which is how the default model stores its (tied) embedding and output head.
+int8: groups of 32 in one of two forms, whichever reproduces the weight more closely:
+one scale each (w = scale * q, q in -127..127), Q8_0's block, which is how the default
+model stores its (tied) embedding and output head; or a scale and a minimum each
+(w = scale * q + min, q in 0..255), which holds every Q4_1 group exactly (q = 17 times
+its 4-bit value). So on the default model int8 too computes with the file's own weights,
+at twice int4's bytes but with a cheaper unpacking.
 
 A decode step of one sequence reads every weight once, so fewer bytes win there; a
 batch of many rows is compute-bound, and there the float GEMM wins. Each QuantLinear
@@ -49,6 +53,16 @@ def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(n, k).to(torch.int8), scale.contiguous()
 
 
+def uint8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q (N, K) in 0..255, scale (N, K/32), minimum (N, K/32)) with w ~ scale * q + minimum."""
+    n, k = weight.shape
+    groups = weight.float().view(n, k // GROUP, GROUP)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = (high - low) / 255
+    q = torch.round((groups - low[..., None]) / scale.clamp(min=1e-12)[..., None]).clamp(0, 255)
+    return q.view(n, k).to(torch.uint8), scale.contiguous(), low.contiguous()
+
+
 def pack_q4(q: torch.Tensor) -> torch.Tensor:
     """(N, K) values 0..15 -> (N, K/2) bytes in Q4_1's order: byte j of a group of 32
     holds element j in its low nibble and element j + 16 in its high one."""
@@ -70,6 +84,11 @@ class QuantLinear(nn.Module):
             self.qweight, self.scales, self.mins = pack_q4(q), scale, low
         else:
             self.qweight, self.scales = int8_groups(weight)
+            self.mins = None
+            q, scale, low = uint8_groups(weight)
+            if error(q.float().view(*scale.shape, -1) * scale[..., None] + low[..., None], weight) < \
+                    error(self.qweight.float().view(*scale.shape, -1) * self.scales[..., None], weight):
+                self.qweight, self.scales, self.mins = q, scale, low
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -78,7 +97,7 @@ class QuantLinear(nn.Module):
         elif self.bits == 4:
             y = self.kernels.q4_linear(flat, self.qweight, self.scales, self.mins)
         else:
-            y = self.kernels.q8_linear(flat, self.qweight, self.scales)
+            y = self.kernels.q8_linear(flat, self.qweight, self.scales, self.mins)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.weight.shape[0])
@@ -86,10 +105,16 @@ class QuantLinear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         n, k = self.weight.shape
         if self.bits == 8:
-            return (self.qweight.float().view(n, -1, GROUP) * self.scales[..., None]).view(n, k)
+            w = self.qweight.float().view(n, -1, GROUP) * self.scales[..., None]
+            return (w if self.mins is None else w + self.mins[..., None]).view(n, k)
         halves = self.qweight.view(n, k // GROUP, GROUP // 2)
         q = torch.cat([halves & 0x0F, halves >> 4], dim=-1).float()
         return (q * self.scales[..., None] + self.mins[..., None]).view(n, k)
+
+
+def error(groups: torch.Tensor, weight: torch.Tensor) -> float:
+    """Largest absolute difference between rebuilt groups and the weight they came from."""
+    return (groups.reshape(weight.shape) - weight.float()).abs().max().item()
 
 
 def packable(linear: nn.Linear) -> bool:

@@ -31,6 +31,33 @@ def test_packed_linear_matches_a_float_matmul_of_its_weights(bits, rows):
     assert torch.allclose(linear(x), expected, rtol=1e-5, atol=1e-4)
 
 
+def q4_1_weight(n: int, k: int) -> torch.Tensor:
+    """A weight as the default model's file stores it: Q4_1 groups of 32, each spanning
+    0..15 (llama.cpp's quantiser maps a group's minimum to 0 and its maximum to 15)."""
+    q = torch.randint(0, 16, (n, k // 32, 32)).float()
+    q[..., 0], q[..., 1] = 0, 15
+    return (q * torch.rand(n, k // 32, 1) * 0.01 + torch.randn(n, k // 32, 1) * 0.05).view(n, k)
+
+
+def q8_0_weight(n: int, k: int) -> torch.Tensor:
+    """A weight as a Q8_0 tensor stores it: each group's largest |q| is 127."""
+    q = torch.randint(-127, 128, (n, k // 32, 32))
+    q[..., 0] = 127
+    return (q.float() * torch.rand(n, k // 32, 1) * 0.001).view(n, k)
+
+
+@pytest.mark.parametrize("source, with_min", [(q4_1_weight, True), (q8_0_weight, False)])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_int8_keeps_the_files_groups_exactly_in_either_form(source, with_min, rows):
+    torch.manual_seed(rows)
+    weight = source(130, 96)
+    linear = QuantLinear(weight, None, 8, small_batch=64)
+    assert (linear.mins is not None) == with_min
+    assert (linear.dequantized() - weight).abs().max().item() <= 1e-6 * weight.abs().max().item()
+    x = torch.randn(rows, 96)
+    assert torch.allclose(linear(x), x @ linear.dequantized().t(), rtol=1e-5, atol=1e-5)
+
+
 def test_above_small_batch_the_float_weight_is_used():
     weight = torch.randn(64, 32)
     linear = QuantLinear(weight, None, 4, small_batch=2)

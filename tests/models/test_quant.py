@@ -1,13 +1,15 @@
 """Weight-only quantised linears against the float32 reference.
 
 int4 keeps the default model's own Q4_1 groups and the output head's Q8_0 ones, so its
-weights equal what the fp32 loader dequantised; int8 re-quantises the Q4_1 linears into
-Q8_0-style groups. Each mode reports greedy agreement with fp32 on fixed prompts
-(tokens before the first divergence, full-row matches) and perplexity on a fixed text.
-Measured on 2026-11-23 (AMD EPYC, 2 cores, AVX2): int4 perplexity 100.3600 against fp32's
-100.3600 (1.00000x), 3/3 rows equal for all 12 tokens; int8 100.8843 (1.0052x), 3/3 rows
-equal. The bounds leave room for float summation order (int4) and for one near-tie
-flipping a row (int8), not for a wrong weight.
+weights equal what the fp32 loader dequantised; int8 holds the same Q4_1 groups exactly
+as 8-bit groups with a minimum (and the head's Q8_0 groups as they are). Each mode
+reports greedy agreement with fp32 on fixed prompts (tokens before the first divergence,
+full-row matches) and perplexity on a fixed text. Measured on 2026-11-23 (AMD EPYC, 2
+cores, AVX2): int4 perplexity 100.3600 against fp32's 100.3600 (1.00000x), int8 100.3601
+(1.00000x), 3/3 rows equal for all 12 tokens in both. (int8 as symmetric Q8_0 groups,
+before it kept the minimum, was 100.8843, 1.0052x.) The bounds leave room for float
+summation order, not for a wrong weight. llama.cpp's Q4_1 on a longer text is 1.0004x
+float32 (bench/quant_quality.py, bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def test_int8_groups_are_the_files_q8_0_embedding(default_model):
 
 @pytest.mark.parametrize("mode, min_full_rows, min_prefix, max_ppl_ratio", [
     ("int4", len(PROMPTS), MAX_TOKENS, 1.0005),
-    ("int8", len(PROMPTS) - 1, 4, 1.02),
+    ("int8", len(PROMPTS), MAX_TOKENS, 1.0005),
 ])
 def test_quantised_mode_against_fp32(reference, mode, min_full_rows, min_prefix, max_ppl_ratio):
     prompts, ids, ref_tokens, ref_ppl = reference
