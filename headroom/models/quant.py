@@ -145,7 +145,7 @@ class Crossover:
         return best
 
 
-def measure_crossover(in_features: int, out_features: int, bits: int, repeats: int = 3) -> Crossover:
+def measure_crossover(in_features: int, out_features: int, bits: int, repeats: int = 7) -> Crossover:
     """Time linears of the model's shape, float against packed, at each batch size. The
     weights span more than a last-level cache, as a model's do, so that the float path
     pays for its bytes as it does when serving. Where the packed kernel wins depends on
