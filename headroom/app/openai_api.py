@@ -90,6 +90,10 @@ def build_request(request: web.Request, rid: str, body: SamplingFields, prompt_i
             ignore_eos=body.ignore_eos,
             min_tokens=min(body.min_tokens, max_tokens),
             logprobs=logprobs,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logit_bias=body.token_bias,
         )
     except ValueError as exc:
         raise BadRequest(str(exc)) from None

@@ -30,9 +30,12 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: Annotated[float, Field(allow_inf_nan=False)] = 0.0
-    frequency_penalty: Annotated[float, Field(allow_inf_nan=False)] = 0.0
+    presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
+    # token id (as a string, as OpenAI sends it) -> bias added to its logit
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
     # vLLM extensions
+    repetition_penalty: Annotated[float, Field(gt=0, le=2, allow_inf_nan=False)] = 1.0
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
     priority: int = 0
@@ -48,11 +51,20 @@ class SamplingFields(BaseModel):
     def _supported(self):
         if self.n != 1:
             raise ValueError("n: only n=1 is supported")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty / frequency_penalty are not supported; leave them at 0")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         return self
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is not None and not all(k.isascii() and k.isdigit() for k in v):
+            raise ValueError("keys must be token ids (integers as strings)")
+        return v
+
+    @property
+    def token_bias(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), b) for k, b in (self.logit_bias or {}).items())
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

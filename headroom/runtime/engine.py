@@ -139,6 +139,8 @@ class Engine:
         vocab = self.loaded.args.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t, _ in sampling.logit_bias):
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
         return request
 
     def submit(self, request: Request, sink: OutputSink) -> None:

@@ -46,6 +46,18 @@ class SamplingParams:
     min_tokens: int = 0
     # Return the chosen token's logprob, plus this many top alternatives (None: no logprobs).
     logprobs: int | None = None
+    # OpenAI's penalties, over the tokens generated so far: subtract frequency_penalty
+    # per occurrence and presence_penalty once for any occurrence.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's (and transformers') multiplicative penalty on every token of the prompt and
+    # output: positive logits divided by it, negative ones multiplied. 1: off.
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -58,6 +70,13 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
 

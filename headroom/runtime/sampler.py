@@ -49,7 +49,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         # logits: (B, V) float32, one row per request.
         logits = logits.float().to(self.device)
-        raw = logits
+        raw = logits  # logprobs report the model's own distribution, as vLLM's do by default
+        logits = self.adjust(logits, requests)
         banned = self._min_tokens_mask(requests, logits.shape[1])
         if banned is not None:
             logits = logits.masked_fill(banned, float("-inf"))
@@ -62,6 +63,42 @@ class Sampler:
             tokens[rows] = picked
         token_ids = tokens.tolist()
         return SampleResult(token_ids, self._logprobs(raw, tokens, token_ids, requests))
+
+    def adjust(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Penalties and logit_bias, for the whole batch in a few ops where the logits are;
+        rows that ask for neither are untouched, and a batch without any costs nothing."""
+        penalized = [i for i, r in enumerate(requests) if r.sampling.penalized]
+        biased = [(i, t, b) for i, r in enumerate(requests) for t, b in r.sampling.logit_bias]
+        if not penalized and not biased:
+            return logits
+        logits = logits.clone()
+        vocab, device = logits.shape[1], logits.device
+        if penalized:
+            rows = torch.tensor(penalized, device=device)
+            chosen = [requests[i] for i in penalized]
+            # Token ids padded with `vocab`, a column that is dropped after the scatter.
+            outputs = self._padded([r.output_token_ids for r in chosen], vocab)
+            counts = torch.zeros(len(chosen), vocab + 1, device=device).scatter_add_(
+                1, outputs, torch.ones_like(outputs, dtype=torch.float32))[:, :vocab]
+            part = logits[rows]
+            frequency = torch.tensor([r.sampling.frequency_penalty for r in chosen], device=device)[:, None]
+            presence = torch.tensor([r.sampling.presence_penalty for r in chosen], device=device)[:, None]
+            part = part - frequency * counts - presence * (counts > 0)
+            seen_ids = self._padded([r.prompt_token_ids + r.output_token_ids for r in chosen], vocab)
+            seen = torch.zeros(len(chosen), vocab + 1, dtype=torch.bool, device=device).scatter_(
+                1, seen_ids, True)[:, :vocab]
+            repetition = torch.tensor([r.sampling.repetition_penalty for r in chosen], device=device)[:, None]
+            part = torch.where(seen, torch.where(part > 0, part / repetition, part * repetition), part)
+            logits[rows] = part
+        if biased:
+            index = torch.tensor([(i, t) for i, t, _ in biased], device=device)
+            logits.index_put_((index[:, 0], index[:, 1]), torch.tensor([b for _, _, b in biased], device=device),
+                              accumulate=True)
+        return logits
+
+    def _padded(self, rows: list[list[int]], pad: int) -> torch.Tensor:
+        width = max(1, max(len(r) for r in rows))
+        return torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=self.device)
 
     def _min_tokens_mask(self, requests: list[Request], vocab: int) -> torch.Tensor | None:
         rows = []

@@ -92,6 +92,45 @@ def test_completion_greedy_equals_runtime(client, reference):
     assert (res.usage.prompt_tokens, res.usage.completion_tokens) == (len(ids), 12)
 
 
+def test_penalties_and_logit_bias_equal_the_runtime(client, reference):
+    prompt = "Repeat after me: the cat, the cat, the cat,"
+    ids = reference.tokenizer.encode(prompt)
+    forced = reference.tokenizer.encode(" river")[0]
+    cases = [({"frequency_penalty": 1.5, "presence_penalty": 0.5}, {}),
+             ({"repetition_penalty": 1.3}, {}),
+             ({"logit_bias": ((forced, 100.0),)}, {"logit_bias": {str(forced): 100}})]
+    plain = reference.generate([ids], SamplingParams(max_tokens=12, temperature=0))[0].output_token_ids
+    for fields, over_http in cases:
+        expected = reference.generate([ids], SamplingParams(max_tokens=12, temperature=0, **fields))[0]
+        assert expected.output_token_ids != plain, fields  # each one changes this greedy output
+        extra = over_http or {k: v for k, v in fields.items() if k in ("frequency_penalty", "presence_penalty")}
+        body = {"repetition_penalty": fields["repetition_penalty"]} if "repetition_penalty" in fields else None
+        res = client.completions.create(model=reference.loaded.name, prompt=prompt, max_tokens=12, temperature=0,
+                                        extra_body=body, **extra)
+        text = reference.tokenizer.decode(expected.output_token_ids, skip_special_tokens=True)
+        assert res.choices[0].text == text, fields
+    assert expected.output_token_ids == [forced] * 12
+
+
+@pytest.mark.parametrize("field, value, param", [
+    ("presence_penalty", 2.5, "presence_penalty"),
+    ("frequency_penalty", -3, "frequency_penalty"),
+    ("repetition_penalty", 0, "repetition_penalty"),
+    ("logit_bias", {"abc": 1}, "logit_bias"),
+    ("logit_bias", {"5": 101}, "logit_bias.5"),
+])
+def test_bad_penalties_and_bias_are_400_naming_the_field(server, field, value, param):
+    body = {"prompt": "Hi", "max_tokens": 1, field: value}
+    err = _error(httpx.post(server.url + "/v1/completions", json=body), 400)
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+
+
+def test_logit_bias_outside_the_vocabulary_is_400(server):
+    body = {"prompt": "Hi", "max_tokens": 1, "logit_bias": {str(10**7): 5}}
+    err = _error(httpx.post(server.url + "/v1/completions", json=body), 400)
+    assert err["code"] == "invalid_value" and err["message"].startswith("logit_bias: token ids must be in [0, ")
+
+
 def test_streamed_chat_equals_non_streamed_and_ends_with_usage(client):
     kwargs = {"model": client.models.list().data[0].id, "messages": [{"role": "user", "content": QUESTION}],
               "max_tokens": 24, "temperature": 0}

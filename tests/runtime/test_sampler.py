@@ -258,3 +258,53 @@ def test_sampling_params_boundaries_are_accepted():
     assert params.greedy
     assert SamplingParams(logprobs=0).logprobs == 0
     assert not SamplingParams(temperature=0.1, top_k=2).greedy
+
+
+# ---- penalties and logit_bias ---------------------------------------------------------------
+
+
+def test_frequency_and_presence_penalties_follow_openais_formula():
+    # Outputs so far: token 3 twice, token 4 once. The prompt ([1, 5, 7]) is not penalised.
+    request = make_request(outputs=[3, 4, 3], frequency_penalty=0.5, presence_penalty=0.25, temperature=0)
+    logits = torch.arange(VOCAB, dtype=torch.float32).unsqueeze(0)
+    out = Sampler({EOS}).adjust(logits, [request])
+    expected = logits.clone()
+    expected[0, 3] -= 2 * 0.5 + 0.25
+    expected[0, 4] -= 1 * 0.5 + 0.25
+    assert torch.equal(out, expected)
+    assert torch.equal(logits, torch.arange(VOCAB, dtype=torch.float32).unsqueeze(0))  # input untouched
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
+    request = make_request(outputs=[9], repetition_penalty=2.0)
+    logits = torch.linspace(-4, 4, VOCAB).unsqueeze(0)  # token 1 negative, 9 and 7 positive
+    out = Sampler({EOS}).adjust(logits, [request])
+    expected = logits.clone()
+    for token in (1, 5, 7, 9):  # prompt [1, 5, 7] and output [9]
+        value = logits[0, token].item()
+        expected[0, token] = value / 2 if value > 0 else value * 2
+    assert torch.equal(out, expected)
+
+
+def test_logit_bias_adds_per_row_and_forces_greedy_choices():
+    plain = make_request(temperature=0)
+    biased = make_request(temperature=0, logit_bias=((11, 100.0), (0, -5.0)))
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 6] = 1.0
+    sampler = Sampler({EOS})
+    out = sampler.adjust(logits, [plain, biased])
+    assert torch.equal(out[0], logits[0])
+    assert out[1, 11].item() == 100.0 and out[1, 0].item() == -5.0 and out[1, 6].item() == 1.0
+    assert sampler(logits, [plain, biased]).token_ids == [6, 11]
+
+
+def test_a_batch_without_penalties_or_bias_is_not_copied():
+    logits = torch.randn(3, VOCAB)
+    assert Sampler({EOS}).adjust(logits, [make_request() for _ in range(3)]) is logits
+
+
+def test_penalties_and_bias_are_validated():
+    for fields in ({"presence_penalty": 2.5}, {"frequency_penalty": -3.0}, {"repetition_penalty": 0.0},
+                   {"logit_bias": ((1, 101.0),)}):
+        with pytest.raises(ValueError):
+            SamplingParams(**fields)
