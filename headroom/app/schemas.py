@@ -3,11 +3,12 @@ as OpenAI does; known fields we do not implement are refused rather than ignored
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 MAX_STOP_STRINGS = 16
+NOT_IMPLEMENTED = ("response_format", "tools", "tool_choice", "functions", "function_call", "best_of")
 
 
 class StreamOptions(BaseModel):
@@ -34,6 +35,13 @@ class SamplingFields(BaseModel):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
     # token id (as a string, as OpenAI sends it) -> bias added to its logit
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
+    # OpenAI fields not implemented yet: refused with a 400 naming them, never ignored.
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    best_of: Any = None
     # vLLM extensions
     repetition_penalty: Annotated[float, Field(gt=0, le=2, allow_inf_nan=False)] = 1.0
     ignore_eos: bool = False
@@ -51,6 +59,9 @@ class SamplingFields(BaseModel):
     def _supported(self):
         if self.n != 1:
             raise ValueError("n: only n=1 is supported")
+        for name in NOT_IMPLEMENTED:
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: not supported yet")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         return self

@@ -82,6 +82,12 @@ def test_ten_megabyte_body_is_413(server):
     ({"max_tokens": 10**12}, "max_tokens"),
     ({"stop": [f"s{i}" for i in range(1000)]}, "stop"),
     ({"n": 2}, "n"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"best_of": 2}, "best_of"),
 ])
 def test_bad_sampling_fields_are_400_naming_the_field(server, fields, param):
     error = assert_openai_error(post_raw(server, CHAT, chat("hi", **fields)), 400)
