@@ -34,11 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hol import PROMPTS, cpu_line
 
 from headroom.config import ModelConfig
-from headroom.models.llama import ForwardContext
 from headroom.models.loader import default_model_path, load_model
 from headroom.models.quant import quantize_model
-from headroom.runtime.attention.metadata import AttentionMetadata
-from headroom.runtime.attention.torch_ref import TorchAttention
+from headroom.models.scoring import sequence_logits
 
 
 def corpus() -> str:
@@ -47,21 +45,10 @@ def corpus() -> str:
 
 
 def chunk_nll(model, ids: list[int]) -> tuple[float, int]:
-    """Summed NLL of the second half of one chunk, in a single paged prefill."""
-    n, block = len(ids), 16
-    blocks = -(-n // block)
-    args = model.args
-    shape = (blocks, block, args.num_kv_heads, args.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(args.num_layers)]
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        seq_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([n], dtype=torch.int32),
-        block_tables=torch.arange(blocks, dtype=torch.int32)[None], max_query_len=n, max_seq_len=n,
-        num_decodes=0, query_lens_cpu=[n], seq_lens_cpu=[n])
-    with torch.inference_mode():
-        hidden = model(torch.tensor(ids), torch.arange(n), ForwardContext(meta, caches, TorchAttention()))
-        logits = model.compute_logits(hidden)
+    """Summed NLL of the second half of one chunk, and how many tokens that is."""
+    n = len(ids)
     first = n // 2
+    logits = sequence_logits(model, ids)
     nll = F.cross_entropy(logits[first:n - 1], torch.tensor(ids[first + 1:]), reduction="sum")
     return nll.item(), n - 1 - first
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import functools
 import hashlib
 import hmac
 import logging
@@ -172,9 +173,16 @@ async def stats(request: web.Request) -> web.Response:
 
 
 async def ui(request: web.Request) -> web.Response:
-    page = resources.files("headroom.admin").joinpath("ui/index.html").read_text(encoding="utf-8")
+    page, policy = ui_page()
     return web.Response(text=page, content_type="text/html",
-                        headers={"Cache-Control": "no-store", "Content-Security-Policy": page_policy(page)})
+                        headers={"Cache-Control": "no-store", "Content-Security-Policy": policy})
+
+
+@functools.cache
+def ui_page() -> tuple[str, str]:
+    """The page and its policy, read and hashed once: the file ships with the package."""
+    page = resources.files("headroom.admin").joinpath("ui/index.html").read_text(encoding="utf-8")
+    return page, page_policy(page)
 
 
 def page_policy(page: str) -> str:

@@ -34,14 +34,20 @@ GROUP = 32
 BATCH_SIZES = (1, 4, 16, 32, 64)
 
 
-def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q (N, K) in 0..15, scale (N, K/32), minimum (N, K/32)) with w ~ scale * q + minimum."""
+def asymmetric_groups(weight: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q (N, K) in 0..levels as uint8, scale (N, K/32), minimum (N, K/32)) with
+    w ~ scale * q + minimum: Q4_1's block for levels=15, its 8-bit twin for 255."""
     n, k = weight.shape
     groups = weight.float().view(n, k // GROUP, GROUP)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    scale = (high - low) / 15
-    q = torch.round((groups - low[..., None]) / scale.clamp(min=1e-12)[..., None]).clamp(0, 15)
+    scale = (high - low) / levels
+    q = torch.round((groups - low[..., None]) / scale.clamp(min=1e-12)[..., None]).clamp(0, levels)
     return q.view(n, k).to(torch.uint8), scale.contiguous(), low.contiguous()
+
+
+def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q (N, K) in 0..15, scale (N, K/32), minimum (N, K/32)) with w ~ scale * q + minimum."""
+    return asymmetric_groups(weight, 15)
 
 
 def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,16 +57,6 @@ def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = groups.abs().amax(dim=-1) / 127
     q = torch.round(groups / scale.clamp(min=1e-12)[..., None]).clamp(-127, 127)
     return q.view(n, k).to(torch.int8), scale.contiguous()
-
-
-def uint8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q (N, K) in 0..255, scale (N, K/32), minimum (N, K/32)) with w ~ scale * q + minimum."""
-    n, k = weight.shape
-    groups = weight.float().view(n, k // GROUP, GROUP)
-    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    scale = (high - low) / 255
-    q = torch.round((groups - low[..., None]) / scale.clamp(min=1e-12)[..., None]).clamp(0, 255)
-    return q.view(n, k).to(torch.uint8), scale.contiguous(), low.contiguous()
 
 
 def pack_q4(q: torch.Tensor) -> torch.Tensor:
@@ -83,12 +79,9 @@ class QuantLinear(nn.Module):
             q, scale, low = int4_groups(weight)
             self.qweight, self.scales, self.mins = pack_q4(q), scale, low
         else:
-            self.qweight, self.scales = int8_groups(weight)
-            self.mins = None
-            q, scale, low = uint8_groups(weight)
-            if error(q.float().view(*scale.shape, -1) * scale[..., None] + low[..., None], weight) < \
-                    error(self.qweight.float().view(*scale.shape, -1) * self.scales[..., None], weight):
-                self.qweight, self.scales, self.mins = q, scale, low
+            symmetric, with_min = (*int8_groups(weight), None), asymmetric_groups(weight, 255)
+            self.qweight, self.scales, self.mins = min(
+                (symmetric, with_min), key=lambda form: (rebuild(*form) - weight.float()).abs().max().item())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -103,18 +96,17 @@ class QuantLinear(nn.Module):
         return y.view(*x.shape[:-1], self.weight.shape[0])
 
     def dequantized(self) -> torch.Tensor:
-        n, k = self.weight.shape
         if self.bits == 8:
-            w = self.qweight.float().view(n, -1, GROUP) * self.scales[..., None]
-            return (w if self.mins is None else w + self.mins[..., None]).view(n, k)
+            return rebuild(self.qweight, self.scales, self.mins)
+        n, k = self.weight.shape
         halves = self.qweight.view(n, k // GROUP, GROUP // 2)
-        q = torch.cat([halves & 0x0F, halves >> 4], dim=-1).float()
-        return (q * self.scales[..., None] + self.mins[..., None]).view(n, k)
+        return rebuild(torch.cat([halves & 0x0F, halves >> 4], dim=-1).view(n, k), self.scales, self.mins)
 
 
-def error(groups: torch.Tensor, weight: torch.Tensor) -> float:
-    """Largest absolute difference between rebuilt groups and the weight they came from."""
-    return (groups.reshape(weight.shape) - weight.float()).abs().max().item()
+def rebuild(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None) -> torch.Tensor:
+    """The float weight that groups of q with their scale (and minimum) stand for."""
+    w = q.float().view(*scale.shape, GROUP) * scale[..., None]
+    return (w if low is None else w + low[..., None]).view(q.shape)
 
 
 def packable(linear: nn.Linear) -> bool:

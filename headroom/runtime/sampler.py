@@ -76,19 +76,17 @@ class Sampler:
         if penalized:
             rows = torch.tensor(penalized, device=device)
             chosen = [requests[i] for i in penalized]
-            # Token ids padded with `vocab`, a column that is dropped after the scatter.
-            outputs = self._padded([r.output_token_ids for r in chosen], vocab)
-            counts = torch.zeros(len(chosen), vocab + 1, device=device).scatter_add_(
-                1, outputs, torch.ones_like(outputs, dtype=torch.float32))[:, :vocab]
             part = logits[rows]
-            frequency = torch.tensor([r.sampling.frequency_penalty for r in chosen], device=device)[:, None]
-            presence = torch.tensor([r.sampling.presence_penalty for r in chosen], device=device)[:, None]
-            part = part - frequency * counts - presence * (counts > 0)
-            seen_ids = self._padded([r.prompt_token_ids + r.output_token_ids for r in chosen], vocab)
-            seen = torch.zeros(len(chosen), vocab + 1, dtype=torch.bool, device=device).scatter_(
-                1, seen_ids, True)[:, :vocab]
-            repetition = torch.tensor([r.sampling.repetition_penalty for r in chosen], device=device)[:, None]
-            part = torch.where(seen, torch.where(part > 0, part / repetition, part * repetition), part)
+            if any(r.sampling.presence_penalty or r.sampling.frequency_penalty for r in chosen):
+                frequency = torch.tensor([r.sampling.frequency_penalty for r in chosen], device=device)[:, None]
+                presence = torch.tensor([r.sampling.presence_penalty for r in chosen], device=device)[:, None]
+                counts = self._scatter([r.output_token_ids for r in chosen], vocab, torch.float32, "add")
+                part = part - frequency * counts - presence * (counts > 0)
+            # The prompt too: only where asked, as it is the long list to walk every step.
+            if any(r.sampling.repetition_penalty != 1.0 for r in chosen):
+                seen = self._scatter([r.prompt_token_ids + r.output_token_ids for r in chosen], vocab, torch.bool)
+                repetition = torch.tensor([r.sampling.repetition_penalty for r in chosen], device=device)[:, None]
+                part = torch.where(seen, torch.where(part > 0, part / repetition, part * repetition), part)
             logits[rows] = part
         if biased:
             index = torch.tensor([(i, t) for i, t, _ in biased], device=device)
@@ -96,9 +94,15 @@ class Sampler:
                               accumulate=True)
         return logits
 
-    def _padded(self, rows: list[list[int]], pad: int) -> torch.Tensor:
+    def _scatter(self, rows: list[list[int]], vocab: int, dtype: torch.dtype, reduce: str = "set") -> torch.Tensor:
+        """(len(rows), vocab): per row, how often each token id occurs in it ("add") or
+        whether it does ("set"). Rows are padded with `vocab`, a column dropped after."""
         width = max(1, max(len(r) for r in rows))
-        return torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=self.device)
+        ids = torch.tensor([r + [vocab] * (width - len(r)) for r in rows], device=self.device)
+        out = torch.zeros(len(rows), vocab + 1, dtype=dtype, device=self.device)
+        ones = torch.ones_like(ids, dtype=dtype)
+        out = out.scatter_add_(1, ids, ones) if reduce == "add" else out.scatter_(1, ids, ones)
+        return out[:, :vocab]
 
     def _min_tokens_mask(self, requests: list[Request], vocab: int) -> torch.Tensor | None:
         rows = []

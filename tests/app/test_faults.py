@@ -37,18 +37,23 @@ def events(text: str) -> list[dict]:
     return [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: {")]
 
 
-def test_a_failing_step_fails_only_its_sequences(server):
-    engine = server.engine
-    steps_with_victim = 0
+def fail_step(request_id: str, nth: int):
+    """An engine fault hook that raises in the nth step whose batch carries request_id."""
+    steps = 0
 
     def fault(out) -> None:
-        nonlocal steps_with_victim
-        if any(r.request_id == "cmpl-victim" for r in out.requests):
-            steps_with_victim += 1
-            if steps_with_victim == 3:
+        nonlocal steps
+        if any(r.request_id == request_id for r in out.requests):
+            steps += 1
+            if steps == nth:
                 raise RuntimeError("injected device fault")
 
-    engine.fault_hook = fault
+    return fault
+
+
+def test_a_failing_step_fails_only_its_sequences(server):
+    engine = server.engine
+    engine.fault_hook = fail_step("cmpl-victim", 3)
     body = {"prompt": "Once upon a time", "max_tokens": 20, "ignore_eos": True, "stream": True}
 
     async def both() -> tuple[str, str]:
@@ -81,16 +86,7 @@ def test_a_failing_step_fails_only_its_sequences(server):
 
 def test_a_failing_step_is_a_500_engine_error_for_a_non_streaming_request(server):
     engine = server.engine
-    steps = 0
-
-    def fault(out) -> None:
-        nonlocal steps
-        if any(r.request_id == "cmpl-plain" for r in out.requests):
-            steps += 1
-            if steps == 2:
-                raise RuntimeError("injected device fault")
-
-    engine.fault_hook = fault
+    engine.fault_hook = fail_step("cmpl-plain", 2)
     r = httpx.post(server.url + "/v1/completions", timeout=60, headers={"X-Request-Id": "plain"},
                    json={"prompt": "Once upon a time", "max_tokens": 20, "ignore_eos": True})
     assert r.status_code == 500 and r.headers["Content-Type"].startswith("application/json")

@@ -21,11 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from headroom.config import CacheConfig, Config, ModelConfig
-from headroom.models.llama import ForwardContext
 from headroom.models.loader import load_model
 from headroom.models.quant import QuantLinear, int4_groups, quantize_model
-from headroom.runtime.attention.metadata import AttentionMetadata
-from headroom.runtime.attention.torch_ref import TorchAttention
+from headroom.models.scoring import sequence_logits
 from headroom.runtime.engine import Engine
 from headroom.runtime.request import SamplingParams
 
@@ -40,19 +38,7 @@ MAX_TOKENS = 12
 
 def perplexity(model, ids: list[int]) -> float:
     """exp(mean next-token NLL) of one sequence in a single prefill through the paged model."""
-    n, block = len(ids), 16
-    blocks = -(-n // block)
-    args = model.args
-    shape = (blocks, block, args.num_kv_heads, args.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(args.num_layers)]
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        seq_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([n], dtype=torch.int32),
-        block_tables=torch.arange(blocks, dtype=torch.int32)[None], max_query_len=n, max_seq_len=n,
-        num_decodes=0, query_lens_cpu=[n], seq_lens_cpu=[n])
-    with torch.inference_mode():
-        hidden = model(torch.tensor(ids), torch.arange(n), ForwardContext(meta, caches, TorchAttention()))
-        logits = model.compute_logits(hidden)
+    logits = sequence_logits(model, ids)
     return math.exp(F.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item())
 
 
