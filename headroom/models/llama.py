@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -94,9 +95,19 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.kernels: ModuleType | None = None  # see use_cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, its norm); with the CPU kernels, x is updated in place."""
+        if self.kernels is not None:
+            return x, self.kernels.add_rms_norm_(x, delta, self.weight, self.eps)
+        x = x + delta
+        return x, self(x)
 
 
 @dataclass
@@ -117,13 +128,18 @@ class Attention(nn.Module):
         self.scale = args.head_dim**-0.5
         self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.attention_bias)
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
+        self.kernels: ModuleType | None = None  # see use_cpu_kernels
 
     def forward(self, x, cos, sin, kv_cache, ctx: ForwardContext) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.kernels is not None:
+            self.kernels.rope_(q, k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = ctx.backend.forward(q, k, v, kv_cache[0], kv_cache[1], ctx.meta, self.scale)
         return self.o_proj(out.reshape(n, self.q_size))
 
@@ -133,8 +149,11 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.kernels: ModuleType | None = None  # see use_cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -148,8 +167,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
 
     def forward(self, x, cos, sin, kv_cache, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, ctx)
-        return x + self.mlp(self.post_attn_norm(x))
+        x, h = self.post_attn_norm.add_and_norm(x, self.attn(self.input_norm(x), cos, sin, kv_cache, ctx))
+        return x + self.mlp(h)
 
 
 class Llama(nn.Module):
@@ -171,6 +190,15 @@ class Llama(nn.Module):
         for layer, kv_cache in zip(self.layers, ctx.kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, ctx)
         return self.norm(x)
+
+    def use_cpu_kernels(self, kernels: ModuleType) -> None:
+        """Run RMSNorm, the residual add, RoPE and SiLU * up through headroom's float32 CPU
+        kernels: one call each where PyTorch takes several small ops, which at decode sizes
+        cost more in dispatch than in arithmetic. Without this the modules run their torch
+        code, the reference the kernels are tested against."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.kernels = kernels
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -67,40 +67,66 @@ def pack_q4(q: torch.Tensor) -> torch.Tensor:
     return (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
 
 
+def pack_qdot4(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) values 0..15 -> (N, K/2) bytes for the integer-dot kernel: in each chunk of 64
+    weights, byte i holds weight i in its low nibble and weight 32 + i in its high one, so
+    a chunk unpacks into its two groups in order."""
+    n, k = q.shape
+    chunks = q.view(n, k // 64, 2, 32)
+    return (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
 class QuantLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bits: int, small_batch: int):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bits: int, small_batch: int,
+                 large_dtype: torch.dtype = torch.float32):
+        """large_dtype: the dtype of the float matmul that serves batches over small_batch
+        (bfloat16 where the CPU multiplies it natively; the weight is copied once to it)."""
         super().__init__()
         kernels, why = cpu_kernels()
         if kernels is None:
             raise RuntimeError(f"quantised linears need headroom's CPU kernels: {why}")
         self.kernels, self.bits, self.small_batch = kernels, bits, small_batch
-        self.weight, self.bias = weight, bias  # the float weight, for large batches
+        # The integer-dot kernel (AVX-512 VNNI) where this build has it; it reads 64 weights at a time.
+        self.qdot = kernels.qdot_available() and weight.shape[1] % 64 == 0
+        self.out_features = weight.shape[0]
+        self.weight = weight if weight.dtype == large_dtype else weight.to(large_dtype)
+        self.bias = bias
         if bits == 4:
             q, scale, low = int4_groups(weight)
-            self.qweight, self.scales, self.mins = pack_q4(q), scale, low
+            self.qweight, self.scales, self.mins = (pack_qdot4 if self.qdot else pack_q4)(q), scale, low
         else:
             symmetric, with_min = (*int8_groups(weight), None), asymmetric_groups(weight, 255)
-            self.qweight, self.scales, self.mins = min(
-                (symmetric, with_min), key=lambda form: (rebuild(*form) - weight.float()).abs().max().item())
+            q, scale, low = min((symmetric, with_min),
+                                key=lambda form: (rebuild(*form) - weight.float()).abs().max().item())
+            if self.qdot and low is None:  # scale * q == scale * (q + 128) - 128 * scale, exactly
+                q, low = (q.to(torch.int16) + 128).to(torch.uint8), -128 * scale
+            self.qweight, self.scales, self.mins = q, scale, low
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         if flat.shape[0] > self.small_batch:
-            y = F.linear(flat, self.weight)
+            y = F.linear(flat.to(self.weight.dtype), self.weight).to(x.dtype)
+        elif self.qdot:
+            y = self.kernels.qdot_linear(flat, self.qweight, self.scales, self.mins, self.bits)
         elif self.bits == 4:
             y = self.kernels.q4_linear(flat, self.qweight, self.scales, self.mins)
         else:
             y = self.kernels.q8_linear(flat, self.qweight, self.scales, self.mins)
         if self.bias is not None:
             y = y + self.bias
-        return y.view(*x.shape[:-1], self.weight.shape[0])
+        return y.view(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         if self.bits == 8:
             return rebuild(self.qweight, self.scales, self.mins)
-        n, k = self.weight.shape
-        halves = self.qweight.view(n, k // GROUP, GROUP // 2)
-        return rebuild(torch.cat([halves & 0x0F, halves >> 4], dim=-1).view(n, k), self.scales, self.mins)
+        n, k = self.qweight.shape[0], 2 * self.qweight.shape[1]
+        if self.qdot:  # chunks of 64: low nibbles are weights 0..31, high nibbles 32..63
+            chunks = self.qweight.view(n, k // 64, 32)
+            q = torch.cat([chunks & 0x0F, chunks >> 4], dim=-1).view(n, k)
+        else:
+            halves = self.qweight.view(n, k // GROUP, GROUP // 2)
+            q = torch.cat([halves & 0x0F, halves >> 4], dim=-1).view(n, k)
+        return rebuild(q, self.scales, self.mins)
 
 
 def rebuild(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None) -> torch.Tensor:
@@ -137,7 +163,8 @@ class Crossover:
         return best
 
 
-def measure_crossover(in_features: int, out_features: int, bits: int, repeats: int = 7) -> Crossover:
+def measure_crossover(in_features: int, out_features: int, bits: int, large_dtype: torch.dtype = torch.float32,
+                      repeats: int = 7) -> Crossover:
     """Time linears of the model's shape, float against packed, at each batch size. The
     weights span more than a last-level cache, as a model's do, so that the float path
     pays for its bytes as it does when serving. Where the packed kernel wins depends on
@@ -145,11 +172,13 @@ def measure_crossover(in_features: int, out_features: int, bits: int, repeats: i
     copies = max(2, (48 * 2**20) // (4 * in_features * out_features))
     weights = [torch.randn(out_features, in_features) for _ in range(copies)]
     packed = [QuantLinear(w, None, bits, small_batch=max(BATCH_SIZES)) for w in weights]
+    weights = [w.to(large_dtype) for w in weights]
     float_s, packed_s = {}, {}
     with torch.inference_mode():
         for m in BATCH_SIZES:
             x = torch.randn(m, in_features)
-            for layers, into in (([lambda x, w=w: F.linear(x, w) for w in weights], float_s), (packed, packed_s)):
+            floats = [lambda x, w=w: F.linear(x.to(large_dtype), w).float() for w in weights]
+            for layers, into in ((floats, float_s), (packed, packed_s)):
                 for layer in layers:
                     layer(x)
                 best = float("inf")
@@ -162,9 +191,10 @@ def measure_crossover(in_features: int, out_features: int, bits: int, repeats: i
     return Crossover(float_s, packed_s)
 
 
-def quantize_model(model: nn.Module, mode: str, small_batch: int) -> None:
+def quantize_model(model: nn.Module, mode: str, small_batch: int, large_dtype: torch.dtype = torch.float32) -> None:
     """Swap the model's linears for packed ones in place: int4 for the decoder's linears
-    and int8 for the output head in "int4" mode, int8 for all in "int8" mode."""
+    and int8 for the output head in "int4" mode, int8 for all in "int8" mode. Batches over
+    small_batch rows multiply the float weights in large_dtype."""
     if mode == "none":
         return
     if mode not in QUANTIZATIONS:
@@ -174,4 +204,4 @@ def quantize_model(model: nn.Module, mode: str, small_batch: int) -> None:
             if not isinstance(child, nn.Linear) or not packable(child):
                 continue
             bits = 4 if mode == "int4" and name != "lm_head" else 8
-            setattr(parent, name, QuantLinear(child.weight, child.bias, bits, small_batch))
+            setattr(parent, name, QuantLinear(child.weight, child.bias, bits, small_batch, large_dtype))

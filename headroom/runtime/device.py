@@ -5,8 +5,12 @@ from __future__ import annotations
 import torch
 
 from headroom.config import ConfigError
-from headroom.models.kernels import cpu_kernels
+from headroom.models.kernels import cpu_flags, cpu_kernels
 from headroom.models.quant import measure_crossover
+
+# Flags of CPUs that multiply bfloat16 natively (AVX512-BF16's dot products, AMX tiles);
+# elsewhere bf16 matmuls are emulated and slower than float32.
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -20,32 +24,43 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def large_batch_dtype(device: torch.device) -> tuple[torch.dtype, str]:
+    """The dtype of the float matmuls that serve batches too large for packed weights."""
+    native = [flag for flag in BF16_FLAGS if flag in cpu_flags()] if device.type == "cpu" else []
+    if native:
+        return torch.bfloat16, f"bfloat16 matmuls above it ({native[0]})"
+    return torch.float32, "float32 matmuls above it (no native bf16 on this CPU)"
+
+
 def resolve_quantization(name: str, device: torch.device, dtype: torch.dtype, hidden_size: int,
-                         intermediate_size: int) -> tuple[str, int, str]:
-    """(mode, largest batch served from packed weights, why) for the log and /health."""
+                         intermediate_size: int) -> tuple[str, int, torch.dtype, str]:
+    """(mode, largest batch served from packed weights, dtype of the matmuls above that
+    batch, why) for the log and /health."""
     if name == "none":
-        return "none", 0, "chosen by flag or config"
+        return "none", 0, dtype, "chosen by flag or config"
     if device.type != "cpu" or dtype != torch.float32:
         if name == "auto":
-            return "none", 0, f"auto: quantised linears are for float32 on the CPU, not {dtype} on {device.type}"
+            return "none", 0, dtype, f"auto: quantised linears are for float32 on the CPU, not {dtype} on {device.type}"
         raise ConfigError(f"quantization {name} runs on the CPU with dtype float32 only")
     kernels, why = cpu_kernels()
     if kernels is None:
         if name == "auto":
-            return "none", 0, f"auto: {why}"
+            return "none", 0, dtype, f"auto: {why}"
         raise ConfigError(f"quantization {name} needs headroom's CPU kernels: {why}")
+    large, large_why = large_batch_dtype(device)
     # The MLP's gate/up projection, the largest linear of a layer, stands for all of them.
-    found = {mode: measure_crossover(hidden_size, 2 * intermediate_size, 4 if mode == "int4" else 8)
+    found = {mode: measure_crossover(hidden_size, 2 * intermediate_size, 4 if mode == "int4" else 8, large)
              for mode in (("int4", "int8") if name == "auto" else (name,))}
     said = "; ".join(f"{mode} {1e3 * c.packed_s[1]:.3f} ms vs float {1e3 * c.float_s[1]:.3f} ms at batch 1, "
                      f"packed up to batch {c.small_batch}" for mode, c in found.items())
+    said = f"{why}; {said}; {large_why}"
     if name != "auto":
-        return name, max(1, found[name].small_batch), f"chosen by flag or config ({said})"
+        return name, max(1, found[name].small_batch), large, f"chosen by flag or config ({said})"
     useful = {mode: c for mode, c in found.items() if c.small_batch >= 1}
     if not useful:
-        return "none", 0, f"auto: no packed kernel beats float32 here ({said})"
+        return "none", 0, dtype, f"auto: no packed kernel beats float32 here ({said})"
     best = min(useful, key=lambda mode: useful[mode].relative_cost)
-    return best, useful[best].small_batch, f"auto: fastest against float32 over batch sizes 1-64 ({said})"
+    return best, useful[best].small_batch, large, f"auto: fastest against the float matmuls over batch sizes 1-64 ({said})"
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

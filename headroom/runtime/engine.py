@@ -19,6 +19,7 @@ import torch
 
 from headroom.config import Config
 from headroom.models.loader import LoadedModel, load_model
+from headroom.models.kernels import cpu_kernels
 from headroom.models.quant import quantize_model
 from headroom.runtime.attention import select_backend
 from headroom.runtime.block_manager import BlockManager
@@ -54,9 +55,12 @@ class Engine:
             self.dtype = resolve_dtype(config.model.dtype, self.device)
             loaded = load_model(config.model, self.device, self.dtype)
             args = loaded.args
-            loaded.quantization, small_batch, self.quantization_reason = resolve_quantization(
+            loaded.quantization, small_batch, large_dtype, self.quantization_reason = resolve_quantization(
                 config.model.quantization, self.device, self.dtype, args.hidden_size, args.intermediate_size)
-            quantize_model(loaded.model, loaded.quantization, small_batch)
+            quantize_model(loaded.model, loaded.quantization, small_batch, large_dtype)
+            kernels, _ = cpu_kernels()
+            if self.device.type == "cpu" and self.dtype == torch.float32 and kernels is not None:
+                loaded.model.use_cpu_kernels(kernels)
         else:  # a model loaded by the caller decides device and dtype
             weight = loaded.model.embed_tokens.weight
             self.device, self.dtype = weight.device, weight.dtype

@@ -17,7 +17,9 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where it is not readable)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
@@ -28,19 +30,24 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-SOURCES = ("bindings.cpp", "q4_linear.cpp", "q8_linear.cpp", "paged_attention.cpp")
+SOURCES = ("bindings.cpp", "q4_linear.cpp", "q8_linear.cpp", "qdot_linear.cpp", "paged_attention.cpp",
+           "fused_ops.cpp")
+VNNI_FLAGS = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"}
 
 
 @functools.cache
 def cpu_kernels() -> tuple[ModuleType | None, str]:
-    """(the compiled module with q4_linear, q8_linear and paged_decode_attention, or None; why)."""
+    """(the compiled module with q4_linear, q8_linear, qdot_linear and paged_decode_attention, or None; why)."""
     if os.environ.get("HEADROOM_NO_KERNELS"):
         return None, "HEADROOM_NO_KERNELS is set"
     from torch.utils.cpp_extension import load
 
     flags = ["-O3", "-fopenmp"]
-    if {"avx2", "fma"} <= _cpu_flags():
+    cpu = cpu_flags()
+    if {"avx2", "fma"} <= cpu:
         flags += ["-mavx2", "-mfma", "-mf16c"]
+    if VNNI_FLAGS <= cpu:
+        flags += ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni"]
     try:
         module = load(name="headroom_cpu_kernels", sources=[str(HERE / name) for name in SOURCES],
                       extra_cflags=flags, extra_ldflags=["-fopenmp"], extra_include_paths=[str(HERE)],
@@ -48,6 +55,6 @@ def cpu_kernels() -> tuple[ModuleType | None, str]:
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler, or it failed
         log.warning("headroom's CPU kernels did not build (%s); using PyTorch's ops", exc)
         return None, f"build failed: {str(exc).splitlines()[0][:200]}"
-    simd = "AVX2+FMA" if "-mavx2" in flags else "portable C++"
+    simd = "AVX-512 VNNI" if "-mavx512vnni" in flags else "AVX2+FMA" if "-mavx2" in flags else "portable C++"
     return module, f"headroom's CPU kernels ({simd})"
 

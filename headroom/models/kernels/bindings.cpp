@@ -5,12 +5,31 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor sc
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                         std::optional<torch::Tensor> mins);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                     std::optional<torch::Tensor> k_new, std::optional<torch::Tensor> v_new,
+                                     std::optional<torch::Tensor> slots);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor qdot_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
+                          int64_t bits);
+bool qdot_available();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear, "x @ W^T for 4-bit group-32 weights with a scale and a min per group");
   m.def("q8_linear", &q8_linear, "x @ W^T for 8-bit group-32 weights with a scale (and a min) per group",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins") = py::none());
   m.def("paged_decode_attention", &paged_decode_attention,
-        "one-token-per-sequence attention over a paged KV cache, read in place");
+        "one-token-per-sequence attention over a paged KV cache, read in place (this step's K/V written first)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("k_new") = py::none(), py::arg("v_new") = py::none(), py::arg("slots") = py::none());
+  m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
+  m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of x");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused (M, 2I) gate/up projection");
+  m.def("rope_", &rope_, "rotate-half RoPE of q and k in place");
+  m.def("qdot_linear", &qdot_linear,
+        "x @ W^T for unsigned 4- or 8-bit group-32 weights (scale and min), x quantised to int8 per group",
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"));
+  m.def("qdot_available", &qdot_available, "whether this build has the AVX-512 VNNI integer-dot linear");
 }

@@ -1,12 +1,17 @@
 // Decode attention on the CPU that reads K and V in place from the paged cache (no
 // gather into a padded copy, no mask): one query token per sequence, float32, any GQA
 // ratio. Threads over (sequence, kv head); the query heads that share a kv head are
-// scored together so each cached key and value is read once per step.
+// scored together so each cached key and value is read once per step. Given this step's
+// keys and values with their slots, it writes them into the cache first (the same
+// thread that then reads them). With AVX-512 and a head_dim of 64 or 128, a query
+// group's heads live in registers and the softmax's exp is vectorised.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <limits>
+#include <optional>
 #include <vector>
 #include "simd.h"
 
@@ -37,12 +42,76 @@ inline void axpy(float p, const float* x, float* y, int64_t d) {
   for (int64_t i = 0; i < d; ++i) y[i] += p * x[i];
 }
 
+#ifdef __AVX512F__
+// One (sequence, kv head): V = head_dim / 16 vectors per head.
+template <int V>
+void attend_512(const float* qh, const float* kp, const float* vp, const int32_t* table, int64_t len,
+                int64_t group, int64_t block_size, int64_t token_stride, int64_t block_stride, int64_t h,
+                float s, float* scores, float* out) {
+  constexpr int64_t D = 16 * V;
+  for (int64_t t = 0; t < len; ++t) {
+    const float* key = kp + table[t / block_size] * block_stride + (t % block_size) * token_stride + h * D;
+    __m512 k[V];
+    for (int i = 0; i < V; ++i) k[i] = _mm512_loadu_ps(key + 16 * i);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = qh + g * D;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
+      for (int i = 1; i < V; ++i) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * i), k[i], acc);
+      scores[g * len + t] = s * _mm512_reduce_add_ps(acc);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores + g * len;
+    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t t = 0;
+    for (; t + 16 <= len; t += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + t));
+    float m = _mm512_reduce_max_ps(top);
+    for (int64_t u = t; u < len; ++u) m = std::max(m, row[u]);
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 sum = _mm512_setzero_ps();
+    for (t = 0; t + 16 <= len; t += 16) {
+      const __m512 e = headroom::exp512(_mm512_sub_ps(_mm512_loadu_ps(row + t), mv));
+      _mm512_storeu_ps(row + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    if (t < len) {
+      const __mmask16 tail = static_cast<__mmask16>((1u << (len - t)) - 1);
+      const __m512 e = headroom::exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + t), mv));
+      _mm512_mask_storeu_ps(row + t, tail, e);
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
+    }
+    const float inv = 1.f / _mm512_reduce_add_ps(sum);
+    for (t = 0; t < len; ++t) row[t] *= inv;
+  }
+  for (int64_t g0 = 0; g0 < group; g0 += 4) {  // four heads' outputs at a time in registers
+    const int64_t heads = std::min<int64_t>(4, group - g0);
+    __m512 o[4][V];
+    for (int64_t g = 0; g < heads; ++g)
+      for (int i = 0; i < V; ++i) o[g][i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) {
+      const float* value = vp + table[t / block_size] * block_stride + (t % block_size) * token_stride + h * D;
+      __m512 v[V];
+      for (int i = 0; i < V; ++i) v[i] = _mm512_loadu_ps(value + 16 * i);
+      for (int64_t g = 0; g < heads; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[(g0 + g) * len + t]);
+        for (int i = 0; i < V; ++i) o[g][i] = _mm512_fmadd_ps(p, v[i], o[g][i]);
+      }
+    }
+    for (int64_t g = 0; g < heads; ++g)
+      for (int i = 0; i < V; ++i) _mm512_storeu_ps(out + (g0 + g) * D + 16 * i, o[g][i]);
+  }
+}
+#endif
+
 }  // namespace
 
 // q: (B, Hq, D); caches: (num_blocks, block_size, Hkv, D); block_tables: (B, W) int32;
-// seq_lens: (B,) int32 (context length including this token) -> (B, Hq, D)
+// seq_lens: (B,) int32 (context length including this token) -> (B, Hq, D). With k_new and
+// v_new (B, Hkv, D) and slots (B,) int64, those are first written to the cache at the slots.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                     std::optional<torch::Tensor> k_new, std::optional<torch::Tensor> v_new,
+                                     std::optional<torch::Tensor> slots) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
                   v_cache.scalar_type() == torch::kFloat32, "paged_decode_attention is float32 only");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
@@ -63,6 +132,26 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   float* op = out.data_ptr<float>();
   const int64_t token_stride = Hkv * D, block_stride = block_size * Hkv * D;
   const float s = static_cast<float>(scale);
+  const bool write = k_new.has_value();
+  TORCH_CHECK(write == v_new.has_value() && write == slots.has_value(), "give k_new, v_new and slots together");
+  const float *knp = nullptr, *vnp = nullptr;
+  const int64_t* sp = nullptr;
+  int64_t kn_row = 0, vn_row = 0;
+  if (write) {
+    for (const auto* t : {&*k_new, &*v_new})
+      TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->dim() == 3 && t->size(0) == B && t->size(1) == Hkv &&
+                      t->size(2) == D && t->stride(2) == 1 && t->stride(1) == D,
+                  "k_new and v_new must be float32 (B, Hkv, D) with contiguous heads");
+    TORCH_CHECK(slots->scalar_type() == torch::kInt64 && slots->numel() == B && slots->is_contiguous(),
+                "slots must be int64 (B,)");
+    knp = k_new->data_ptr<float>();
+    vnp = v_new->data_ptr<float>();
+    kn_row = k_new->stride(0);
+    vn_row = v_new->stride(0);
+    sp = slots->data_ptr<int64_t>();
+  }
+  float* kw = k_cache.data_ptr<float>();
+  float* vw = v_cache.data_ptr<float>();
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -70,8 +159,21 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       const int64_t b = item / Hkv, h = item % Hkv;
       const int64_t len = lp[b];
       TORCH_CHECK(len >= 1 && (len + block_size - 1) / block_size <= W, "seq_len does not fit the block table");
+      if (write) {
+        const int64_t slot = sp[b];
+        std::copy_n(knp + b * kn_row + h * D, D, kw + slot * token_stride + h * D);
+        std::copy_n(vnp + b * vn_row + h * D, D, vw + slot * token_stride + h * D);
+      }
       scores.assign(group * len, 0.f);
       const float* qh = qp + (b * Hq + h * group) * D;
+#ifdef __AVX512F__
+      if (D == 64 || D == 128) {
+        auto attend = D == 64 ? attend_512<4> : attend_512<8>;
+        attend(qh, kp, vp, tp + b * W, len, group, block_size, token_stride, block_stride, h, s, scores.data(),
+               op + (b * Hq + h * group) * D);
+        continue;
+      }
+#endif
       for (int64_t t = 0; t < len; ++t) {
         const float* key = kp + tp[b * W + t / block_size] * block_stride + (t % block_size) * token_stride + h * D;
         for (int64_t g = 0; g < group; ++g) scores[g * len + t] = s * dot(qh + g * D, key, D);

@@ -1,6 +1,7 @@
 """The CPU backend: decode rows through headroom's C++ kernel, which reads K and V in
-place from the block table (no gather into a padded copy, no mask); prefill chunks and
-any non-float32 cache through the torch reference it extends."""
+place from the block table (no gather into a padded copy, no mask) and, in a step of
+decodes only, writes the step's K/V in the same call; prefill chunks and any non-float32
+cache through the torch reference it extends."""
 
 from __future__ import annotations
 
@@ -24,6 +25,13 @@ class CpuPagedAttention(TorchAttention):
 
     def __init__(self) -> None:
         self.kernels, _ = cpu_kernels()
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if meta.num_decodes == meta.num_seqs and k_cache.dtype == torch.float32 and q.dtype == torch.float32:
+            # A decode-only step: one call writes this step's K/V and attends.
+            return self.kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                                       k, v, meta.slot_mapping)
+        return super().forward(q, k, v, k_cache, v_cache, meta, scale)
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if k_cache.dtype != torch.float32:

@@ -1,0 +1,145 @@
+// y = x @ W^T by integer dot products (AVX-512 VNNI), for CPUs that have them.
+// W: unsigned groups of 32 along K with a scale and a minimum each (w = scale * q + min),
+// either 8-bit (q in 0..255, one byte each) or 4-bit (q in 0..15, packed per 64 weights:
+// byte i of a chunk holds weight i in its low nibble and weight 32 + i in its high one, so
+// one chunk unpacks to two whole groups in order). x is quantised per row and group of 32
+// to int8 with one scale (llama.cpp's Q8_1 activations), so a group's dot product is one
+// vpdpbusd per 64 weights, scaled once; the minimum adds min * sum(x) over the group. That
+// sum is the quantised x's, as in Q8_1: then the error is sum(w * e) over the weights as
+// they are, not over scale * q, which is far from zero mean. No weight is widened to float.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+#include "simd.h"
+
+namespace {
+constexpr int64_t kGroup = 32;
+constexpr int64_t kChunk = 64;  // two groups: one 512-bit register of 8-bit weights
+constexpr int64_t kRowTile = 8;
+
+#ifdef HEADROOM_VNNI
+struct QuantisedRows {
+  std::vector<int8_t> q;       // (M, K)
+  std::vector<float> scale;    // (M, G)
+  std::vector<float> sum;      // (M, G): sum of each group of the quantised x, times its scale
+};
+
+QuantisedRows quantise_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t G = K / kGroup;
+  QuantisedRows out{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  for (int64_t i = 0; i < M * G; ++i) {
+    const float* xg = x + i * kGroup;
+    const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+    const float d = amax / 127.f;
+    const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));  // round to nearest even
+    const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q.data() + i * kGroup), _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q.data() + i * kGroup + 16), _mm512_cvtsepi32_epi8(qb));
+    out.scale[i] = d;
+    out.sum[i] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+  }
+  return out;
+}
+
+// 64 weights (two groups) as unsigned bytes, in order.
+template <int Bits>
+inline __m512i load_chunk(const uint8_t* w) {
+  if constexpr (Bits == 8) {
+    return _mm512_loadu_si512(w);
+  } else {
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(packed, low);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  }
+}
+
+// Lanes 0-7 hold a, lanes 8-15 hold b: the scales of the chunk's two groups.
+inline __m512 pair(float a, float b) {
+  return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
+}
+
+template <int Bits>
+void qdot_rows(const QuantisedRows& x, const uint8_t* wp, const float* sp, const float* mp, float* yp,
+               int64_t M, int64_t K, int64_t N) {
+  const int64_t G = K / kGroup, C = K / kChunk, row_bytes = K * Bits / 8;
+  // The activations' scales as chunk vectors, once per call rather than once per weight row.
+  std::vector<__m512> xscale(M * C);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t c = 0; c < C; ++c) xscale[r * C + c] = pair(x.scale[r * G + 2 * c], x.scale[r * G + 2 * c + 1]);
+
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<__m512> wscale(C);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* w = wp + n * row_bytes;
+      const float* s = sp + n * G;
+      const float* mins = mp + n * G;
+      for (int64_t c = 0; c < C; ++c) wscale[c] = pair(s[2 * c], s[2 * c + 1]);
+      for (int64_t r0 = 0; r0 < M; r0 += kRowTile) {
+        const int64_t rows = std::min(kRowTile, M - r0);
+        __m512 acc[kRowTile];
+        for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < C; ++c) {
+          const __m512i wv = load_chunk<Bits>(w + c * kChunk * Bits / 8);
+          for (int64_t r = 0; r < rows; ++r) {
+            const __m512i xv = _mm512_loadu_si512(x.q.data() + (r0 + r) * K + c * kChunk);
+            const __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
+            const __m512 sc = _mm512_mul_ps(wscale[c], xscale[(r0 + r) * C + c]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), sc, acc[r]);
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* xs = x.sum.data() + (r0 + r) * G;
+          float offset = 0.f;
+          for (int64_t g = 0; g < G; ++g) offset += mins[g] * xs[g];
+          yp[(r0 + r) * N + n] = _mm512_reduce_add_ps(acc[r]) + offset;
+        }
+      }
+    }
+  });
+}
+#endif
+}  // namespace
+
+bool qdot_available() {
+#ifdef HEADROOM_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x: (M, K) float32; qweight: (N, K) uint8 for bits=8 or (N, K/2) for bits=4; scales, mins:
+// (N, K/32) float32 -> (M, N) float32. K must be a multiple of 64.
+torch::Tensor qdot_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
+                          int64_t bits) {
+  TORCH_CHECK(qdot_available(), "qdot_linear needs AVX-512 VNNI, which this build lacks");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(qweight.scalar_type() == torch::kUInt8 && scales.scalar_type() == torch::kFloat32 &&
+                  mins.scalar_type() == torch::kFloat32 && qweight.is_contiguous() && scales.is_contiguous() &&
+                  mins.is_contiguous(), "qweight must be contiguous uint8, scales and mins contiguous float32");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  TORCH_CHECK(K % kChunk == 0 && qweight.size(1) == K * bits / 8 && scales.size(0) == N &&
+                  scales.size(1) == K / kGroup && mins.sizes() == scales.sizes(),
+              "shapes do not match a group-32 weight with K a multiple of 64");
+  auto y = torch::empty({M, N}, x.options());
+#ifdef HEADROOM_VNNI
+  const QuantisedRows xq = quantise_rows(x.data_ptr<float>(), M, K);
+  if (bits == 8) {
+    qdot_rows<8>(xq, qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(),
+                 y.data_ptr<float>(), M, K, N);
+  } else {
+    qdot_rows<4>(xq, qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(),
+                 y.data_ptr<float>(), M, K, N);
+  }
+#endif
+  return y;
+}
