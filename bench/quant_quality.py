@@ -12,6 +12,11 @@ llama.cpp's tokenizer splits some whitespace runs differently from the tokenizer
 (e.g. "\\n " before a digit), so for a like-for-like figure pass --tokenize-with the URL of
 a llama-server serving the same GGUF: every mode is then scored on llama.cpp's token ids.
 
+Rows: float32; int8 and int4 with every chunk on the packed path (on a CPU with AVX-512
+VNNI that path rounds activations to 8 bits per group of 32, as llama.cpp does); and the
+bfloat16 matmuls that serve batches too large for the packed weights where the CPU has
+native bf16.
+
 usage: python bench/quant_quality.py [--llama-perplexity PATH] [--tokenize-with URL]
                                      [--ctx 256] [--chunks 16]
 """
@@ -19,8 +24,6 @@ usage: python bench/quant_quality.py [--llama-perplexity PATH] [--tokenize-with 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import re
 import subprocess
 import sys
@@ -28,7 +31,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hol import PROMPTS, cpu_line
@@ -36,29 +38,7 @@ from hol import PROMPTS, cpu_line
 from headroom.config import ModelConfig
 from headroom.models.loader import default_model_path, load_model
 from headroom.models.quant import quantize_model
-from headroom.models.scoring import sequence_logits
-
-
-def corpus() -> str:
-    rows = [json.loads(line)["prompt"] for line in PROMPTS.open(encoding="utf-8")]
-    return "\n\n".join(r for r in rows if len(r) > 200)
-
-
-def chunk_nll(model, ids: list[int]) -> tuple[float, int]:
-    """Summed NLL of the second half of one chunk, and how many tokens that is."""
-    n = len(ids)
-    first = n // 2
-    logits = sequence_logits(model, ids)
-    nll = F.cross_entropy(logits[first:n - 1], torch.tensor(ids[first + 1:]), reduction="sum")
-    return nll.item(), n - 1 - first
-
-
-def perplexity(model, chunks: list[list[int]]) -> float:
-    total, count = 0.0, 0
-    for ids in chunks:
-        nll, n = chunk_nll(model, ids)
-        total, count = total + nll, count + n
-    return math.exp(total / count)
+from headroom.models.scoring import chunked_perplexity, corpus
 
 
 def llama_perplexity(binary: str, text: str, ctx: int, chunks: int) -> float:
@@ -88,15 +68,18 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=16)
     args = p.parse_args()
     print(cpu_line())
-    text = corpus()
+    text = corpus(PROMPTS)
     rows = {}
-    for mode in ("none", "int8", "int4"):
+    # (row, mode, batches up to which the packed weights serve, dtype of the matmuls above)
+    variants = [("float32", "none", 0, torch.float32), ("int8", "int8", args.ctx, torch.float32),
+                ("int4", "int4", args.ctx, torch.float32), ("bfloat16 matmuls", "int8", 0, torch.bfloat16)]
+    for name, mode, small_batch, large_dtype in variants:
         loaded = load_model(ModelConfig(), torch.device("cpu"), torch.float32)
         ids = tokenize(args.tokenize_with, text) if args.tokenize_with else loaded.tokenizer.hf.encode(text)
         chunks = [ids[i * args.ctx:(i + 1) * args.ctx] for i in range(args.chunks)]
         assert len(chunks[-1]) == args.ctx, "text too short for that many chunks"
-        quantize_model(loaded.model, mode, small_batch=args.ctx)  # every chunk on the packed path
-        rows["float32" if mode == "none" else mode] = perplexity(loaded.model, chunks)
+        quantize_model(loaded.model, mode, small_batch, large_dtype)
+        rows[name] = chunked_perplexity(loaded.model, chunks)
     if args.llama_perplexity:
         rows["llama.cpp Q4_1"] = llama_perplexity(args.llama_perplexity, text, args.ctx, args.chunks)
     base = rows["float32"]

@@ -1,9 +1,15 @@
 """Logits for every position of one token sequence, in a single prefill through the
-paged model with the torch reference attention: what perplexity is measured on."""
+paged model with the torch reference attention, and perplexity over chunks of a text
+scored the way llama.cpp's llama-perplexity does (the second half of each chunk)."""
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
+
 import torch
+import torch.nn.functional as F
 
 from headroom.models.llama import ForwardContext
 from headroom.runtime.attention.metadata import AttentionMetadata
@@ -27,3 +33,21 @@ def sequence_logits(model, ids: list[int]) -> torch.Tensor:
         num_decodes=0, query_lens_cpu=[n], seq_lens_cpu=[n])
     hidden = model(torch.tensor(ids), torch.arange(n), ForwardContext(meta, caches, TorchAttention()))
     return model.compute_logits(hidden)
+
+
+def corpus(prompts_file: Path) -> str:
+    """The longer prompts of a calibration file (JSON lines with a "prompt"), as one text."""
+    rows = [json.loads(line)["prompt"] for line in prompts_file.open(encoding="utf-8")]
+    return "\n\n".join(r for r in rows if len(r) > 200)
+
+
+def chunked_perplexity(model, chunks: list[list[int]]) -> float:
+    """exp(mean NLL) over the second half of each chunk: every scored token has at least
+    half a chunk of context."""
+    total, count = 0.0, 0
+    for ids in chunks:
+        first = len(ids) // 2
+        logits = sequence_logits(model, ids)
+        total += F.cross_entropy(logits[first:-1], torch.tensor(ids[first + 1:]), reduction="sum").item()
+        count += len(ids) - 1 - first
+    return math.exp(total / count)

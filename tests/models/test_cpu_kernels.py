@@ -103,3 +103,95 @@ def test_paged_decode_attention_matches_the_torch_reference():
     expected = TorchAttention().decode(q, k_cache, v_cache, meta, 0.125)
     got = CpuPagedAttention().decode(q, k_cache, v_cache, meta, 0.125)
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def int8_activation_reference(x: torch.Tensor, linear: QuantLinear) -> torch.Tensor:
+    """What the integer-dot kernel computes, in plain torch: x rounded per group of 32 to
+    int8 (scale = max|x| / 127, round half to even), each group's integer dot product with
+    the weight's q scaled by both scales, plus min * scale_x * sum(q_x)."""
+    m, k = x.shape
+    groups = x.view(m, k // 32, 32)
+    dx = groups.abs().amax(-1) / 127
+    qx = torch.round(groups / torch.where(dx > 0, dx, 1)[..., None]).clamp(-127, 127)
+    w = linear.dequantized()
+    qw = ((w.view(w.shape[0], k // 32, 32) - linear.mins[..., None]) / linear.scales[..., None]).round()
+    dots = torch.einsum("mgj,ngj->mng", qx.double(), qw.double())
+    y = (dots * dx.double()[:, None, :] * linear.scales.double()[None]).sum(-1)
+    y += (qx.sum(-1).double() * dx.double()) @ linear.mins.double().t()
+    return y.float()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 3, 9, 33])
+def test_linear_of_a_k_multiple_of_64_computes_what_its_path_promises(bits, rows):
+    # With AVX-512 VNNI, the integer-dot kernel: exactly the int8-activation arithmetic;
+    # elsewhere, the float-activation kernels: a float matmul of the packed weights.
+    torch.manual_seed(rows)
+    weight = q4_1_weight(300, 192) if bits == 4 else q8_0_weight(300, 192)
+    linear = QuantLinear(weight, None, bits, small_batch=64)
+    kernels, _ = cpu_kernels()
+    assert linear.qdot == kernels.qdot_available()
+    x = torch.randn(rows, 192) * torch.linspace(0.1, 3, 192)  # groups of very different ranges
+    x[0, :32] = 0  # an all-zero group: scale 0, contributes nothing
+    expected = int8_activation_reference(x, linear) if linear.qdot else x @ linear.dequantized().t()
+    assert torch.allclose(linear(x), expected, rtol=1e-5, atol=1e-4)
+    assert (linear.dequantized() - weight).abs().max().item() <= 1e-6 * weight.abs().max().item()
+
+
+def test_float_ops_match_the_torch_modules():
+    from headroom.models.llama import RMSNorm, apply_rope
+
+    kernels, _ = cpu_kernels()
+    torch.manual_seed(0)
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data = torch.randn(96)
+    x, delta = torch.randn(7, 96), torch.randn(7, 96)
+    fused = RMSNorm(96, 1e-5)
+    fused.weight.data, fused.kernels = norm.weight.data, kernels
+    assert torch.allclose(fused(x), norm(x), rtol=1e-5, atol=1e-5)
+    plain_sum, plain_norm = norm.add_and_norm(x.clone(), delta)
+    summed = x.clone()
+    fused_sum, fused_norm = fused.add_and_norm(summed, delta)
+    assert fused_sum is summed  # updated in place
+    assert torch.allclose(fused_sum, plain_sum) and torch.allclose(fused_norm, plain_norm, atol=1e-5)
+
+    gate_up = torch.randn(5, 2 * 40) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.allclose(kernels.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+    qkv = torch.randn(6, (4 + 2 * 2) * 64)  # q, k, v of 4 query and 2 kv heads, as one projection
+    q, k, _ = qkv.split([4 * 64, 2 * 64, 2 * 64], dim=-1)
+    q, k = q.view(6, 4, 64), k.view(6, 2, 64)
+    freqs = torch.arange(6)[:, None].float() * torch.rand(32)[None]
+    cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+    want_q, want_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    kernels.rope_(q, k, cos, sin)  # in place, on views into qkv
+    assert torch.allclose(q, want_q, atol=1e-6) and torch.allclose(k, want_k, atol=1e-6)
+
+
+@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (5, 1, 128), (4, 4, 32), (10, 2, 64)])
+def test_decode_step_writes_this_steps_kv_and_attends_like_the_reference(hq, hkv, d):
+    torch.manual_seed(hq * d)
+    num_blocks, block = 40, 16
+    k_cache, v_cache = torch.randn(num_blocks, block, hkv, d), torch.randn(num_blocks, block, hkv, d)
+    lens = [1, 16, 17, 250]
+    perm = torch.randperm(num_blocks).tolist()
+    tables, at = [], 0
+    for n in lens:
+        need = -(-n // block)
+        tables.append(perm[at:at + need])
+        at += need
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    slots = torch.tensor([t[(n - 1) // block] * block + (n - 1) % block for t, n in zip(tables, lens)])
+    q, k, v = torch.randn(len(lens), hq, d), torch.randn(len(lens), hkv, d), torch.randn(len(lens), hkv, d)
+    meta = AttentionMetadata(
+        slot_mapping=slots, query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
+        seq_start_loc=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=table, max_query_len=1, max_seq_len=max(lens),
+        num_decodes=len(lens), query_lens_cpu=[1] * len(lens), seq_lens_cpu=lens)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    expected = TorchAttention().forward(q, k, v, ref_k, ref_v, meta, d**-0.5)
+    got = CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta, d**-0.5)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)  # the same slots written
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)

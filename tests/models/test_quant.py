@@ -1,29 +1,36 @@
-"""Weight-only quantised linears against the float32 reference.
+"""The faster CPU modes against the float32 reference.
 
 int4 keeps the default model's own Q4_1 groups and the output head's Q8_0 ones, so its
 weights equal what the fp32 loader dequantised; int8 holds the same Q4_1 groups exactly
-as 8-bit groups with a minimum (and the head's Q8_0 groups as they are). Each mode
-reports greedy agreement with fp32 on fixed prompts (tokens before the first divergence,
-full-row matches) and perplexity on a fixed text. Measured on 2026-11-23 (AMD EPYC, 2
-cores, AVX2): int4 perplexity 100.3600 against fp32's 100.3600 (1.00000x), int8 100.3601
-(1.00000x), 3/3 rows equal for all 12 tokens in both. (int8 as symmetric Q8_0 groups,
-before it kept the minimum, was 100.8843, 1.0052x.) The bounds leave room for float
-summation order, not for a wrong weight. llama.cpp's Q4_1 on a longer text is 1.0004x
-float32 (bench/quant_quality.py, bench/RESULTS.md).
+as 8-bit groups with a minimum (and the head's Q8_0 groups as they are). How close each
+mode comes to fp32 then depends on the activations: the AVX2 and portable kernels
+multiply them as floats (only summation order differs from fp32); the AVX-512 VNNI kernel
+rounds them to 8 bits per group of 32, as llama.cpp does for Q4_1. Batches too large for
+the packed weights multiply in bfloat16 where the CPU has it natively.
+
+Each variant reports greedy agreement with fp32 on 8 prompts (tokens before the first
+divergence of 16, full-row matches) and perplexity over 6 chunks of 256 tokens of the
+calibration corpus. Measured on 2026-11-24 (AMD EPYC Zen 5, 2 cores, AVX-512 VNNI and
+BF16): int8 1.00395x, 5/8 full rows, mean 12.3 tokens; int4 1.00488x, 6/8, 13.5; bf16
+1.00149x, 7/8, 13.9 (the row that diverges early in every variant is a near-tie at its
+first token). On 2026-11-23 (AVX2): int4 and int8 1.00000x and every row equal. For scale,
+llama.cpp's own Q4_1 of this file is 1.00402x float32 on 16 chunks of the same corpus
+(bench/quant_quality.py, bench/RESULTS.md), against our int8 1.00236x and int4 1.00385x.
+The bounds sit just outside what was measured.
 """
 
 from __future__ import annotations
 
-import math
+from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from headroom.config import CacheConfig, Config, ModelConfig
+from headroom.models.kernels import cpu_kernels
 from headroom.models.loader import load_model
 from headroom.models.quant import QuantLinear, int4_groups, quantize_model
-from headroom.models.scoring import sequence_logits
+from headroom.models.scoring import chunked_perplexity, corpus
 from headroom.runtime.engine import Engine
 from headroom.runtime.request import SamplingParams
 
@@ -32,18 +39,20 @@ pytestmark = pytest.mark.slow
 TEXT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a can of oil "
         "and a cloth for the great lens. Ships far out at sea relied on its beam to find the harbour, "
         "and in forty years the light had never once failed.")
-PROMPTS = ["What is the capital of France?", "List three fruits.", "Write a haiku about the sea."]
-MAX_TOKENS = 12
+PROMPTS = ["What is the capital of France?", "List three fruits.", "Write a haiku about the sea.",
+           "Explain what a hash table is.", "Give me a tip for learning to cook.", "What is 17 times 3?",
+           "Name a famous painter and one of their works.", "Why is the sky blue?"]
+MAX_TOKENS = 16
+CHUNKS, CTX = 6, 256  # of the calibration corpus, scored as llama-perplexity does
+CORPUS = Path(__file__).resolve().parents[2] / "data" / "calibration" / "sharegpt_prompts.jsonl"
 
 
 def perplexity(model, ids: list[int]) -> float:
-    """exp(mean next-token NLL) of one sequence in a single prefill through the paged model."""
-    logits = sequence_logits(model, ids)
-    return math.exp(F.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item())
+    return chunked_perplexity(model, [ids[i * CTX:(i + 1) * CTX] for i in range(CHUNKS)])
 
 
 def greedy(loaded, prompts: list[list[int]]) -> list[list[int]]:
-    engine = Engine(Config(cache=CacheConfig(num_blocks=64)), loaded=loaded)
+    engine = Engine(Config(cache=CacheConfig(num_blocks=256)), loaded=loaded)
     done = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
     return [r.output_token_ids for r in done]
 
@@ -55,11 +64,18 @@ def agreement(rows: list[list[int]], reference: list[list[int]]) -> tuple[list[i
     return before, sum(b == MAX_TOKENS for b in before)
 
 
+def activations_quantised() -> bool:
+    """Whether the packed path rounds activations to 8 bits (the AVX-512 VNNI kernel) or
+    multiplies them as floats (the AVX2 and portable kernels)."""
+    kernels, _ = cpu_kernels()
+    return kernels is not None and kernels.qdot_available()
+
+
 @pytest.fixture(scope="module")
 def reference(default_model):
     tok = default_model.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
-    ids = tok.hf.encode(TEXT)
+    ids = tok.hf.encode(corpus(CORPUS))[:CHUNKS * CTX]
     return prompts, ids, greedy(default_model, prompts), perplexity(default_model.model, ids)
 
 
@@ -80,17 +96,30 @@ def test_int8_groups_are_the_files_q8_0_embedding(default_model):
     assert (packed.dequantized() - w).abs().max().item() <= 1e-6 * w.abs().max().item()
 
 
-@pytest.mark.parametrize("mode, min_full_rows, min_prefix, max_ppl_ratio", [
-    ("int4", len(PROMPTS), MAX_TOKENS, 1.0005),
-    ("int8", len(PROMPTS), MAX_TOKENS, 1.0005),
-])
-def test_quantised_mode_against_fp32(reference, mode, min_full_rows, min_prefix, max_ppl_ratio):
+# (variant, activations rounded to 8 bits) -> (min full rows of 8, min mean tokens before the
+# first divergence of 16, max |perplexity ratio - 1|). See the module docstring for what was measured.
+BOUNDS = {
+    ("int8", False): (8, 16, 0.0005), ("int4", False): (8, 16, 0.0005),
+    ("int8", True): (4, 11, 0.006), ("int4", True): (5, 12, 0.006),
+    ("bf16", False): (6, 12, 0.003), ("bf16", True): (6, 12, 0.003),
+}
+# variant -> (mode, batches served packed, dtype of the matmuls above): the packed path for
+# every step, or the bfloat16 matmuls that serve large batches for every step.
+VARIANTS = {"int8": ("int8", 4096, torch.float32), "int4": ("int4", 4096, torch.float32),
+            "bf16": ("int8", 0, torch.bfloat16)}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_faster_mode_against_fp32(reference, variant):
     prompts, ids, ref_tokens, ref_ppl = reference
+    mode, small_batch, large_dtype = VARIANTS[variant]
     loaded = load_model(ModelConfig(), torch.device("cpu"), torch.float32)
-    quantize_model(loaded.model, mode, small_batch=128)  # every step of this test on the packed path
+    quantize_model(loaded.model, mode, small_batch, large_dtype)
     ppl = perplexity(loaded.model, ids)
     before, full = agreement(greedy(loaded, prompts), ref_tokens)
-    print(f"{mode}: perplexity {ppl:.4f} vs fp32 {ref_ppl:.4f} ({ppl / ref_ppl:.5f}x); "
-          f"tokens before first divergence {before}, full rows {full}/{len(prompts)}")
-    assert ppl / ref_ppl <= max_ppl_ratio
-    assert full >= min_full_rows and min(before) >= min_prefix
+    quantised = activations_quantised() and variant != "bf16"
+    print(f"{variant} (8-bit activations: {quantised}): perplexity {ppl:.4f} vs fp32 {ref_ppl:.4f} "
+          f"({ppl / ref_ppl:.5f}x); tokens before first divergence {before}, full rows {full}/{len(prompts)}")
+    min_full, min_mean_prefix, max_ppl_shift = BOUNDS[variant, quantised]
+    assert abs(ppl / ref_ppl - 1) <= max_ppl_shift
+    assert full >= min_full and sum(before) / len(before) >= min_mean_prefix

@@ -140,3 +140,14 @@ def test_hf_checkpoint_dir_gives_the_same_tokens(loaded, prompts, reference, tmp
         loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     engine = Engine(Config(), loaded=from_dir)
     assert run(engine, prompts[0]) == reference[0]
+
+
+def test_served_float32_path_gives_the_same_tokens(prompts, reference):
+    # `headroom serve --dtype float32 --quantization none`: the engine loads the model itself
+    # and runs RMSNorm, the residual add, RoPE, SiLU * up and decode attention (with its
+    # K/V write) through headroom's CPU kernels.
+    engine = Engine(Config(model=ModelConfig(dtype="float32", quantization="none")))
+    model = engine.loaded.model
+    assert engine.backend.name == "cpu_paged"
+    assert model.norm.kernels is not None and model.layers[0].attn.kernels is not None
+    assert run(engine, prompts[0]) == reference[0]
