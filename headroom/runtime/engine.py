@@ -18,8 +18,8 @@ from concurrent.futures import Future
 import torch
 
 from headroom.config import Config
-from headroom.models.loader import LoadedModel, load_model
 from headroom.models.kernels import cpu_kernels
+from headroom.models.loader import LoadedModel, load_model
 from headroom.models.quant import quantize_model
 from headroom.runtime.attention import select_backend
 from headroom.runtime.block_manager import BlockManager
