@@ -16,20 +16,24 @@ torch::Tensor qdot_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
                           int64_t bits);
 bool qdot_available();
 
+// Every kernel runs without the GIL, as PyTorch's own ops do: the engine thread spends most
+// of a step in them, and the event loop must be able to stream tokens meanwhile.
+constexpr auto no_gil = py::call_guard<py::gil_scoped_release>();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q4_linear", &q4_linear, "x @ W^T for 4-bit group-32 weights with a scale and a min per group");
-  m.def("q8_linear", &q8_linear, "x @ W^T for 8-bit group-32 weights with a scale (and a min) per group",
+  m.def("q4_linear", &q4_linear, "x @ W^T for 4-bit group-32 weights with a scale and a min per group", no_gil);
+  m.def("q8_linear", &q8_linear, "x @ W^T for 8-bit group-32 weights with a scale (and a min) per group", no_gil,
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins") = py::none());
   m.def("paged_decode_attention", &paged_decode_attention,
-        "one-token-per-sequence attention over a paged KV cache, read in place (this step's K/V written first)",
+        "one-token-per-sequence attention over a paged KV cache, read in place (this step's K/V written first)", no_gil,
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("k_new") = py::none(), py::arg("v_new") = py::none(), py::arg("slots") = py::none());
-  m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
-  m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of x");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused (M, 2I) gate/up projection");
-  m.def("rope_", &rope_, "rotate-half RoPE of q and k in place");
+  m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows", no_gil);
+  m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of x", no_gil);
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused (M, 2I) gate/up projection", no_gil);
+  m.def("rope_", &rope_, "rotate-half RoPE of q and k in place", no_gil);
   m.def("qdot_linear", &qdot_linear,
-        "x @ W^T for unsigned 4- or 8-bit group-32 weights (scale and min), x quantised to int8 per group",
+        "x @ W^T for unsigned 4- or 8-bit group-32 weights (scale and min), x quantised to int8 per group", no_gil,
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"));
   m.def("qdot_available", &qdot_available, "whether this build has the AVX-512 VNNI integer-dot linear");
 }
