@@ -31,7 +31,7 @@ def cpu_flags() -> set[str]:
 
 
 SOURCES = ("bindings.cpp", "q4_linear.cpp", "q8_linear.cpp", "qdot_linear.cpp", "paged_attention.cpp",
-           "fused_ops.cpp")
+           "fused_ops.cpp", "pool.cpp")
 VNNI_FLAGS = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"}
 
 
@@ -42,7 +42,7 @@ def cpu_kernels() -> tuple[ModuleType | None, str]:
         return None, "HEADROOM_NO_KERNELS is set"
     from torch.utils.cpp_extension import load
 
-    flags = ["-O3", "-fopenmp"]
+    flags = ["-O3", "-fopenmp"]  # at::parallel_for is OpenMP inlined from its header
     cpu = cpu_flags()
     if {"avx2", "fma"} <= cpu:
         flags += ["-mavx2", "-mfma", "-mf16c"]

@@ -2,7 +2,8 @@
 // (which cost more in dispatch than in arithmetic at decode sizes): RMSNorm, the residual
 // add fused into the next RMSNorm, SiLU(gate) * up, and rotate-half RoPE in place.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
+
+#include "pool.h"
 #include <cmath>
 #include <cstdint>
 #include "simd.h"
@@ -35,7 +36,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   auto y = torch::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, M, kRowGrain, [&](int64_t r0, int64_t r1) {
+  headroom::parallel_rows(M, M, kRowGrain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * D, wp, yp + r * D, D, static_cast<float>(eps));
   });
   return y;
@@ -53,7 +54,7 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor delta, torch::Tensor 
   float* xp = x.data_ptr<float>();
   const float *dp = delta.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, M, kRowGrain, [&](int64_t r0, int64_t r1) {
+  headroom::parallel_rows(M, M, kRowGrain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float* row = xp + r * D;
       for (int64_t i = 0; i < D; ++i) row[i] += dp[r * D + i];
@@ -71,7 +72,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   auto y = torch::empty({M, I}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, M, kRowGrain, [&](int64_t r0, int64_t r1) {
+  headroom::parallel_rows(M, M, kRowGrain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float *g = gp + r * 2 * I, *u = g + I;
       float* out = yp + r * I;
@@ -94,7 +95,7 @@ namespace {
 void rope_heads(torch::Tensor& x, const float* cp, const float* sp, int64_t half) {
   const int64_t N = x.size(0), H = x.size(1), row = x.stride(0), head = x.stride(1);
   float* xp = x.data_ptr<float>();
-  at::parallel_for(0, N, kRowGrain, [&](int64_t n0, int64_t n1) {
+  headroom::parallel_rows(N, N, kRowGrain, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const float *c = cp + n * half, *s = sp + n * half;
       for (int64_t h = 0; h < H; ++h) {

@@ -6,7 +6,8 @@
 // thread that then reads them). With AVX-512 and a head_dim of 64 or 128, a query
 // group's heads live in registers and the softmax's exp is vectorised.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
+
+#include "pool.h"
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
@@ -153,7 +154,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   float* kw = k_cache.data_ptr<float>();
   float* vw = v_cache.data_ptr<float>();
 
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  headroom::parallel_rows(B, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;

@@ -2,9 +2,10 @@
 // w = scale * q + min, q in 0..15), with x and y in float32. Each group's 32 weights
 // are unpacked to floats once and used for every row of x, so one sequence reads an
 // eighth of the fp32 bytes and a batch shares the unpacking. AVX2 + FMA where the
-// compiler targets them, plain C++ elsewhere; threads over output rows via at::parallel_for.
+// compiler targets them, plain C++ elsewhere; threads over output rows on the kernels' pool.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
+
+#include "pool.h"
 #include <cstdint>
 #include <vector>
 #include "simd.h"
@@ -58,7 +59,7 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor sc
   const float* mp = mins.data_ptr<float>();
   float* yp = y.data_ptr<float>();
 
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  headroom::parallel_rows(M, N, 16, [&](int64_t n0, int64_t n1) {
     std::vector<float> acc(kRowTile);
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* qrow = qp + n * (K / 2);

@@ -4,7 +4,8 @@
 // holds any Q4_1 group exactly (q = 17 * its 4-bit value). Same shape of loop as
 // q4_linear.cpp: each group is widened to floats once and used for every row of x.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
+
+#include "pool.h"
 #include <cstdint>
 #include <optional>
 #include <type_traits>
@@ -55,7 +56,7 @@ void q8_rows(const float* xp, const Q* qp, const float* sp, const float* mp, flo
   auto offset = [&](const float* mins, int64_t r) { return mins ? dot(mins, xsum.data() + r * G, G) : 0.f; };
 
   // Two output rows per pass, so each load of x feeds two FMAs.
-  at::parallel_for(0, (N + 1) / 2, 8, [&](int64_t p0, int64_t p1) {
+  headroom::parallel_rows(M, (N + 1) / 2, 8, [&](int64_t p0, int64_t p1) {
     for (int64_t pair = p0; pair < p1; ++pair) {
       const int64_t n = 2 * pair;
       const bool two = n + 1 < N;

@@ -8,7 +8,8 @@
 // sum is the quantised x's, as in Q8_1: then the error is sum(w * e) over the weights as
 // they are, not over scale * q, which is far from zero mean. No weight is widened to float.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
+
+#include "pool.h"
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -76,7 +77,7 @@ void qdot_rows(const QuantisedRows& x, const uint8_t* wp, const float* sp, const
   for (int64_t r = 0; r < M; ++r)
     for (int64_t c = 0; c < C; ++c) xscale[r * C + c] = pair(x.scale[r * G + 2 * c], x.scale[r * G + 2 * c + 1]);
 
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  headroom::parallel_rows(M, N, 16, [&](int64_t n0, int64_t n1) {
     std::vector<__m512> wscale(C);
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* w = wp + n * row_bytes;
