@@ -84,7 +84,9 @@ class SchedulerConfig:
     # with the long request's wait and is whole at long_ttft_target_s. long_lane = false
     # turns it all off.
     long_lane: bool = True
-    short_ttft_target_s: float = 0.5
+    # 0.25 s: about 1.5x the short class's p99 TTFT alone with the CPU kernels of
+    # 2026-11-24 on 2 cores (bench/hol.py); 0.5 s let the short class's p99 reach 3x.
+    short_ttft_target_s: float = 0.25
     long_ttft_target_s: float = 10.0
     # At most this many long-class sequences running (None: no cap), holding at most this
     # share of the KV blocks.

@@ -192,7 +192,8 @@ def measure_crossover(in_features: int, out_features: int, bits: int, large_dtyp
     copies = max(2, (48 * 2**20) // (4 * in_features * out_features))
     weights = [torch.randn(out_features, in_features) for _ in range(copies)]
     packed = [QuantLinear(w, None, bits, small_batch=max(BATCH_SIZES)) for w in weights]
-    floats = [lambda x, matmul=LargeBatchMatmul(w, large_dtype): matmul(x).float() for w in weights]
+    matmuls = [LargeBatchMatmul(w, large_dtype) for w in weights]
+    floats = [lambda x, matmul=matmul: matmul(x).float() for matmul in matmuls]
     float_s, packed_s = {}, {}
     with torch.inference_mode():
         for m in BATCH_SIZES:

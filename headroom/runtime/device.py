@@ -1,12 +1,13 @@
-"""Which device and dtype "auto" means here."""
+"""Which device, dtype and weight path "auto" means here, and the model made ready for them."""
 
 from __future__ import annotations
 
 import torch
 
-from headroom.config import ConfigError
+from headroom.config import ConfigError, ModelConfig
 from headroom.models.kernels import cpu_flags, cpu_kernels
-from headroom.models.quant import measure_crossover
+from headroom.models.loader import LoadedModel, load_model
+from headroom.models.quant import measure_crossover, quantize_model
 
 # Flags of CPUs that multiply bfloat16 natively (AVX512-BF16's dot products, AMX tiles);
 # elsewhere bf16 matmuls are emulated and slower than float32.
@@ -72,3 +73,20 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     # (much slower) where it has not.
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     return torch.bfloat16 if amx else torch.float32
+
+
+def prepare_model(config: ModelConfig) -> tuple[LoadedModel, str]:
+    """Load the model on the device and in the dtype config resolves to, pack its linears
+    as resolve_quantization decides, and, in float32 on the CPU, hand its small ops to
+    headroom's kernels. Returns it with the reason for its weight path."""
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    loaded = load_model(config, device, dtype)
+    args = loaded.args
+    loaded.quantization, small_batch, large_dtype, reason = resolve_quantization(
+        config.quantization, device, dtype, args.hidden_size, args.intermediate_size)
+    quantize_model(loaded.model, loaded.quantization, small_batch, large_dtype)
+    kernels, _ = cpu_kernels()
+    if device.type == "cpu" and dtype == torch.float32 and kernels is not None:
+        loaded.model.use_cpu_kernels(kernels)
+    return loaded, reason

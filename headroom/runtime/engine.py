@@ -18,14 +18,12 @@ from concurrent.futures import Future
 import torch
 
 from headroom.config import Config
-from headroom.models.kernels import cpu_kernels
-from headroom.models.loader import LoadedModel, load_model
-from headroom.models.quant import quantize_model
+from headroom.models.loader import LoadedModel
 from headroom.runtime.attention import select_backend
 from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.cuda_graphs import capture_sizes, supports_graphs
 from headroom.runtime.detokenizer import IncrementalDetokenizer
-from headroom.runtime.device import resolve_device, resolve_dtype, resolve_quantization
+from headroom.runtime.device import prepare_model
 from headroom.runtime.model_runner import ModelRunner, StepTimer, kv_block_bytes
 from headroom.runtime.outputs import (
     EngineSnapshot,
@@ -51,20 +49,11 @@ class Engine:
     def __init__(self, config: Config, loaded: LoadedModel | None = None):
         self.config = config
         if loaded is None:
-            self.device = resolve_device(config.model.device)
-            self.dtype = resolve_dtype(config.model.dtype, self.device)
-            loaded = load_model(config.model, self.device, self.dtype)
-            args = loaded.args
-            loaded.quantization, small_batch, large_dtype, self.quantization_reason = resolve_quantization(
-                config.model.quantization, self.device, self.dtype, args.hidden_size, args.intermediate_size)
-            quantize_model(loaded.model, loaded.quantization, small_batch, large_dtype)
-            kernels, _ = cpu_kernels()
-            if self.device.type == "cpu" and self.dtype == torch.float32 and kernels is not None:
-                loaded.model.use_cpu_kernels(kernels)
-        else:  # a model loaded by the caller decides device and dtype
-            weight = loaded.model.embed_tokens.weight
-            self.device, self.dtype = weight.device, weight.dtype
+            loaded, self.quantization_reason = prepare_model(config.model)
+        else:
             self.quantization_reason = "as the caller loaded it"
+        weight = loaded.model.embed_tokens.weight  # the model's device and dtype decide the engine's
+        self.device, self.dtype = weight.device, weight.dtype
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # cuda:N: kernels, streams and graphs on card N
         self.loaded = loaded

@@ -94,8 +94,9 @@ class ModelRunner:
         # decode batches; the BlockManager only knows num_blocks, so never hands it out.
         shape = (num_blocks + (1 if graph_sizes else 0), block_size, args.num_kv_heads, args.head_dim)
         # flash-attn's paged layout, one K and one V tensor per layer.
+        new = torch.zeros if backend.reads_unwritten_slots(dtype) else torch.empty
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            (new(shape, dtype=dtype, device=device), new(shape, dtype=dtype, device=device))
             for _ in range(args.num_layers)
         ]
         self.graphs: DecodeGraphs | None = None

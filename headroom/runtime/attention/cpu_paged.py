@@ -26,6 +26,9 @@ class CpuPagedAttention(TorchAttention):
     def __init__(self) -> None:
         self.kernels, _ = cpu_kernels()
 
+    def reads_unwritten_slots(self, dtype: torch.dtype) -> bool:
+        return dtype != torch.float32  # float32 decode reads each context to its length only
+
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.num_decodes == meta.num_seqs and k_cache.dtype == torch.float32 and q.dtype == torch.float32:
             # A decode-only step: one call writes this step's K/V and attends.
