@@ -80,11 +80,9 @@ def test_int4_packing_keeps_q4_1_order_and_values():
     assert (q8.view(8, 2, 32).float() * scale8[..., None]).view(8, 64).sub(weight).abs().max() <= scale8.max() / 2
 
 
-def test_paged_decode_attention_matches_the_torch_reference():
-    torch.manual_seed(0)
-    num_blocks, block, hkv, hq, d = 40, 16, 3, 9, 64
-    k_cache, v_cache = torch.randn(num_blocks, block, hkv, d), torch.randn(num_blocks, block, hkv, d)
-    lens = [1, 15, 16, 17, 100, 250]
+def scattered_tables(lens: list[int], num_blocks: int, block: int) -> tuple[list[list[int]], torch.Tensor]:
+    """Block tables for contexts of these lengths over randomly scattered blocks, as
+    lists and as the padded int32 tensor the kernels read."""
     perm = torch.randperm(num_blocks).tolist()
     tables, at = [], 0
     for n in lens:
@@ -92,7 +90,15 @@ def test_paged_decode_attention_matches_the_torch_reference():
         tables.append(perm[at:at + need])
         at += need
     width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return tables, torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+
+
+def test_paged_decode_attention_matches_the_torch_reference():
+    torch.manual_seed(0)
+    num_blocks, block, hkv, hq, d = 40, 16, 3, 9, 64
+    k_cache, v_cache = torch.randn(num_blocks, block, hkv, d), torch.randn(num_blocks, block, hkv, d)
+    lens = [1, 15, 16, 17, 100, 250]
+    _, table = scattered_tables(lens, num_blocks, block)
     q = torch.randn(len(lens), hq, d)
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(0, dtype=torch.int64),
@@ -175,14 +181,7 @@ def test_decode_step_writes_this_steps_kv_and_attends_like_the_reference(hq, hkv
     num_blocks, block = 40, 16
     k_cache, v_cache = torch.randn(num_blocks, block, hkv, d), torch.randn(num_blocks, block, hkv, d)
     lens = [1, 16, 17, 250]
-    perm = torch.randperm(num_blocks).tolist()
-    tables, at = [], 0
-    for n in lens:
-        need = -(-n // block)
-        tables.append(perm[at:at + need])
-        at += need
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    tables, table = scattered_tables(lens, num_blocks, block)
     slots = torch.tensor([t[(n - 1) // block] * block + (n - 1) % block for t, n in zip(tables, lens)])
     q, k, v = torch.randn(len(lens), hq, d), torch.randn(len(lens), hkv, d), torch.randn(len(lens), hkv, d)
     meta = AttentionMetadata(
