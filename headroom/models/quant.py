@@ -76,7 +76,9 @@ class LargeBatchMatmul:
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
         self.dtype = dtype
         self.weight = weight if weight.dtype == dtype else weight.to(dtype)
-        self.onednn = dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+        # oneDNN's bf16 kernels need a CPU it has them for (AVX-512 or later); elsewhere F.linear.
+        self.onednn = (dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+                       and torch.ops.mkldnn._is_mkldnn_bf16_supported())
         if self.onednn:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32)
 
