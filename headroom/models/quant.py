@@ -59,12 +59,23 @@ def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(n, k).to(torch.int8), scale.contiguous()
 
 
-def pack_q4(q: torch.Tensor) -> torch.Tensor:
-    """(N, K) values 0..15 -> (N, K/2) bytes in Q4_1's order: byte j of a group of 32
-    holds element j in its low nibble and element j + 16 in its high one."""
+def pack_nibbles(q: torch.Tensor, chunk: int) -> torch.Tensor:
+    """(N, K) values 0..15 -> (N, K/2) bytes: in each chunk of `chunk` weights, byte i
+    holds weight i in its low nibble and weight chunk/2 + i in its high one."""
     n, k = q.shape
-    groups = q.view(n, k // GROUP, 2, GROUP // 2)
-    return (groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    halves = q.view(n, k // chunk, 2, chunk // 2)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor, chunk: int) -> torch.Tensor:
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    halves = packed.view(n, k // chunk, chunk // 2)
+    return torch.cat([halves & 0x0F, halves >> 4], dim=-1).view(n, k)
+
+
+def pack_q4(q: torch.Tensor) -> torch.Tensor:
+    """Q4_1's order, for the float-activation kernel: chunks of one group of 32."""
+    return pack_nibbles(q, GROUP)
 
 
 class LargeBatchMatmul:
@@ -89,15 +100,6 @@ class LargeBatchMatmul:
         return F.linear(x, self.weight)
 
 
-def pack_qdot4(q: torch.Tensor) -> torch.Tensor:
-    """(N, K) values 0..15 -> (N, K/2) bytes for the integer-dot kernel: in each chunk of 64
-    weights, byte i holds weight i in its low nibble and weight 32 + i in its high one, so
-    a chunk unpacks into its two groups in order."""
-    n, k = q.shape
-    chunks = q.view(n, k // 64, 2, 32)
-    return (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-
-
 class QuantLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bits: int, small_batch: int,
                  large_dtype: torch.dtype = torch.float32):
@@ -115,7 +117,9 @@ class QuantLinear(nn.Module):
         self.bias = bias
         if bits == 4:
             q, scale, low = int4_groups(weight)
-            self.qweight, self.scales, self.mins = (pack_qdot4 if self.qdot else pack_q4)(q), scale, low
+            # The integer-dot kernel unpacks 64 weights (two groups, in order) at a time.
+            self.nibble_chunk = 2 * GROUP if self.qdot else GROUP
+            self.qweight, self.scales, self.mins = pack_nibbles(q, self.nibble_chunk), scale, low
         else:
             symmetric, with_min = (*int8_groups(weight), None), asymmetric_groups(weight, 255)
             q, scale, low = min((symmetric, with_min),
@@ -141,14 +145,7 @@ class QuantLinear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         if self.bits == 8:
             return rebuild(self.qweight, self.scales, self.mins)
-        n, k = self.qweight.shape[0], 2 * self.qweight.shape[1]
-        if self.qdot:  # chunks of 64: low nibbles are weights 0..31, high nibbles 32..63
-            chunks = self.qweight.view(n, k // 64, 32)
-            q = torch.cat([chunks & 0x0F, chunks >> 4], dim=-1).view(n, k)
-        else:
-            halves = self.qweight.view(n, k // GROUP, GROUP // 2)
-            q = torch.cat([halves & 0x0F, halves >> 4], dim=-1).view(n, k)
-        return rebuild(q, self.scales, self.mins)
+        return rebuild(unpack_nibbles(self.qweight, self.nibble_chunk), self.scales, self.mins)
 
 
 def rebuild(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None) -> torch.Tensor:
