@@ -113,7 +113,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     config = build_config(ns)
     configure_logging(config.observability.log_format, ns.log_level)
-    engine = Engine(config)
+    engine = Engine.started(config)
     try:
         import uvloop
     except ImportError:

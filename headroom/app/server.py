@@ -87,7 +87,8 @@ def create_app(config: Config, engine: Engine) -> web.Application:
 
 async def _engine_thread(app: web.Application):
     engine = app[keys.ENGINE].engine
-    engine.start()
+    if not engine.running:  # `headroom serve` hands over an engine already stepping (Engine.started)
+        engine.start()
     yield
     # Anything still in flight is aborted here; its stream ends with finish_reason "abort".
     await asyncio.get_running_loop().run_in_executor(None, engine.stop)

@@ -165,6 +165,36 @@ class Engine:
             self._inbox.append((kind, payload))
             self._wakeup.notify()
 
+    @classmethod
+    def started(cls, config: Config) -> Engine:
+        """Build an engine on a new thread and run its step loop on that same thread.
+
+        Serving builds it this way because of how OpenMP (torch's CPU threads) behaves: once
+        one thread has run parallel regions, every region started from another thread
+        costs ~50 us more on a 2-core machine (measured: a 128-token prefill 105 -> 140
+        ms). The thread that loads and warms the model is therefore the one that steps it,
+        and the caller's thread never runs a region."""
+        built: Future[Engine] = Future()
+
+        def home() -> None:
+            try:
+                engine = cls(config)
+            except BaseException as exc:
+                built.set_exception(exc)
+                return
+            built.set_result(engine)
+            engine._loop()
+
+        thread = threading.Thread(target=home, name="headroom-engine", daemon=True)
+        thread.start()
+        engine = built.result()
+        engine._thread = thread
+        return engine
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
     def start(self) -> None:
         assert self._thread is None, "engine already started"
         self._stopping = False

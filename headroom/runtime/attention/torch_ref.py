@@ -115,9 +115,12 @@ class TorchAttention:
         else:
             # Query j sits at position seq_len - q_len + j and sees keys up to there.
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+            mask = (torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None])[None, None]
             causal = False
+        # A leading batch dimension of 1: with 3-D inputs torch takes its unfused math path
+        # on the CPU, 1.5x slower at 128 tokens and 6x at 2,048 than its flash kernel.
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys, values, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, is_causal=causal, scale=scale,
+            enable_gqa=True,
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
