@@ -188,7 +188,7 @@ def measure_crossover(in_features: int, out_features: int, bits: int, large_dtyp
     weights span more than a last-level cache, as a model's do, so that the float path
     pays for its bytes as it does when serving. Where the packed kernel wins depends on
     the CPU's vectors, caches and memory, so it is measured where it serves, never assumed."""
-    copies = max(2, (48 * 2**20) // (4 * in_features * out_features))
+    copies = max(2, (48 * 2**20) // (large_dtype.itemsize * in_features * out_features))
     weights = [torch.randn(out_features, in_features) for _ in range(copies)]
     packed = [QuantLinear(w, None, bits, small_batch=max(BATCH_SIZES)) for w in weights]
     matmuls = [LargeBatchMatmul(w, large_dtype) for w in weights]

@@ -1,11 +1,13 @@
 // A small persistent thread pool for headroom's kernels, instead of OpenMP.
 //
-// Why: at decode sizes, the engine calls the kernels from its own thread, not the process's initial one,
-// and libgomp starts each parallel region from such a thread ~45 us slower (measured on a
-// 2-core EPYC: a batch-1 linear took 111 us from a second thread against 65 us from the
-// main one). A decode step runs ~120 of them. These workers spin briefly between regions
-// (a step's kernels follow each other within microseconds) and then sleep, so an idle
-// server costs nothing.
+// Why: at decode sizes a step runs ~120 kernel calls of 20-80 us each, while the server's
+// event-loop thread wakes for every token. libgomp's workers spin without yielding and
+// then sleep on a futex, so a region that meets the event loop on a 2-core machine waits
+// for a descheduled worker: measured in the server, a batch-1 decode step took 18-20 ms
+// with every kernel on OpenMP against 12-13 ms on this pool, whose workers yield while
+// they spin (~40 us) and then sleep, so an idle server costs nothing. (Offline, from one
+// thread, the two are within 10%.) Regions started from a thread other than the one that
+// first used OpenMP cost ~50 us more again; see Engine.started.
 #pragma once
 #include <cstdint>
 #include <functional>

@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 
 #include "pool.h"
+
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -18,7 +19,6 @@
 namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kChunk = 64;  // two groups: one 512-bit register of 8-bit weights
-constexpr int64_t kRowTile = 8;
 
 #ifdef HEADROOM_VNNI
 struct QuantisedRows {
@@ -67,46 +67,81 @@ inline __m512 pair(float a, float b) {
   return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
 }
 
+// NB weight rows against RT activation rows: NB * RT accumulators in registers, so one
+// weight load feeds RT rows and NB independent chains hide the multiply-add latency (one
+// row at a time was latency-bound: ~80 cycles an output, 2x the memory time at batch 1).
+template <int Bits, int NB, int RT>
+inline void dot_tile(const QuantisedRows& x, const float* sums, const __m512* xscale, int64_t r0,
+                     const uint8_t* w, const float* s, const float* mins, float* y, int64_t n, int64_t K,
+                     int64_t N) {
+  const int64_t G = K / kGroup, C = K / kChunk, row_bytes = K * Bits / 8;
+  __m512 acc[RT][NB];
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < C; ++c) {
+    __m512i wv[NB];
+    __m512 ws[NB];
+    for (int j = 0; j < NB; ++j) {
+      wv[j] = load_chunk<Bits>(w + j * row_bytes + c * kChunk * Bits / 8);
+      ws[j] = pair(s[j * G + 2 * c], s[j * G + 2 * c + 1]);
+    }
+    for (int r = 0; r < RT; ++r) {
+      const __m512i xv = _mm512_loadu_si512(x.q.data() + (r0 + r) * K + c * kChunk);
+      const __m512 xs = xscale[(r0 + r) * C + c];
+      for (int j = 0; j < NB; ++j) {
+        const __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[j], xv);
+        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(ws[j], xs), acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < RT; ++r) {
+    // The minima's share: sum over groups of min * sum(x), 16 groups at a time.
+    const float* xsum = sums + (r0 + r) * G;
+    __m512 offset[NB];
+    for (int j = 0; j < NB; ++j) offset[j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g += 16) {
+      const __mmask16 live = G - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (G - g)) - 1);
+      const __m512 xg = _mm512_maskz_loadu_ps(live, xsum + g);
+      for (int j = 0; j < NB; ++j)
+        offset[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, mins + j * G + g), xg, offset[j]);
+    }
+    for (int j = 0; j < NB; ++j) y[(r0 + r) * N + n + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][j], offset[j]));
+  }
+}
+
+template <int Bits, int NB>
+inline void dot_rows(const QuantisedRows& x, const float* sums, const __m512* xscale, int64_t M,
+                     const uint8_t* w, const float* s, const float* mins, float* y, int64_t n, int64_t K,
+                     int64_t N) {
+  int64_t r0 = 0;
+  for (; r0 + 4 <= M; r0 += 4) dot_tile<Bits, NB, 4>(x, sums, xscale, r0, w, s, mins, y, n, K, N);
+  switch (M - r0) {
+    case 3: dot_tile<Bits, NB, 3>(x, sums, xscale, r0, w, s, mins, y, n, K, N); break;
+    case 2: dot_tile<Bits, NB, 2>(x, sums, xscale, r0, w, s, mins, y, n, K, N); break;
+    case 1: dot_tile<Bits, NB, 1>(x, sums, xscale, r0, w, s, mins, y, n, K, N); break;
+    default: break;
+  }
+}
+
 template <int Bits>
 void qdot_rows(const QuantisedRows& x, const uint8_t* wp, const float* sp, const float* mp, float* yp,
                int64_t M, int64_t K, int64_t N) {
+  constexpr int64_t NB = 4;
   const int64_t G = K / kGroup, C = K / kChunk, row_bytes = K * Bits / 8;
   const float* sums = x.sum.data_ptr<float>();
   // The activations' scales as chunk vectors, once per call rather than once per weight row.
   std::vector<__m512> xscale(M * C);
   for (int64_t r = 0; r < M; ++r)
     for (int64_t c = 0; c < C; ++c) xscale[r * C + c] = pair(x.scale[r * G + 2 * c], x.scale[r * G + 2 * c + 1]);
-
-  headroom::parallel_rows(M, N, 16, [&](int64_t n0, int64_t n1) {
-    std::vector<__m512> wscale(C);
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* w = wp + n * row_bytes;
-      const float* s = sp + n * G;
-      const float* mins = mp + n * G;
-      for (int64_t c = 0; c < C; ++c) wscale[c] = pair(s[2 * c], s[2 * c + 1]);
-      for (int64_t r0 = 0; r0 < M; r0 += kRowTile) {
-        const int64_t rows = std::min(kRowTile, M - r0);
-        __m512 acc[kRowTile];
-        for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < C; ++c) {
-          const __m512i wv = load_chunk<Bits>(w + c * kChunk * Bits / 8);
-          for (int64_t r = 0; r < rows; ++r) {
-            const __m512i xv = _mm512_loadu_si512(x.q.data() + (r0 + r) * K + c * kChunk);
-            const __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
-            const __m512 sc = _mm512_mul_ps(wscale[c], xscale[(r0 + r) * C + c]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), sc, acc[r]);
-          }
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          // The minima's share: sum over groups of min * sum(x), G floats at a time by 16.
-          const float* xs = sums + (r0 + r) * G;
-          __m512 offset = _mm512_setzero_ps();
-          for (int64_t g = 0; g < G; g += 16) {
-            const __mmask16 live = G - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (G - g)) - 1);
-            offset = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, mins + g), _mm512_maskz_loadu_ps(live, xs + g), offset);
-          }
-          yp[(r0 + r) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], offset));
-        }
+  const int64_t blocks = (N + NB - 1) / NB;
+  headroom::parallel_rows(M, blocks, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n = b * NB;
+      if (n + NB <= N) {
+        dot_rows<Bits, NB>(x, sums, xscale.data(), M, wp + n * row_bytes, sp + n * G, mp + n * G, yp, n, K, N);
+      } else {
+        for (int64_t m = n; m < N; ++m)
+          dot_rows<Bits, 1>(x, sums, xscale.data(), M, wp + m * row_bytes, sp + m * G, mp + m * G, yp, m, K, N);
       }
     }
   });
