@@ -5,11 +5,14 @@ failed steps."""
 from __future__ import annotations
 
 import queue
+import threading
 import time
 
 import pytest
 
-from headroom.config import CacheConfig, Config, ModelConfig, SchedulerConfig
+from headroom.config import CacheConfig, Config, ConfigError, ModelConfig, SchedulerConfig
+from headroom.runtime import engine as engine_module
+from headroom.runtime.device import prepare_model
 from headroom.runtime.engine import Engine
 from headroom.runtime.outputs import RequestOutput
 from headroom.runtime.request import Request, RequestStatus, SamplingParams
@@ -165,6 +168,47 @@ def test_threaded_outputs_stream_the_same_tokens_as_stepping(loaded, prompts):
     assert engine._thread is None and not thread.is_alive()
     assert all(s.queue.empty() for s in sinks)  # nothing after the finished output
     assert_engine_idle(engine)
+
+
+def test_started_engine_is_built_on_the_thread_that_steps_it(loaded, prompts, monkeypatch):
+    stepped = make_engine(loaded).generate(prompts[:2], GREEDY)
+    built_on = []
+
+    def recording(model_config):
+        built_on.append(threading.get_ident())
+        return prepare_model(model_config)
+
+    monkeypatch.setattr(engine_module, "prepare_model", recording)
+    engine = Engine.started(Config(model=ModelConfig(quantization="none"),
+                                   cache=CacheConfig(num_blocks=64, block_size=BLOCK_SIZE)))
+    thread = engine._thread
+    try:
+        assert engine.running and built_on == [thread.ident] != [threading.get_ident()]
+        requests = [engine.new_request(p, GREEDY) for p in prompts[:2]]
+        sinks = [Sink() for _ in requests]
+        for request, sink in zip(requests, sinks, strict=True):
+            engine.submit(request, sink)
+        for request, sink, reference in zip(requests, sinks, stepped, strict=True):
+            sink.wait_finished()
+            assert request.output_token_ids == reference.output_token_ids
+    finally:
+        engine.stop()
+    assert not engine.running and not thread.is_alive()
+    assert_engine_idle(engine)
+
+
+def test_started_engine_raises_what_its_build_raised(monkeypatch):
+    def failing(model_config):
+        raise ConfigError("quantization int4 runs on the CPU with dtype float32 only")
+
+    monkeypatch.setattr(engine_module, "prepare_model", failing)
+    before = threading.active_count()
+    with pytest.raises(ConfigError, match="float32 only"):
+        Engine.started(Config())
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() == before  # the build thread ended with its error
 
 
 def test_abort_mid_generation_frees_everything(loaded, prompts):
