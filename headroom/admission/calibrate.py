@@ -17,6 +17,7 @@ import sys
 import time
 from collections import deque
 
+from headroom.admission.inflight import InflightRecorder
 from headroom.runtime.engine import Engine
 from headroom.runtime.outputs import RequestOutput
 from headroom.runtime.request import SamplingParams
@@ -29,7 +30,11 @@ def row_messages(row: dict) -> list[dict]:
 
 
 def calibrate(engine: Engine, rows: list[dict], out_path: str, default_max_tokens: int = 512,
-              concurrency: int = 64, log=sys.stderr) -> int:
+              concurrency: int = 64, log=sys.stderr, recorder: InflightRecorder | None = None) -> int:
+    """recorder: also record each sequence's in-flight features (see inflight.py)."""
+    if recorder is not None:
+        engine.loaded.model.probe_layers = frozenset(recorder.layers)
+        engine.probe_hook = recorder.observe
     done_ids: set[str] = set()
     if os.path.exists(out_path):
         with open(out_path, encoding="utf-8") as f:
@@ -58,6 +63,8 @@ def calibrate(engine: Engine, rows: list[dict], out_path: str, default_max_token
             engine.step()
             for row, output in finished:
                 row.update(output_tokens=output.request.num_output_tokens, finish_reason=output.finish_reason)
+                if recorder is not None:
+                    recorder.finish(row, output.request, output.finish_reason)
                 out.write(json.dumps(row, ensure_ascii=False) + "\n")
                 in_flight -= 1
                 written += 1

@@ -166,8 +166,17 @@ def cmd_predictor_calibrate(ns: argparse.Namespace) -> int:
     config = build_config(ns)
     engine = Engine(dataclasses.replace(
         config, scheduler=dataclasses.replace(config.scheduler, max_num_seqs=ns.concurrency)))
-    n = calibrate(engine, rows, ns.out, default_max_tokens=ns.max_tokens, concurrency=ns.concurrency)
+    recorder = None
+    if ns.probe_layers:
+        from headroom.admission.inflight import InflightRecorder
+
+        recorder = InflightRecorder(tuple(int(x) for x in ns.probe_layers.split(",")))
+    n = calibrate(engine, rows, ns.out, default_max_tokens=ns.max_tokens, concurrency=ns.concurrency,
+                  recorder=recorder)
     print(f"calibrate: wrote {n} records to {ns.out}", file=sys.stderr)
+    if recorder is not None:
+        recorder.save(ns.features)
+        print(f"calibrate: wrote {len(recorder.rows)} in-flight rows to {ns.features}", file=sys.stderr)
     return 0
 
 
@@ -188,6 +197,11 @@ def cmd_predictor_eval(ns: argparse.Namespace) -> int:
     from headroom.admission.predictor import load_predictor
     from headroom.admission.train import evaluate, format_metrics, load_records
 
+    if ns.inflight:
+        return _eval_inflight(ns.inflight)
+    if not ns.data:
+        print("headroom: predictor eval needs --data or --inflight", file=sys.stderr)
+        return 2
     records = load_records(ns.data)
     if not ns.all_rows and any(r.get("split") == "test" for r in records):
         records = [r for r in records if r.get("split") == "test"]
@@ -197,6 +211,20 @@ def cmd_predictor_eval(ns: argparse.Namespace) -> int:
         print(f"headroom: {exc}", file=sys.stderr)
         return 2
     print(format_metrics(evaluate(predictor, records)))
+    return 0
+
+
+def _eval_inflight(path: str) -> int:
+    import numpy as np
+
+    from headroom.admission.inflight import PCA_DIMS, evaluate, format_scores
+
+    with np.load(path) as f:
+        data = {k: f[k] for k in f.files}
+    print(format_scores("prompt and length features only (4-fold CV by request)", evaluate(data, None)))
+    for layer in data["layers"]:
+        print()
+        print(format_scores(f"+ layer {layer}'s residual stream (PCA {PCA_DIMS}) and loop signals", evaluate(data, int(layer))))
     return 0
 
 
@@ -244,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--max-tokens", type=int, default=512, help="cap for rows without their own max_tokens")
     cal.add_argument("--concurrency", type=int, default=64)
     cal.add_argument("--limit", type=int, default=None)
+    cal.add_argument("--probe-layers", default=None,
+                     help="comma-separated decoder layers whose last-token state to record in flight")
+    cal.add_argument("--features", default="inflight.npz", help="where --probe-layers' rows go (.npz)")
     add_engine_args(cal)
     cal.set_defaults(func=cmd_predictor_calibrate)
     trn = pred_sub.add_parser("train", help="fit the predictor on calibration records; print held-out metrics")
@@ -252,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     trn.add_argument("--seed", type=int, default=0)
     trn.set_defaults(func=cmd_predictor_train)
     evl = pred_sub.add_parser("eval", help="score a trained predictor on calibration records")
-    evl.add_argument("--data", required=True, help="calibration JSONL; only split=test rows when it has any")
+    evl.add_argument("--data", default=None, help="calibration JSONL; only split=test rows when it has any")
+    evl.add_argument("--inflight", default=None,
+                     help="in-flight rows from `calibrate --probe-layers`: AUC and tau by generated tokens")
     evl.add_argument("--predictor", default=None, help="model directory (default: the packaged one)")
     evl.add_argument("--all-rows", action="store_true", help="score every row, not only split=test")
     evl.set_defaults(func=cmd_predictor_eval)

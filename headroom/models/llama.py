@@ -7,7 +7,7 @@ writes the paged KV cache through the backend, so no sequence is padded to anoth
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -117,6 +117,10 @@ class ForwardContext:
     meta: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
     backend: AttentionBackend
+    # Rows whose residual stream is kept after each layer in Llama.probe_layers (the rows
+    # that sample: each sequence's last token), for the in-flight length probe.
+    probe_rows: torch.Tensor | None = None
+    probes: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class Attention(nn.Module):
@@ -180,6 +184,7 @@ class Llama(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        self.probe_layers: frozenset[int] = frozenset()  # see ForwardContext.probe_rows
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # input_ids, positions: (N,) -> hidden states (N, hidden)
@@ -187,8 +192,10 @@ class Llama(nn.Module):
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # (N, D/2)
         cos = freqs.cos().to(x.dtype)[:, None, :]
         sin = freqs.sin().to(x.dtype)[:, None, :]
-        for layer, kv_cache in zip(self.layers, ctx.kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, ctx.kv_caches, strict=True)):
             x = layer(x, cos, sin, kv_cache, ctx)
+            if ctx.probe_rows is not None and i in self.probe_layers:
+                ctx.probes[i] = x[ctx.probe_rows]
         return self.norm(x)
 
     def use_cpu_kernels(self, kernels: ModuleType) -> None:

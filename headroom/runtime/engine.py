@@ -91,6 +91,10 @@ class Engine:
         self._running_step = None  # (SchedulerOutput, perf_counter start) while the model runs
         # Tests set this to inject a fault into a step (it may raise); never set in serving.
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
+        # Called on the engine thread after each forward pass with the sequences that sample
+        # (before this step's token is appended) and the model's probe rows for them (layer ->
+        # (S, hidden)); set with the model's probe_layers (`predictor calibrate --probe-layers`).
+        self.probe_hook: Callable[[list[Request], dict[int, torch.Tensor]], None] | None = None
         self._ids = itertools.count()
         self._timers: deque[StepTimer] = deque()  # forward passes whose device time is not yet read
         self._thread: threading.Thread | None = None
@@ -315,7 +319,10 @@ class Engine:
             if self.fault_hook is not None:
                 self.fault_hook(out)
             model_out = self.runner.execute(out, self.block_manager)
-            samples = self.sampler(model_out.logits, [out.requests[i] for i in model_out.sample_indices])
+            sampling = [out.requests[i] for i in model_out.sample_indices]
+            samples = self.sampler(model_out.logits, sampling)
+            if self.probe_hook is not None:
+                self.probe_hook(sampling, model_out.probes)
         except Exception as exc:  # a failed step fails its own sequences, not the engine
             log.exception("engine step failed; failing %d sequences", len(out.requests))
             with self._state_lock:

@@ -25,10 +25,12 @@ def kv_block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
 
 
 class ModelOutput:
-    def __init__(self, logits: torch.Tensor, sample_indices: list[int], timer: StepTimer):
+    def __init__(self, logits: torch.Tensor, sample_indices: list[int], timer: StepTimer,
+                 probes: dict[int, torch.Tensor] | None = None):
         self.logits = logits  # (S, V) float32 for the S sampling requests
         self.sample_indices = sample_indices  # positions in SchedulerOutput.requests that sample
         self.timer = timer  # device time of the forward pass
+        self.probes = probes or {}  # layer -> (S, hidden): residual stream after it, as logits
 
 
 class StepTimer:
@@ -174,10 +176,12 @@ class ModelRunner:
         batch = self.prepare(out, block_manager)
         timer = StepTimer(self.device)
         meta = batch.meta
-        if self.graphs is not None and self.graphs.can_run(meta.num_seqs, meta.num_decodes):
+        probing = bool(self.model.probe_layers) and bool(batch.sample_indices)
+        ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend,
+                             probe_rows=batch.logits_rows if probing else None)
+        if self.graphs is not None and not probing and self.graphs.can_run(meta.num_seqs, meta.num_decodes):
             hidden = self.graphs.run(batch.input_ids, batch.positions, meta)
         else:
-            ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend)
             hidden = self.model(batch.input_ids, batch.positions, ctx)
         logits = self.model.compute_logits(hidden[batch.logits_rows]) if batch.sample_indices else hidden[:0]
-        return ModelOutput(logits, batch.sample_indices, timer.stop())
+        return ModelOutput(logits, batch.sample_indices, timer.stop(), ctx.probes)

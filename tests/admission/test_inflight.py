@@ -1,0 +1,112 @@
+"""In-flight length features: loop signals, the model's probe rows, what calibration
+records, and the grouped CV that scores them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from headroom.admission.inflight import POINTS, InflightRecorder, evaluate, loop_signals
+from headroom.app.cli import main
+from headroom.config import CacheConfig, Config, SchedulerConfig
+from headroom.runtime.engine import Engine
+from headroom.runtime.request import SamplingParams
+
+
+def test_loop_signals_of_a_loop_and_of_fresh_text():
+    assert loop_signals([5, 6, 7]) == [0.0, 0.0, 0.0]
+    fresh = list(range(40))
+    assert loop_signals(fresh) == [0.0, 1.0, 1 / 37]
+    loop = [1, 2, 3, 4] * 10  # 37 4-grams, 4 distinct: the first 4 are new, 33 repeat
+    share, distinct, top = loop_signals(loop)
+    assert share == 1.0  # every 4-gram of the last 32 was seen before
+    assert distinct == 4 / 32
+    assert top == 10 / 37  # (1, 2, 3, 4) occurs 10 times
+
+
+@pytest.fixture(scope="module")
+def engine(default_model):
+    return Engine(Config(cache=CacheConfig(num_blocks=64, block_size=16), scheduler=SchedulerConfig(max_num_seqs=4)),
+                  loaded=default_model)
+
+
+def test_probe_of_the_last_layer_gives_the_steps_logits(engine):
+    model = engine.loaded.model
+    last = model.args.num_layers - 1
+    seen = []
+    model.probe_layers = frozenset({3, last})
+    engine.probe_hook = lambda requests, probes: seen.append((len(requests), probes))
+    captured_logits = []
+    sampler = engine.sampler
+    original = type(sampler).__call__
+    try:
+        type(sampler).__call__ = lambda self, logits, reqs: (captured_logits.append(logits.clone()),
+                                                             original(self, logits, reqs))[1]
+        ids = engine.tokenizer.encode("The capital of France is")
+        engine.generate([ids, ids[:3]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    finally:
+        type(sampler).__call__ = original
+        model.probe_layers = frozenset()
+        engine.probe_hook = None
+    assert len(seen) == len(captured_logits) >= 3
+    for (rows, probes), logits in zip(seen, captured_logits, strict=True):
+        assert set(probes) == {3, last}
+        assert probes[3].shape == probes[last].shape == (rows, model.args.hidden_size)
+        with torch.inference_mode():
+            again = model.compute_logits(model.norm(probes[last]))
+        torch.testing.assert_close(again, logits, rtol=0, atol=0)
+
+
+def test_recorder_keeps_each_point_a_sequence_reached_with_what_remained(engine):
+    recorder = InflightRecorder(layers=(5, 20))
+    engine.loaded.model.probe_layers = frozenset(recorder.layers)
+    engine.probe_hook = recorder.observe
+    try:
+        ids = engine.tokenizer.encode("Once upon a time")
+        requests = engine.generate([ids, ids], [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                                                 SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)])
+    finally:
+        engine.loaded.model.probe_layers = frozenset()
+        engine.probe_hook = None
+    for i, request in enumerate(requests):
+        recorder.finish({"id": f"r{i}"}, request, "length")
+    rows = [(r["id"], r["point"], r["output_tokens"], r["max_tokens"], r["capped"]) for r in recorder.rows]
+    # r1 stops at 16 tokens: nothing remains at point 16, so only its prefill row is kept.
+    assert rows == [("r0", 0, 40, 40, True), ("r0", 16, 40, 40, True), ("r0", 32, 40, 40, True),
+                    ("r1", 0, 16, 16, True)]
+    assert all(len(r["states"]) == 2 and r["states"][0].shape == (576,) for r in recorder.rows)
+    # Both sequences share a prompt: their prefill states agree.
+    np.testing.assert_allclose(recorder.rows[0]["states"][1].astype(np.float32),
+                               recorder.rows[3]["states"][1].astype(np.float32), atol=2e-2)
+
+
+def synthetic(n: int, seed: int = 0) -> dict:
+    """Rows whose run-to-cap is written in one direction of the hidden state, not in the
+    lengths: the hidden-state model must find it, the length-only one cannot."""
+    rng = np.random.default_rng(seed)
+    ids = np.repeat(np.arange(n), len(POINTS))
+    point = np.tile(np.array(POINTS), n)
+    capped = rng.random(n) < 0.5
+    states = rng.normal(size=(len(ids), 1, 64)).astype(np.float16)
+    states[:, 0, 0] += np.where(np.repeat(capped, len(POINTS)), 3.0, -3.0).astype(np.float16)
+    output = np.where(np.repeat(capped, len(POINTS)), 512, point + rng.integers(1, 300, size=len(ids)))
+    return dict(layers=np.array([7]), ids=ids.astype(str), point=point, states=states,
+                signals=np.zeros((len(ids), 3), dtype=np.float32), prompt_tokens=np.full(len(ids), 50),
+                max_tokens=np.full(len(ids), 512), output_tokens=output, capped=np.repeat(capped, len(POINTS)))
+
+
+def test_grouped_cv_finds_a_signal_in_the_hidden_state_and_not_in_the_lengths():
+    data = synthetic(240)
+    with_state = {s.point: s for s in evaluate(data, 7)}
+    lengths_only = {s.point: s for s in evaluate(data, None)}
+    assert sorted(with_state) == list(POINTS)
+    for point in POINTS:
+        assert with_state[point].rows == 240
+        assert with_state[point].auc > 0.95
+        assert lengths_only[point].auc < 0.75  # only `point` varies, and it says nothing of the cap
+
+
+def test_eval_needs_data_or_inflight(capsys):
+    assert main(["predictor", "eval"]) == 2
+    assert capsys.readouterr().err.strip() == "headroom: predictor eval needs --data or --inflight"
