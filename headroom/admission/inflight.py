@@ -20,7 +20,7 @@ from headroom.runtime.request import Request
 
 POINTS = (0, 16, 32, 64, 128)  # generated tokens at which a sequence is described
 WINDOW = 32  # tokens of the recent output the loop signals look at
-PCA_DIMS = 32
+PCA_DIMS = 64  # by measurement: 8 and 32 dims scored lower at 4 of 5 points (bench/RESULTS.md)
 
 
 def loop_signals(ids: list[int]) -> list[float]:
@@ -64,6 +64,7 @@ class InflightRecorder:
                 continue  # nothing remains to predict
             self.rows.append(dict(id=row["id"], point=point, states=states, signals=signals,
                                   prompt_tokens=request.num_prompt_tokens, max_tokens=request.sampling.max_tokens,
+                                  temperature=request.sampling.temperature,
                                   output_tokens=request.num_output_tokens, capped=finish_reason == "length"))
 
     def save(self, path: str) -> None:
@@ -75,6 +76,7 @@ class InflightRecorder:
             signals=np.array([r["signals"] for r in rows], dtype=np.float32).reshape(len(rows), 3),
             prompt_tokens=np.array([r["prompt_tokens"] for r in rows]),
             max_tokens=np.array([r["max_tokens"] for r in rows]),
+            temperature=np.array([r["temperature"] for r in rows], dtype=np.float32),
             output_tokens=np.array([r["output_tokens"] for r in rows]),
             capped=np.array([r["capped"] for r in rows]))
 
@@ -87,7 +89,8 @@ def _fit_pca(x: np.ndarray, dims: int) -> tuple[np.ndarray, np.ndarray]:
 
 def features(data: dict, rows: np.ndarray, layer_index: int | None, pca: tuple[np.ndarray, np.ndarray] | None):
     point, max_tokens = data["point"][rows], data["max_tokens"][rows]
-    cols = [np.log1p(data["prompt_tokens"][rows]), np.log1p(max_tokens), point, np.log1p(max_tokens - point)]
+    cols = [np.log1p(data["prompt_tokens"][rows]), np.log1p(max_tokens), point, np.log1p(max_tokens - point),
+            data["temperature"][rows]]
     base = np.column_stack(cols)
     if layer_index is None:
         return base
