@@ -72,13 +72,18 @@ class SchedulingPolicy:
         (base_s) where a step is already slower than the target, whichever is more. The
         head-of-line loop scales that down while the short class still suffers; the
         floor keeps the long class moving even then: it grows with the oldest prefilling
-        long request's wait and is the whole allowance at long_ttft_target_s."""
+        long request's wait and is the whole allowance at long_ttft_target_s.
+
+        With no shorter request present the chunk is bounded all the same (by the full
+        allowance, without the loop's scaling): one arriving during the step waits for all
+        of it. Unbounded, a 512-token chunk at a 2k context took ~0.5 s on a 2-core EPYC
+        and alone set the short class's p99 TTFT (bench/RESULTS.md, 2026-11-24)."""
         config = self.config
         if not config.long_lane:
             return None
-        if not any(r.size_class != LONG for r in (*running, *waiting)):
-            return None
         full = max(config.short_ttft_target_s / 4, LONG_STEP_STRETCH * base_s)
+        if not any(r.size_class != LONG for r in (*running, *waiting)):
+            return full
         waited = max((now - r.arrival_time for r in (*running, *waiting)
                       if r.size_class == LONG and r.num_tokens - r.num_computed_tokens > 1), default=0.0)
         floor = min(1.0, waited / config.long_ttft_target_s)
