@@ -84,8 +84,8 @@ class SchedulerConfig:
     # with the long request's wait and is whole at long_ttft_target_s. long_lane = false
     # turns it all off.
     long_lane: bool = True
-    # 0.25 s: about 1.5x the short class's p99 TTFT alone with the CPU kernels of
-    # 2026-11-24 on 2 cores (bench/hol.py); 0.5 s let the short class's p99 reach 3x.
+    # 0.25 s: the short class's p99 TTFT 1.47-1.61x its p99 alone on 2 cores with the
+    # engines of 2026-11-24 (bench/hol.py); 0.5 s let it reach 3x, and 0.125 s gained nothing.
     short_ttft_target_s: float = 0.25
     long_ttft_target_s: float = 10.0
     # At most this many long-class sequences running (None: no cap), holding at most this
