@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from headroom.runtime.request import Request
 
@@ -51,21 +52,26 @@ class InflightRecorder:
 
     def observe(self, requests: list[Request], probes: dict) -> None:
         """Engine.probe_hook: each request has generated num_output_tokens so far."""
-        for r, request in enumerate(requests):
+        rows = [r for r, request in enumerate(requests) if request.num_output_tokens in POINTS]
+        if not rows:
+            return
+        # One copy per layer for the rows at a point, not one per row and layer.
+        index = torch.tensor(rows)
+        layers = [probes[layer][index].float().numpy().astype(np.float16) for layer in self.layers]
+        for i, r in enumerate(rows):
+            request = requests[r]
             point = request.num_output_tokens
-            if point not in POINTS:
-                continue
-            states = [probes[layer][r].float().numpy().astype(np.float16) for layer in self.layers]
+            states = [by_layer[i] for by_layer in layers]
             self._seen.setdefault(request.request_id, {})[point] = (states, loop_signals(request.output_token_ids))
 
     def finish(self, row: dict, request: Request, finish_reason: str | None) -> None:
         for point, (states, signals) in sorted(self._seen.pop(request.request_id, {}).items()):
             if point >= request.num_output_tokens:
                 continue  # nothing remains to predict
-            self.rows.append(dict(id=row["id"], point=point, states=states, signals=signals,
-                                  prompt_tokens=request.num_prompt_tokens, max_tokens=request.sampling.max_tokens,
-                                  temperature=request.sampling.temperature,
-                                  output_tokens=request.num_output_tokens, capped=finish_reason == "length"))
+            self.rows.append({"id": row["id"], "point": point, "states": states, "signals": signals,
+                              "prompt_tokens": request.num_prompt_tokens, "max_tokens": request.sampling.max_tokens,
+                              "temperature": request.sampling.temperature,
+                              "output_tokens": request.num_output_tokens, "capped": finish_reason == "length"})
 
     def save(self, path: str) -> None:
         rows = self.rows
@@ -124,8 +130,8 @@ def evaluate(data: dict, layer: int | None, folds: int = 4, seed: int = 0) -> li
     capped = data["capped"].astype(int)
     p_cap = np.zeros(len(ids))
     p_rem = np.zeros(len(ids))
-    params = dict(learning_rate=0.05, num_leaves=15, min_data_in_leaf=10, bagging_fraction=0.8, bagging_freq=1,
-                  feature_fraction=0.8, verbose=-1, num_threads=1, seed=seed)
+    params = {"learning_rate": 0.05, "num_leaves": 15, "min_data_in_leaf": 10, "bagging_fraction": 0.8,
+              "bagging_freq": 1, "feature_fraction": 0.8, "verbose": -1, "num_threads": 1, "seed": seed}
     for k in range(folds):
         train, test = np.where(fold != k)[0], np.where(fold == k)[0]
         pca = None

@@ -183,7 +183,7 @@ class Engine:
         def home() -> None:
             try:
                 engine = cls(config)
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - not swallowed: the caller's result() raises it
                 built.set_exception(exc)
                 return
             built.set_result(engine)

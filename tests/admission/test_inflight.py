@@ -91,10 +91,10 @@ def synthetic(n: int, seed: int = 0) -> dict:
     states = rng.normal(size=(len(ids), 1, 64)).astype(np.float16)
     states[:, 0, 0] += np.where(np.repeat(capped, len(POINTS)), 3.0, -3.0).astype(np.float16)
     output = np.where(np.repeat(capped, len(POINTS)), 512, point + rng.integers(1, 300, size=len(ids)))
-    return dict(layers=np.array([7]), ids=ids.astype(str), point=point, states=states,
-                signals=np.zeros((len(ids), 3), dtype=np.float32), prompt_tokens=np.full(len(ids), 50),
-                max_tokens=np.full(len(ids), 512), temperature=np.full(len(ids), 0.7, dtype=np.float32),
-                output_tokens=output, capped=np.repeat(capped, len(POINTS)))
+    return {"layers": np.array([7]), "ids": ids.astype(str), "point": point, "states": states,
+            "signals": np.zeros((len(ids), 3), dtype=np.float32), "prompt_tokens": np.full(len(ids), 50),
+            "max_tokens": np.full(len(ids), 512), "temperature": np.full(len(ids), 0.7, dtype=np.float32),
+            "output_tokens": output, "capped": np.repeat(capped, len(POINTS))}
 
 
 def test_grouped_cv_finds_a_signal_in_the_hidden_state_and_not_in_the_lengths():
