@@ -33,6 +33,8 @@ def calibrate(engine: Engine, rows: list[dict], out_path: str, default_max_token
               concurrency: int = 64, log=sys.stderr, recorder: InflightRecorder | None = None) -> int:
     """recorder: also record each sequence's in-flight features (see inflight.py)."""
     if recorder is not None:
+        args = engine.loaded.args
+        recorder.model_shape = (args.hidden_size, args.num_layers, args.vocab_size)
         engine.loaded.model.probe_layers = frozenset(recorder.layers)
         engine.probe_hook = recorder.observe
     done_ids: set[str] = set()

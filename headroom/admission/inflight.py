@@ -22,6 +22,9 @@ from headroom.runtime.request import Request
 POINTS = (0, 16, 32, 64, 128)  # generated tokens at which a sequence is described
 WINDOW = 32  # tokens of the recent output the loop signals look at
 PCA_DIMS = 64  # by measurement: 8 and 32 dims scored lower at 4 of 5 points (bench/RESULTS.md)
+PARAMS = {"learning_rate": 0.05, "num_leaves": 15, "min_data_in_leaf": 10, "bagging_fraction": 0.8,
+          "bagging_freq": 1, "feature_fraction": 0.8, "verbose": -1, "num_threads": 1}
+ROUNDS = 200
 
 
 def loop_signals(ids: list[int]) -> list[float]:
@@ -47,6 +50,7 @@ class InflightRecorder:
     """Collects, per request, its probe rows and loop signals at each point it reaches."""
 
     layers: tuple[int, ...]
+    model_shape: tuple[int, int, int] = (0, 0, 0)  # the served model's hidden size, layers, vocabulary
     _seen: dict[str, dict[int, tuple[list[np.ndarray], list[float]]]] = field(default_factory=dict)
     rows: list[dict] = field(default_factory=list)
 
@@ -76,7 +80,7 @@ class InflightRecorder:
     def save(self, path: str) -> None:
         rows = self.rows
         np.savez_compressed(
-            path, layers=np.array(self.layers), ids=np.array([r["id"] for r in rows]),
+            path, layers=np.array(self.layers), model_shape=np.array(self.model_shape), ids=np.array([r["id"] for r in rows]),
             point=np.array([r["point"] for r in rows]),
             states=np.stack([np.stack(r["states"]) for r in rows]) if rows else np.zeros((0, len(self.layers), 0)),
             signals=np.array([r["signals"] for r in rows], dtype=np.float32).reshape(len(rows), 3),
@@ -93,16 +97,39 @@ def _fit_pca(x: np.ndarray, dims: int) -> tuple[np.ndarray, np.ndarray]:
     return mean, vt[:dims]
 
 
-def features(data: dict, rows: np.ndarray, layer_index: int | None, pca: tuple[np.ndarray, np.ndarray] | None):
-    point, max_tokens = data["point"][rows], data["max_tokens"][rows]
-    cols = [np.log1p(data["prompt_tokens"][rows]), np.log1p(max_tokens), point, np.log1p(max_tokens - point),
-            data["temperature"][rows]]
-    base = np.column_stack(cols)
-    if layer_index is None:
+def feature_matrix(prompt_tokens, max_tokens, point, temperature, signals=None, states=None,
+                   pca: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """One row per (sequence, point): lengths and temperature, then (with a probe layer)
+    the loop signals and the hidden state projected on the PCA basis. Calibration and
+    serving both build their rows here, so the two cannot drift apart."""
+    max_tokens, point = np.asarray(max_tokens, dtype=np.float64), np.asarray(point, dtype=np.float64)
+    base = np.column_stack([np.log1p(np.asarray(prompt_tokens, dtype=np.float64)), np.log1p(max_tokens), point,
+                            np.log1p(max_tokens - point), np.asarray(temperature, dtype=np.float64)])
+    if states is None:
         return base
-    states = data["states"][rows, layer_index].astype(np.float32)
     mean, basis = pca
-    return np.column_stack([base, data["signals"][rows], (states - mean) @ basis.T])
+    return np.column_stack([base, signals, (np.asarray(states, dtype=np.float32) - mean) @ basis.T])
+
+
+def features(data: dict, rows: np.ndarray, layer_index: int | None, pca: tuple[np.ndarray, np.ndarray] | None):
+    states = None if layer_index is None else data["states"][rows, layer_index]
+    return feature_matrix(data["prompt_tokens"][rows], data["max_tokens"][rows], data["point"][rows],
+                          data["temperature"][rows], data["signals"][rows], states, pca)
+
+
+def fit(data: dict, rows: np.ndarray, layer_index: int | None, seed: int = 0):
+    """(PCA mean and basis or None, run-to-cap classifier, log-remaining regressor) on rows."""
+    import lightgbm as lgb
+
+    pca = None
+    if layer_index is not None:
+        pca = _fit_pca(data["states"][rows, layer_index].astype(np.float32), PCA_DIMS)
+    x = features(data, rows, layer_index, pca)
+    remaining = (data["output_tokens"][rows] - data["point"][rows]).astype(np.float64)
+    params = {**PARAMS, "seed": seed}
+    classifier = lgb.train({**params, "objective": "binary"}, lgb.Dataset(x, data["capped"][rows].astype(int)), ROUNDS)
+    regressor = lgb.train({**params, "objective": "regression"}, lgb.Dataset(x, np.log1p(remaining)), ROUNDS)
+    return pca, classifier, regressor
 
 
 @dataclass
@@ -118,7 +145,6 @@ def evaluate(data: dict, layer: int | None, folds: int = 4, seed: int = 0) -> li
     """Grouped k-fold CV (a request's rows stay in one fold): one LightGBM classifier of
     run-to-cap and one regressor of log remaining tokens over all points, scored per point.
     layer None: prompt and length features only, no hidden state."""
-    import lightgbm as lgb
     from scipy.stats import kendalltau, mannwhitneyu
 
     layer_index = None if layer is None else list(data["layers"]).index(layer)
@@ -130,17 +156,10 @@ def evaluate(data: dict, layer: int | None, folds: int = 4, seed: int = 0) -> li
     capped = data["capped"].astype(int)
     p_cap = np.zeros(len(ids))
     p_rem = np.zeros(len(ids))
-    params = {"learning_rate": 0.05, "num_leaves": 15, "min_data_in_leaf": 10, "bagging_fraction": 0.8,
-              "bagging_freq": 1, "feature_fraction": 0.8, "verbose": -1, "num_threads": 1, "seed": seed}
     for k in range(folds):
         train, test = np.where(fold != k)[0], np.where(fold == k)[0]
-        pca = None
-        if layer_index is not None:
-            pca = _fit_pca(data["states"][train, layer_index].astype(np.float32), PCA_DIMS)
-        x_train, x_test = features(data, train, layer_index, pca), features(data, test, layer_index, pca)
-        classifier = lgb.train({**params, "objective": "binary"}, lgb.Dataset(x_train, capped[train]), 200)
-        regressor = lgb.train({**params, "objective": "regression"},
-                              lgb.Dataset(x_train, np.log1p(remaining[train])), 200)
+        pca, classifier, regressor = fit(data, train, layer_index, seed)
+        x_test = features(data, test, layer_index, pca)
         p_cap[test] = classifier.predict(x_test)
         p_rem[test] = regressor.predict(x_test)
     scores = []
