@@ -11,7 +11,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -24,6 +24,7 @@ from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.cuda_graphs import capture_sizes, supports_graphs
 from headroom.runtime.detokenizer import IncrementalDetokenizer
 from headroom.runtime.device import prepare_model
+from headroom.runtime.inflight import InflightRefiner, LengthProbe
 from headroom.runtime.model_runner import ModelRunner, StepTimer, kv_block_bytes
 from headroom.runtime.outputs import (
     EngineSnapshot,
@@ -95,6 +96,7 @@ class Engine:
         # (before this step's token is appended) and the model's probe rows for them (layer ->
         # (S, hidden)); set with the model's probe_layers (`predictor calibrate --probe-layers`).
         self.probe_hook: Callable[[list[Request], dict[int, torch.Tensor]], None] | None = None
+        self.inflight: InflightRefiner | None = None  # see use_inflight
         self._ids = itertools.count()
         self._timers: deque[StepTimer] = deque()  # forward passes whose device time is not yet read
         self._thread: threading.Thread | None = None
@@ -276,6 +278,8 @@ class Engine:
                 raise SequenceFinished(request_id, self._finished[request_id])
             raise UnknownSequence(request_id)
         by = args.get("by", "admin")
+        if args.get("inflight"):
+            self.scheduler.policy.inflight_decisions["policy"] += 1
         if action == "abort":
             reason = args.get("reason") or "no reason given"
             request.admin_actions.append(f"abort by {by}: {reason}")
@@ -321,8 +325,6 @@ class Engine:
             model_out = self.runner.execute(out, self.block_manager)
             sampling = [out.requests[i] for i in model_out.sample_indices]
             samples = self.sampler(model_out.logits, sampling)
-            if self.probe_hook is not None:
-                self.probe_hook(sampling, model_out.probes)
         except Exception as exc:  # a failed step fails its own sequences, not the engine
             log.exception("engine step failed; failing %d sequences", len(out.requests))
             with self._state_lock:
@@ -335,6 +337,11 @@ class Engine:
 
     def _complete_step(self, out, model_out, samples, started: float) -> None:
         self._running_step = None
+        if self.probe_hook is not None and model_out.probes:
+            try:
+                self.probe_hook([out.requests[i] for i in model_out.sample_indices], model_out.probes)
+            except Exception:  # an estimate is advice: losing one must not lose the step's tokens
+                log.exception("in-flight length probe failed; this step's sequences keep their estimates")
         # The tokens exist from here on; update_from_output stamps finished_time later.
         sampled_time = time.monotonic()
         sampled: list[int | None] = [None] * len(out.requests)
@@ -447,7 +454,20 @@ class Engine:
     def counters(self) -> EngineStats:
         """A consistent copy of the engine's counters."""
         with self._state_lock:
-            return self.stats.copy()
+            stats = self.stats.copy()
+            stats.inflight_decisions = Counter(self.scheduler.policy.inflight_decisions)
+            stats.inflight_estimates = self.inflight.estimates if self.inflight is not None else 0
+            return stats
+
+    def use_inflight(self, probe: LengthProbe, every: int, runaway_threshold: float,
+                     long_min_output: int) -> InflightRefiner:
+        """Estimate each running sequence's remaining length in flight with `probe`, from
+        the hidden state its forward pass computes anyway (runtime/inflight.py)."""
+        refiner = InflightRefiner(probe, self.scheduler.policy, every, runaway_threshold, long_min_output)
+        self.loaded.model.probe_layers = frozenset({probe.layer})
+        self.probe_hook = refiner.observe
+        self.inflight = refiner
+        return refiner
 
     def long_lane(self) -> LongLaneState:
         """The long lane's settings and what the engine has learned of its own step cost."""
@@ -513,6 +533,10 @@ class Engine:
             budget_left_s=None if request.deadline is None else request.deadline - now,
             deprioritized=request.deprioritized,
             admin_actions=tuple(request.admin_actions),
+            predicted_remaining_tokens=request.estimated_remaining_tokens() if request.estimated_at_tokens is not None
+            else None,
+            runaway_probability=request.runaway_probability,
+            runaway_flagged_at=request.runaway_flagged_at,
         )
 
     # ---- conveniences for the CLI, tests and benchmarks --------------------------------

@@ -41,10 +41,13 @@ class EngineStats:
     finished: Counter[str] = field(default_factory=Counter)  # by finish reason
     aborts: Counter[str] = field(default_factory=Counter)  # by cause (Request.abort_cause)
     device_time_by_class: Counter[str] = field(default_factory=Counter)  # seconds, by size class
+    inflight_estimates: int = 0  # in-flight length estimates made (rows)
+    inflight_decisions: Counter[str] = field(default_factory=Counter)  # changed by them: order, victim, long_lane
 
     def copy(self) -> EngineStats:
         return replace(self, finished=Counter(self.finished), aborts=Counter(self.aborts),
-                       device_time_by_class=Counter(self.device_time_by_class))
+                       device_time_by_class=Counter(self.device_time_by_class),
+                       inflight_decisions=Counter(self.inflight_decisions))
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,10 @@ class SequenceSnapshot:
     budget_left_s: float | None = None  # wall-clock budget left (None: no budget)
     deprioritized: bool = False
     admin_actions: tuple[str, ...] = ()
+    # The in-flight length probe's latest estimate (None: not estimated, or the probe is off).
+    predicted_remaining_tokens: float | None = None
+    runaway_probability: float | None = None
+    runaway_flagged_at: int | None = None  # output tokens when first predicted to run away
 
     @property
     def progress(self) -> float | None:

@@ -1,17 +1,19 @@
 """Who goes first, who is preempted, and how much room long work gets: the scheduler's
 policy, kept apart from its mechanics.
 
-Order: tier priority first, then predicted-short-first with ageing (a request's rank
-is its predicted output tokens minus ageing_tokens_per_s for every second it has
-waited, so nothing starves). Without predictions every rank is just minus the wait,
-which is FCFS. Victims: lowest priority, then the longest predicted remaining, then the
-newest. Long-class requests run in a lane with its own concurrency and KV share; while
+Order: tier priority first, then predicted-shortest-remaining first with ageing (a
+request's rank is its estimated remaining output tokens, in flight once the length
+probe has seen it run, minus ageing_tokens_per_s for every second it has waited, so
+nothing starves). Without predictions every rank is just minus the wait, which is FCFS.
+Victims: lowest priority, then the longest estimated remaining, then the newest. Long-class requests run in a lane with its own concurrency and KV share; while
 shorter requests are present, their prefill chunks are sized by the engine's measured
 step cost so that a step grows by at most a quarter of the short class's TTFT target
 (see long_prefill_allowance).
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 from headroom.config import SchedulerConfig
 from headroom.runtime.block_manager import BlockManager
@@ -30,20 +32,35 @@ class SchedulingPolicy:
         self.cost = StepCostModel()  # fed by the engine after every step
         # In (0, 1]: the head-of-line loop lowers it while the short class suffers.
         self.long_lane_factor = 1.0
+        # Decisions the in-flight length estimate changed: order, victim, long_lane.
+        self.inflight_decisions: Counter[str] = Counter()
 
-    def order_key(self, request: Request, now: float) -> tuple:
+    def order_key(self, request: Request, now: float, in_flight: bool = True) -> tuple:
         waited = now - request.arrival_time
-        rank = (request.predicted_output_tokens or 0.0) - self.config.ageing_tokens_per_s * waited
+        rank = (request.estimated_remaining_tokens(in_flight) or 0.0) - self.config.ageing_tokens_per_s * waited
         return (-request.priority, rank, request.submit_order)
 
-    def victim_key(self, request: Request) -> tuple:
+    def victim_key(self, request: Request, in_flight: bool = True) -> tuple:
         """min() of this is the preemption victim."""
         newest = (-request.arrival_time, -request.submit_order)
         if self.config.preemption_order == "newest":
             return newest
-        predicted = request.predicted_output_tokens
-        remaining = predicted - request.num_output_tokens if predicted is not None else 0.0
-        return (request.priority, -remaining, *newest)
+        return (request.priority, -(request.estimated_remaining_tokens(in_flight) or 0.0), *newest)
+
+    def choose_victim(self, victims: list[Request]) -> Request:
+        """The victim; counts the choices the in-flight estimate changed."""
+        victim = min(victims, key=self.victim_key)
+        if (any(r.predicted_remaining_tokens is not None for r in victims)
+                and min(victims, key=lambda r: self.victim_key(r, in_flight=False)) is not victim):
+            self.inflight_decisions["victim"] += 1
+        return victim
+
+    def note_admitted(self, waiting: list[Request], first: Request, now: float) -> None:
+        """Counts admissions whose first pick the in-flight estimate changed (waiting as
+        it was sorted before the step admitted `first`)."""
+        if (any(r.predicted_remaining_tokens is not None for r in waiting)
+                and min(waiting, key=lambda r: self.order_key(r, now, in_flight=False)) is not first):
+            self.inflight_decisions["order"] += 1
 
     def lane_admits(self, request: Request, running: list[Request], block_manager: BlockManager) -> bool:
         """May a waiting request start now, given its lane's limits?"""
@@ -96,3 +113,4 @@ class SchedulingPolicy:
         if not self.cost.ready:  # nothing learned yet: a small chunk, and learn from it
             return min(limit, UNTRAINED_LONG_CHUNK)
         return self.cost.tokens_within(allowance_s, context, limit)
+

@@ -103,6 +103,11 @@ class Request:
     predicted_output_tokens_p90: float | None = None
     admission_decision: str | None = None  # admit | wait | reject | route
     admitted_time: float | None = None  # when admission let it through to the engine
+    # Set in flight by the length probe (runtime/inflight.py), every few generated tokens.
+    predicted_remaining_tokens: float | None = None  # as of estimated_at_tokens
+    estimated_at_tokens: int | None = None
+    runaway_probability: float | None = None  # that it runs to its max_tokens
+    runaway_flagged_at: int | None = None  # output tokens when first predicted to run away
 
     status: RequestStatus = RequestStatus.WAITING
     submit_order: int = 0  # set by the scheduler; the last tie-breaker
@@ -154,6 +159,17 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def estimated_remaining_tokens(self, in_flight: bool = True) -> float | None:
+        """Output tokens still to come: the in-flight estimate less what was generated
+        since it, else (or with in_flight False) the admission-time prediction less the
+        output so far."""
+        if in_flight and self.predicted_remaining_tokens is not None:
+            since = self.num_output_tokens - (self.estimated_at_tokens or 0)
+            return max(self.predicted_remaining_tokens - since, 0.0)
+        if self.predicted_output_tokens is not None:
+            return max(self.predicted_output_tokens - self.num_output_tokens, 0.0)
+        return None
 
     @property
     def max_tokens(self) -> int:

@@ -101,7 +101,7 @@ class Scheduler:
             while self.block_manager.allocate_slots(request, num_tokens, computed) is None:
                 if not victims:
                     return False
-                victim = min(victims, key=self.policy.victim_key)
+                victim = self.policy.choose_victim(victims)
                 if victim is request:
                     return False
                 victims.remove(victim)
@@ -131,7 +131,8 @@ class Scheduler:
         # Then waiting requests in policy order, while budget and seats last. Not in a step
         # that had to preempt: the cache is full, and admitting now would thrash.
         self.waiting.sort(key=lambda r: self.policy.order_key(r, now))
-        for request in list(self.waiting):
+        candidates = list(self.waiting)
+        for request in candidates:
             if preempted or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if not self.policy.lane_admits(request, self.running, self.block_manager):
@@ -158,6 +159,8 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
+            if len(self.waiting) + 1 == len(candidates):
+                self.policy.note_admitted(candidates, request, now)
             self.running.append(request)
             scheduled[request.request_id] = num_tokens
             budget -= num_tokens

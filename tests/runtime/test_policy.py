@@ -84,3 +84,44 @@ def test_victim_is_lowest_tier_then_longest_predicted_remaining():
     run_step(s)
     out, _ = run_step(s)
     assert out.preempted[0] is b
+
+
+def test_in_flight_estimate_reorders_the_waiting_queue_and_counts_it():
+    s = create_scheduler(max_num_seqs=1)
+    now = time.monotonic()
+    first, second = create_request(predicted=20, arrival=now), create_request(predicted=30, arrival=now)
+    s.add_request(first)
+    s.add_request(second)
+    assert [r.request_id for r in sorted(s.waiting, key=lambda r: s.policy.order_key(r, now))] == \
+        [first.request_id, second.request_id]
+    # The probe has seen `first` run (a preempted request keeps its estimate): 400 to go.
+    first.predicted_remaining_tokens, first.estimated_at_tokens = 400.0, 0
+    out, _ = run_step(s)
+    assert out.requests == [second]
+    assert s.policy.inflight_decisions == {"order": 1}
+
+
+def test_in_flight_estimate_counts_down_as_tokens_come():
+    request = create_request(predicted=100, max_tokens=50)
+    assert request.estimated_remaining_tokens() == 100.0
+    request.output_token_ids.extend([5] * 10)
+    assert request.estimated_remaining_tokens() == 90.0
+    request.predicted_remaining_tokens, request.estimated_at_tokens = 25.0, 8
+    assert request.estimated_remaining_tokens() == 23.0  # 2 tokens since the estimate
+    assert request.estimated_remaining_tokens(in_flight=False) == 90.0
+
+
+def test_in_flight_estimate_changes_the_victim_and_counts_it():
+    s = create_scheduler(num_blocks=6, block_size=4, enable_prefix_caching=False)
+    a = create_request(prompt=8, max_tokens=8, priority=1, predicted=10)
+    b = create_request(prompt=8, max_tokens=8, priority=1, predicted=300)
+    c = create_request(prompt=8, max_tokens=8, priority=1, predicted=50)
+    for r in (a, b, c):
+        s.add_request(r)
+    run_step(s)
+    # In flight, b turns out nearly done and a is the one with most to go.
+    b.predicted_remaining_tokens, b.estimated_at_tokens = 2.0, 1
+    a.predicted_remaining_tokens, a.estimated_at_tokens = 500.0, 1
+    out, _ = run_step(s)
+    assert out.preempted[0] is a
+    assert s.policy.inflight_decisions == {"victim": 1}

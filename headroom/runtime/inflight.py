@@ -1,0 +1,78 @@
+"""Length estimates in flight: after a sequence's prefill and every `every` generated
+tokens, the length probe reads the hidden state the step computed anyway (the model's
+probe layer, last token) and re-estimates its remaining output tokens and the chance
+that it runs to its max_tokens. The scheduler orders and picks victims by the refined
+estimate (policy.py); a sequence predicted to run away, with a cap of long work, moves
+to the long lane and its device time from then on is charged as long.
+
+The probe itself (PCA and two LightGBM models) is admission/inflight_model.py; this is
+what the engine does with it, on the engine's thread, inside the step's lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from headroom.runtime.policy import LONG, SchedulingPolicy
+from headroom.runtime.request import Request
+
+log = logging.getLogger("headroom.inflight")
+
+
+class LengthProbe(Protocol):
+    layer: int
+
+    def predict(self, requests: list[Request], states: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """(remaining output tokens, probability of running to max_tokens) per request."""
+        ...
+
+
+@dataclass
+class InflightRefiner:
+    probe: LengthProbe
+    policy: SchedulingPolicy
+    every: int = 16  # generated tokens between estimates, after the one at prefill
+    runaway_threshold: float = 0.8
+    long_min_output: int = 512  # a runaway whose max_tokens is under this is not long work
+    estimates: int = 0  # rows estimated, for metrics
+
+    def observe(self, requests: list[Request], probes: dict[int, torch.Tensor]) -> None:
+        """Engine.probe_hook: each request has generated num_output_tokens before this
+        step's token; probes[layer] holds their rows in the same order."""
+        due = [i for i, r in enumerate(requests) if r.num_output_tokens % self.every == 0]
+        if not due:
+            return
+        rows = [requests[i] for i in due]
+        states = probes[self.probe.layer][torch.tensor(due)] if len(due) < len(requests) else probes[self.probe.layer]
+        remaining, p_cap = self.probe.predict(rows, states)
+        self.estimates += len(rows)
+        for request, left, p in zip(rows, remaining.tolist(), p_cap.tolist(), strict=True):
+            if _runs_to_cap(request):  # nothing but max_tokens can end it: no need to guess
+                left, p = float(request.max_tokens), 1.0
+            generated = request.num_output_tokens
+            request.predicted_remaining_tokens = min(left, request.max_tokens - generated)
+            request.estimated_at_tokens = generated
+            request.runaway_probability = p
+            if p >= self.runaway_threshold and request.runaway_flagged_at is None:
+                self._flag(request, p)
+
+    def _flag(self, request: Request, p: float) -> None:
+        request.runaway_flagged_at = request.num_output_tokens
+        moved = ""
+        if request.max_tokens >= self.long_min_output and request.size_class != LONG:
+            request.size_class = LONG
+            self.policy.inflight_decisions["long_lane"] += 1
+            moved = "; moved to the long lane"
+        log.info("%s predicted to run to its %d-token cap (p=%.2f) at %d tokens%s", request.request_id,
+                 request.max_tokens, p, request.num_output_tokens, moved,
+                 extra={"sequence": request.request_id, "runaway_probability": round(p, 3)})
+
+
+def _runs_to_cap(request: Request) -> bool:
+    sampling = request.sampling
+    return sampling.ignore_eos and not sampling.stop and not sampling.stop_token_ids
