@@ -211,6 +211,16 @@ class AdmissionConfig:
     # Virtual token counter charge per prompt and per output token (fair sharing across tenants).
     prompt_weight: float = 1.0
     output_weight: float = 2.0
+    # Length estimates in flight (runtime/inflight.py): after prefill and every
+    # inflight_every generated tokens, from the served model's own hidden state. The
+    # probe at inflight_probe_path, else the one shipped for the default model (none for
+    # another model: then admission's prediction is all there is).
+    inflight: bool = True
+    inflight_probe_path: str | None = None
+    inflight_every: int = 16
+    # Run-to-cap probability at which a sequence is flagged a runaway (and, with a
+    # max_tokens of long work, moved to the long lane).
+    runaway_threshold: float = 0.8
 
     def __post_init__(self) -> None:
         # A TOML file gives a table for tiers and a list of tables for tenants.
@@ -258,6 +268,10 @@ class AdmissionConfig:
         if not (self.prompt_weight >= 0 and self.output_weight >= 0 and self.prompt_weight + self.output_weight > 0):
             raise ConfigError("admission.prompt_weight and output_weight must be >= 0 and not both 0, "
                               f"got {self.prompt_weight} and {self.output_weight}")
+        if self.inflight_every < 1:
+            raise ConfigError(f"admission.inflight_every must be >= 1, got {self.inflight_every}")
+        if not 0 < self.runaway_threshold <= 1:
+            raise ConfigError(f"admission.runaway_threshold must be in (0, 1], got {self.runaway_threshold}")
 
     @staticmethod
     def _tenant(item: TenantConfig | Mapping) -> TenantConfig:
@@ -335,6 +349,9 @@ class AdminConfig:
     max_wall_s: float | None = None
     max_kv_share: float | None = None
     max_predicted_ratio: float | None = None
+    # Act on a sequence the in-flight probe gives at least this probability of running to
+    # its cap (deprioritize also moves it to the long lane).
+    max_runaway_probability: float | None = None
     policy_interval_s: float = 0.5
 
     def __post_init__(self) -> None:
@@ -346,8 +363,10 @@ class AdminConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name} must be > 0, got {value}")
-        if self.max_kv_share is not None and not 0 < self.max_kv_share <= 1:
-            raise ConfigError(f"max_kv_share must be in (0, 1], got {self.max_kv_share}")
+        for name in ("max_kv_share", "max_runaway_probability"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= 1:
+                raise ConfigError(f"{name} must be in (0, 1], got {value}")
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,8 @@ def sequence_json(s: SequenceSnapshot) -> dict:
         "tokens_processed": s.tokens_processed, "preemptions": s.preemptions,
         "age_s": s.age_s, "ttft_s": s.ttft_s, "budget_left_s": s.budget_left_s,
         "admin_actions": list(s.admin_actions),
+        "predicted_remaining_tokens": s.predicted_remaining_tokens, "runaway_probability": s.runaway_probability,
+        "runaway_flagged_at": s.runaway_flagged_at,
     }
 
 

@@ -129,8 +129,8 @@ def render(url: str, sort: str, state: State) -> Group:
                           for name, c in sorted(classes.items())) or "no finished requests"
         parts.append(Text(f"TTFT p99 (1m): {line}"))
     table = Table(box=None, header_style="bold", pad_edge=False, title=f"sequences by {sort}", title_justify="left")
-    for name in ("", "id", "tenant", "class", "state", "prompt", "out/max", "pred", "KV blocks", "dev s", "age s",
-                 "prio"):
+    for name in ("", "id", "tenant", "class", "state", "prompt", "out/max", "pred", "left", "p(cap)", "KV blocks",
+                 "dev s", "age s", "prio"):
         table.add_column(name, no_wrap=True,
                          justify="left" if name in ("", "id", "tenant", "class", "state") else "right")
     for i, s in enumerate(state.rows or []):
@@ -139,6 +139,7 @@ def render(url: str, sort: str, state: State) -> Group:
         table.add_row(
             ">" if chosen else "", s["id"], s["tenant"] or "-", s["size_class"] or "-", s["state"],
             str(s["prompt_tokens"]), f"{s['output_tokens']}/{s['max_tokens']}", _num(s["predicted_output_tokens"], "{:.0f}"),
+            _num(s.get("predicted_remaining_tokens"), "{:.0f}"), _runaway(s),
             f"{s['kv_blocks']} ({100 * s['kv_share']:.0f}%)", _num(s["device_time_s"], "{:.2f}"),
             _num(s["age_s"]), priority, style="reverse" if chosen else None)
     parts.append(table)
@@ -150,6 +151,14 @@ def render(url: str, sort: str, state: State) -> Group:
     if state.message:
         parts.append(Text(state.message))
     return Group(*parts)
+
+
+def _runaway(s: dict) -> str:
+    """The in-flight run-to-cap probability, with a ! once the sequence was flagged."""
+    p = s.get("runaway_probability")
+    if p is None:
+        return "-"
+    return f"{p:.2f}!" if s.get("runaway_flagged_at") is not None else f"{p:.2f}"
 
 
 def keys_in(chunk: str) -> list[str]:

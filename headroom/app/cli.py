@@ -183,6 +183,11 @@ def cmd_predictor_calibrate(ns: argparse.Namespace) -> int:
 def cmd_predictor_train(ns: argparse.Namespace) -> int:
     from headroom.admission.train import format_metrics, load_records, train
 
+    if ns.inflight:
+        return _train_inflight(ns)
+    if not ns.data:
+        print("headroom: predictor train needs --data or --inflight", file=sys.stderr)
+        return 2
     try:
         metrics = train(load_records(ns.data), ns.out, seed=ns.seed)
     except ValueError as exc:  # too few records
@@ -214,13 +219,34 @@ def cmd_predictor_eval(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _eval_inflight(path: str) -> int:
+def _load_rows(path: str) -> dict:
     import numpy as np
 
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
+def _train_inflight(ns: argparse.Namespace) -> int:
+    from headroom.admission.inflight import PCA_DIMS, evaluate, format_scores
+    from headroom.admission.inflight_model import InflightProbe
+
+    data = _load_rows(ns.inflight)
+    layers = [int(x) for x in data["layers"]]
+    layer = ns.layer if ns.layer is not None else layers[0]
+    if layer not in layers:
+        print(f"headroom: {ns.inflight} has layers {layers}, not {layer}", file=sys.stderr)
+        return 2
+    print(format_scores(f"layer {layer} (PCA {PCA_DIMS}) and loop signals, 4-fold CV by request",
+                        evaluate(data, layer, seed=ns.seed)))
+    InflightProbe.train(data, layer, seed=ns.seed).save(ns.out)
+    print(f"\nin-flight probe (all {len(data['ids'])} rows) saved to {ns.out}", file=sys.stderr)
+    return 0
+
+
+def _eval_inflight(path: str) -> int:
     from headroom.admission.inflight import PCA_DIMS, evaluate, format_scores
 
-    with np.load(path) as f:
-        data = {k: f[k] for k in f.files}
+    data = _load_rows(path)
     print(format_scores("prompt and length features only (4-fold CV by request)", evaluate(data, None)))
     for layer in data["layers"]:
         print()
@@ -278,7 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(cal)
     cal.set_defaults(func=cmd_predictor_calibrate)
     trn = pred_sub.add_parser("train", help="fit the predictor on calibration records; print held-out metrics")
-    trn.add_argument("--data", required=True, help="calibration JSONL (split=train rows fit, split=test rows score)")
+    trn.add_argument("--data", default=None, help="calibration JSONL (split=train rows fit, split=test rows score)")
+    trn.add_argument("--inflight", default=None,
+                     help="in-flight rows from `calibrate --probe-layers`: train the in-flight probe instead")
+    trn.add_argument("--layer", type=int, default=None, help="with --inflight: the probe layer (default: the first)")
     trn.add_argument("--out", required=True, help="directory for the model files and meta.json")
     trn.add_argument("--seed", type=int, default=0)
     trn.set_defaults(func=cmd_predictor_train)

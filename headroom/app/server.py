@@ -66,6 +66,8 @@ def create_app(config: Config, engine: Engine) -> web.Application:
     # tenants decides who goes next rather than arrival order in the engine's queue.
     admission_seats = config.admission.global_max_in_flight_seqs or config.scheduler.max_num_seqs + 8
     app[keys.GATE] = AdmissionGate(config, admission_seats)
+    if config.admission.enabled and config.admission.inflight and engine.inflight is None:
+        _use_inflight(config, engine)
     app[keys.LIFECYCLE] = keys.Lifecycle()
     app[keys.OBSERVABILITY] = Observability(config.observability, engine, app[keys.GATE].admission)
     app[keys.OPENAPI] = build_openapi(package_version(), admin=admin_token(config) is not None)
@@ -83,6 +85,15 @@ def create_app(config: Config, engine: Engine) -> web.Application:
     if policies.enabled(config.admin):
         app.cleanup_ctx.append(_policies)
     return app
+
+
+def _use_inflight(config: Config, engine: Engine) -> None:
+    from headroom.admission.inflight_model import load_inflight_probe
+
+    c, args = config.admission, engine.loaded.args
+    probe = load_inflight_probe(c.inflight_probe_path, args.hidden_size, args.num_layers, args.vocab_size)
+    if probe is not None:
+        engine.use_inflight(probe, c.inflight_every, c.runaway_threshold, c.long_min_output_tokens)
 
 
 async def _engine_thread(app: web.Application):

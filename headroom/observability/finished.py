@@ -48,6 +48,8 @@ class FinishedRequest:
     tokens_processed: int = 0
     first_token_at: float | None = None  # time.monotonic() of the first token
     admin_actions: tuple[str, ...] = ()
+    runaway_probability: float | None = None  # the in-flight probe's last estimate
+    runaway_flagged_at: int | None = None  # output tokens when it was first predicted to run away
 
     @classmethod
     def build(cls, *, request_id: str, endpoint: str, model: str, http_status: int, arrival: float, end: float,
@@ -93,5 +95,7 @@ class FinishedRequest:
             tokens_processed=request.num_processed_tokens,
             first_token_at=request.first_token_time,
             admin_actions=tuple(request.admin_actions),
+            runaway_probability=request.runaway_probability,
+            runaway_flagged_at=request.runaway_flagged_at,
             **common,
         )

@@ -108,6 +108,14 @@ class EngineCollector(Collector):
         yield _counter("headroom:request_aborts", "Requests cut short, by cause.", stats.aborts, "cause")
         yield _counter("headroom:device_time_seconds", "Engine time by size class.", stats.device_time_by_class,
                        "size_class")
+        yield _counter("headroom:inflight_estimates", "In-flight length estimates made (one per sequence each time).",
+                       stats.inflight_estimates)
+        yield _counter("headroom:inflight_decisions",
+                       "Scheduling decisions the in-flight length estimate changed: order (which waiting request "
+                       "went first), victim (which was preempted), long_lane (a predicted runaway moved there), "
+                       "policy (the runaway policy acted).",
+                       {d: stats.inflight_decisions.get(d, 0) for d in ("order", "victim", "long_lane", "policy")},
+                       "decision")
         yield _counter("headroom:tracing_spans_dropped", "Spans lost to a full queue or a failed export.",
                        self.dropped_spans())
         if self.admission is None:

@@ -3,6 +3,9 @@ the real engine through the same command as the admin API."""
 
 from __future__ import annotations
 
+import re
+
+import httpx
 import pytest
 
 from headroom.admin.policies import Violation, enabled, violations
@@ -11,10 +14,10 @@ from headroom.runtime.outputs import EngineSnapshot, SequenceSnapshot
 
 
 def seq(rid: str, *, age: float = 1.0, kv_share: float = 0.01, output: int = 10, predicted: float | None = 50.0,
-        deprioritized: bool = False) -> SequenceSnapshot:
+        deprioritized: bool = False, runaway: float | None = None) -> SequenceSnapshot:
     return SequenceSnapshot(rid, "t", "standard", "short", "running", 0, age, 100, output, 1000, predicted,
                             int(kv_share * 100), kv_share, 0.1, 0.1, 0.0, 110, 0, 0.1,
-                            deprioritized=deprioritized)
+                            deprioritized=deprioritized, runaway_probability=runaway)
 
 
 def snap(*sequences: SequenceSnapshot) -> EngineSnapshot:
@@ -42,6 +45,15 @@ def test_each_rule_names_what_was_broken():
     ]
 
 
+def test_the_runaway_rule_reads_the_in_flight_estimate():
+    config = AdminConfig(max_runaway_probability=0.9)
+    assert enabled(config)
+    found = violations(config, snap(seq("loops", runaway=0.93, output=64), seq("fine", runaway=0.89),
+                                    seq("unseen", runaway=None, output=10**5, predicted=None)))
+    assert found == [Violation("loops", "predicted to run to its 1000-token cap (p=0.93 at 64 tokens)", runaway=True)]
+    assert violations(config, snap(seq("loops", runaway=0.99, deprioritized=True))) == []
+
+
 def test_deprioritize_acts_once():
     config = AdminConfig(max_wall_s=10)  # action: deprioritize
     assert violations(config, snap(seq("a", age=11, deprioritized=True))) == []
@@ -53,6 +65,7 @@ def test_deprioritize_acts_once():
 @pytest.mark.parametrize("kwargs,message", [
     ({"policy_action": "kill"}, "policy_action must be abort or deprioritize, got 'kill'"),
     ({"max_kv_share": 1.5}, "max_kv_share must be in (0, 1], got 1.5"),
+    ({"max_runaway_probability": 0}, "max_runaway_probability must be in (0, 1], got 0"),
     ({"max_wall_s": 0}, "max_wall_s must be > 0, got 0"),
     ({"token": "short"}, "admin token must be at least 16 characters"),
 ])
@@ -79,5 +92,34 @@ def test_the_policy_loop_aborts_a_runaway_on_the_real_server(default_model):
         assert stop.startswith("aborted by policy: ran ") and stop.endswith("s, over the 1.5s budget")
         assert wait_until(lambda: server.engine.counters().aborts["policy"] == 1, timeout=5)
         wait_idle(server.engine)
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_the_runaway_policy_moves_a_certain_runaway_to_the_long_lane(default_model):
+    """ignore_eos and a 4,000-token cap: the in-flight estimate is certain after prefill,
+    and the policy deprioritizes it into the long lane, once, and says why."""
+    from headroom.app.background import BackgroundServer
+    from headroom.runtime.engine import Engine
+    from tests.admin.conftest import admin, admin_config, plant_runaway, wait_until
+
+    config = admin_config(max_runaway_probability=0.95, policy_interval_s=0.1)
+    server = BackgroundServer(config, Engine(config, loaded=default_model)).start()
+    try:
+        runaway = plant_runaway(server, "loops")
+        rid = "cmpl-loops"
+        assert wait_until(lambda: admin(server, "GET", f"/sequences/{rid}").json().get("deprioritized"))
+        seq = admin(server, "GET", f"/sequences/{rid}").json()
+        assert (seq["size_class"], seq["priority"], seq["runaway_probability"], seq["runaway_flagged_at"]) == \
+            ("long", -(2**31), 1.0, 0)
+        assert seq["predicted_remaining_tokens"] == 4000 - seq["output_tokens"]
+        [action] = seq["admin_actions"]
+        assert re.fullmatch(r"deprioritize by policy to the long lane: predicted to run to its 4000-token cap "
+                            r"\(p=1\.00 at \d+ tokens\)", action), action
+        metrics = httpx.get(server.url + "/metrics", timeout=10).text
+        assert 'headroom:inflight_decisions_total{decision="policy"} 1.0' in metrics
+        assert admin(server, "POST", f"/sequences/{rid}/abort").status_code == 200
+        runaway.wait(60)
     finally:
         server.stop()

@@ -1,0 +1,104 @@
+"""The in-flight length probe as served: one decoder layer's residual stream at a
+sequence's last token, projected on a fixed PCA basis, with its lengths and loop
+signals (inflight.feature_matrix), scored by two LightGBM models: the probability that
+it runs to its max_tokens and its log remaining output tokens.
+
+Trained by `headroom predictor train --inflight ROWS.npz --layer L` from the rows
+`predictor calibrate --probe-layers` records; the default model's probe ships in
+admission/data/inflight and is used only for a model of the same shape.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightgbm as lgb
+import numpy as np
+import torch
+
+from headroom.admission.inflight import PCA_DIMS, POINTS, feature_matrix, fit, loop_signals
+from headroom.runtime.request import Request
+
+log = logging.getLogger("headroom.admission")
+
+DEFAULT_PATH = Path(__file__).parent / "data" / "inflight"
+_FILES = {"cap": "cap.txt", "remaining": "remaining.txt"}
+
+
+@dataclass
+class InflightProbe:
+    layer: int
+    mean: np.ndarray  # (hidden,) float32
+    basis: np.ndarray  # (PCA_DIMS, hidden) float32
+    cap: lgb.Booster
+    remaining: lgb.Booster
+    meta: dict
+
+    @classmethod
+    def train(cls, data: dict, layer: int, seed: int = 0) -> InflightProbe:
+        """data: calibration rows (InflightRecorder.save), which name the served model's
+        shape; a probe is only ever loaded for a model of that shape."""
+        hidden, layers, vocab = (int(v) for v in data["model_shape"])
+        model = {"hidden_size": hidden, "num_layers": layers, "vocab_size": vocab}
+        layer_index = list(data["layers"]).index(layer)
+        (mean, basis), cap, remaining = fit(data, np.arange(len(data["ids"])), layer_index, seed)
+        meta = {"layer": layer, "pca_dims": PCA_DIMS, "points": list(POINTS), "rows": len(data["ids"]),
+                "requests": len(np.unique(data["ids"])), "model": model}
+        return cls(layer, mean.astype(np.float32), basis.astype(np.float32), cap, remaining, meta)
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        np.savez_compressed(path / "pca.npz", mean=self.mean, basis=self.basis)
+        self.cap.save_model(str(path / _FILES["cap"]))
+        self.remaining.save_model(str(path / _FILES["remaining"]))
+        (path / "meta.json").write_text(json.dumps(self.meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> InflightProbe:
+        path = Path(path)
+        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+        pca = np.load(path / "pca.npz")
+        return cls(int(meta["layer"]), pca["mean"], pca["basis"], lgb.Booster(model_file=str(path / _FILES["cap"])),
+                   lgb.Booster(model_file=str(path / _FILES["remaining"])), meta)
+
+    def fits(self, hidden_size: int, num_layers: int, vocab_size: int) -> str | None:
+        """Why this probe cannot serve a model of this shape (None: it can)."""
+        want = {"hidden_size": hidden_size, "num_layers": num_layers, "vocab_size": vocab_size}
+        trained = {k: self.meta.get("model", {}).get(k) for k in want}
+        return None if trained == want else f"trained for a model with {trained}, this one has {want}"
+
+    def predict(self, requests: list[Request], states: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """(remaining output tokens, probability of running to max_tokens) per request;
+        states: (len(requests), hidden), the probe layer's rows for them."""
+        x = feature_matrix([r.num_prompt_tokens for r in requests], [r.sampling.max_tokens for r in requests],
+                           [r.num_output_tokens for r in requests], [r.sampling.temperature for r in requests],
+                           np.array([loop_signals(r.output_token_ids) for r in requests], dtype=np.float32),
+                           states.float().numpy(), (self.mean, self.basis))
+        # One thread: LightGBM's default OpenMP pool costs milliseconds per small call.
+        p_cap = self.cap.predict(x, num_threads=1)
+        remaining = np.expm1(self.remaining.predict(x, num_threads=1)).clip(min=0.0)
+        return remaining, p_cap
+
+
+def load_inflight_probe(path: str | Path | None, hidden_size: int, num_layers: int,
+                        vocab_size: int) -> InflightProbe | None:
+    """The probe at path, or the packaged default when path is None, if it was trained for
+    a model of this shape. A default that does not fit is skipped (serving must start);
+    an explicit path that cannot be loaded or does not fit is an error."""
+    where = DEFAULT_PATH if path is None else Path(path)
+    if path is None and not (where / "meta.json").exists():
+        log.warning("in-flight length probe: none packaged at %s; estimates stay at admission's", where)
+        return None
+    probe = InflightProbe.load(where)
+    why = probe.fits(hidden_size, num_layers, vocab_size)
+    if why is not None:
+        if path is not None:
+            raise ValueError(f"in-flight probe {where}: {why}")
+        log.info("in-flight length probe: the packaged one does not fit this model (%s); off", why)
+        return None
+    log.info("in-flight length probe: %s (layer %d, %d training rows)", where, probe.layer, probe.meta.get("rows", 0))
+    return probe
