@@ -61,7 +61,7 @@ class InflightRecorder:
             return
         # One copy per layer for the rows at a point, not one per row and layer.
         index = torch.tensor(rows)
-        layers = [probes[layer][index].float().numpy().astype(np.float16) for layer in self.layers]
+        layers = [probes[layer][index].float().cpu().numpy().astype(np.float16) for layer in self.layers]
         for i, r in enumerate(rows):
             request = requests[r]
             point = request.num_output_tokens
@@ -145,15 +145,11 @@ def evaluate(data: dict, layer: int | None, folds: int = 4, seed: int = 0) -> li
     """Grouped k-fold CV (a request's rows stay in one fold): one LightGBM classifier of
     run-to-cap and one regressor of log remaining tokens over all points, scored per point.
     layer None: prompt and length features only, no hidden state."""
-    from scipy.stats import kendalltau, mannwhitneyu
-
     layer_index = None if layer is None else list(data["layers"]).index(layer)
     ids = data["ids"]
     unique = np.unique(ids)
     fold_of = dict(zip(unique, np.random.default_rng(seed).permutation(len(unique)) % folds, strict=True))
     fold = np.array([fold_of[i] for i in ids])
-    remaining = (data["output_tokens"] - data["point"]).astype(np.float64)
-    capped = data["capped"].astype(int)
     p_cap = np.zeros(len(ids))
     p_rem = np.zeros(len(ids))
     for k in range(folds):
@@ -162,6 +158,16 @@ def evaluate(data: dict, layer: int | None, folds: int = 4, seed: int = 0) -> li
         x_test = features(data, test, layer_index, pca)
         p_cap[test] = classifier.predict(x_test)
         p_rem[test] = regressor.predict(x_test)
+    return score(data, p_cap, p_rem)
+
+
+def score(data: dict, p_cap: np.ndarray, p_remaining: np.ndarray) -> list[PointScore]:
+    """Run-to-cap AUC and Kendall tau of the remaining tokens, per point, of predictions
+    for data's rows (any monotone transform of the remaining tokens scores alike)."""
+    from scipy.stats import kendalltau, mannwhitneyu
+
+    remaining = (data["output_tokens"] - data["point"]).astype(np.float64)
+    capped = data["capped"].astype(int)
     scores = []
     for point in POINTS:
         at = data["point"] == point
@@ -170,7 +176,7 @@ def evaluate(data: dict, layer: int | None, folds: int = 4, seed: int = 0) -> li
         pos, neg = p_cap[at & (capped == 1)], p_cap[at & (capped == 0)]
         auc = mannwhitneyu(pos, neg).statistic / (len(pos) * len(neg)) if len(pos) and len(neg) else float("nan")
         scores.append(PointScore(point, int(at.sum()), float(capped[at].mean()), float(auc),
-                                 float(kendalltau(p_rem[at], remaining[at]).statistic)))
+                                 float(kendalltau(p_remaining[at], remaining[at]).statistic)))
     return scores
 
 

@@ -19,7 +19,14 @@ import lightgbm as lgb
 import numpy as np
 import torch
 
-from headroom.admission.inflight import PCA_DIMS, POINTS, feature_matrix, fit, loop_signals
+from headroom.admission.inflight import (
+    PCA_DIMS,
+    POINTS,
+    feature_matrix,
+    features,
+    fit,
+    loop_signals,
+)
 from headroom.runtime.request import Request
 
 log = logging.getLogger("headroom.admission")
@@ -61,9 +68,14 @@ class InflightProbe:
     def load(cls, path: str | Path) -> InflightProbe:
         path = Path(path)
         meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
-        pca = np.load(path / "pca.npz")
-        return cls(int(meta["layer"]), pca["mean"], pca["basis"], lgb.Booster(model_file=str(path / _FILES["cap"])),
+        with np.load(path / "pca.npz") as pca:
+            mean, basis = pca["mean"], pca["basis"]
+        return cls(int(meta["layer"]), mean, basis, lgb.Booster(model_file=str(path / _FILES["cap"])),
                    lgb.Booster(model_file=str(path / _FILES["remaining"])), meta)
+
+    @property
+    def last_point(self) -> int:
+        return max(self.meta.get("points", POINTS))
 
     def fits(self, hidden_size: int, num_layers: int, vocab_size: int) -> str | None:
         """Why this probe cannot serve a model of this shape (None: it can)."""
@@ -71,13 +83,19 @@ class InflightProbe:
         trained = {k: self.meta.get("model", {}).get(k) for k in want}
         return None if trained == want else f"trained for a model with {trained}, this one has {want}"
 
+    def predict_rows(self, data: dict) -> tuple[np.ndarray, np.ndarray]:
+        """(p_cap, log remaining) for calibration rows that hold this probe's layer."""
+        x = features(data, np.arange(len(data["ids"])), list(data["layers"]).index(self.layer),
+                     (self.mean, self.basis))
+        return self.cap.predict(x, num_threads=1), self.remaining.predict(x, num_threads=1)
+
     def predict(self, requests: list[Request], states: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """(remaining output tokens, probability of running to max_tokens) per request;
         states: (len(requests), hidden), the probe layer's rows for them."""
-        x = feature_matrix([r.num_prompt_tokens for r in requests], [r.sampling.max_tokens for r in requests],
+        x = feature_matrix([r.num_prompt_tokens for r in requests], [r.max_tokens for r in requests],
                            [r.num_output_tokens for r in requests], [r.sampling.temperature for r in requests],
                            np.array([loop_signals(r.output_token_ids) for r in requests], dtype=np.float32),
-                           states.float().numpy(), (self.mean, self.basis))
+                           states.float().cpu().numpy(), (self.mean, self.basis))
         # One thread: LightGBM's default OpenMP pool costs milliseconds per small call.
         p_cap = self.cap.predict(x, num_threads=1)
         remaining = np.expm1(self.remaining.predict(x, num_threads=1)).clip(min=0.0)

@@ -38,7 +38,7 @@ class RecordLog:
             "output_tokens": request.num_output_tokens,
             "finish_reason": finish_reason,
             "predicted": asdict(prediction) if prediction is not None else None,
-            "size_class": request.size_class,
+            "size_class": request.admitted_class or request.size_class,
         }
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -87,7 +87,7 @@ class AdmissionGate:
         admitted.decision_s = time.perf_counter() - started
         self._record_decision_time(admitted.decision_s)
         admitted.prediction, admitted.features = prediction, features
-        engine_request.size_class = size_class.value
+        engine_request.size_class = engine_request.admitted_class = size_class.value
         engine_request.predicted_output_tokens = prediction.p50
         engine_request.predicted_output_tokens_p90 = prediction.p90
         if size_class is SizeClass.LONG and self.long_pool_url:

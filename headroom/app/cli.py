@@ -203,7 +203,7 @@ def cmd_predictor_eval(ns: argparse.Namespace) -> int:
     from headroom.admission.train import evaluate, format_metrics, load_records
 
     if ns.inflight:
-        return _eval_inflight(ns.inflight)
+        return _eval_inflight(ns.inflight, ns.probe)
     if not ns.data:
         print("headroom: predictor eval needs --data or --inflight", file=sys.stderr)
         return 2
@@ -243,10 +243,19 @@ def _train_inflight(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _eval_inflight(path: str) -> int:
+def _eval_inflight(path: str, probe_dir: str | None) -> int:
     from headroom.admission.inflight import PCA_DIMS, evaluate, format_scores
 
     data = _load_rows(path)
+    if probe_dir is not None:
+        from headroom.admission.inflight import score
+        from headroom.admission.inflight_model import InflightProbe
+
+        probe = InflightProbe.load(probe_dir)
+        p_cap, p_remaining = probe.predict_rows(data)
+        print(format_scores(f"the probe in {probe_dir} (layer {probe.layer}) on every row of {path}",
+                            score(data, p_cap, p_remaining)))
+        return 0
     print(format_scores("prompt and length features only (4-fold CV by request)", evaluate(data, None)))
     for layer in data["layers"]:
         print()
@@ -316,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     evl.add_argument("--inflight", default=None,
                      help="in-flight rows from `calibrate --probe-layers`: AUC and tau by generated tokens")
     evl.add_argument("--predictor", default=None, help="model directory (default: the packaged one)")
+    evl.add_argument("--probe", default=None,
+                     help="with --inflight: score this trained in-flight probe on the rows (held-out rows)")
     evl.add_argument("--all-rows", action="store_true", help="score every row, not only split=test")
     evl.set_defaults(func=cmd_predictor_eval)
 

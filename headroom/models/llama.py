@@ -117,9 +117,10 @@ class ForwardContext:
     meta: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
     backend: AttentionBackend
-    # Rows whose residual stream is kept after each layer in Llama.probe_layers (the rows
-    # that sample: each sequence's last token), for the in-flight length probe.
+    # Rows whose residual stream is kept after each layer in probe_layers (the rows that
+    # sample: each sequence's last token), for the in-flight length probe.
     probe_rows: torch.Tensor | None = None
+    probe_layers: frozenset[int] = frozenset()
     probes: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
@@ -184,7 +185,6 @@ class Llama(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
-        self.probe_layers: frozenset[int] = frozenset()  # see ForwardContext.probe_rows
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # input_ids, positions: (N,) -> hidden states (N, hidden)
@@ -194,7 +194,7 @@ class Llama(nn.Module):
         sin = freqs.sin().to(x.dtype)[:, None, :]
         for i, (layer, kv_cache) in enumerate(zip(self.layers, ctx.kv_caches, strict=True)):
             x = layer(x, cos, sin, kv_cache, ctx)
-            if ctx.probe_rows is not None and i in self.probe_layers:
+            if ctx.probe_rows is not None and i in ctx.probe_layers:
                 ctx.probes[i] = x[ctx.probe_rows]
         return self.norm(x)
 

@@ -70,7 +70,9 @@ class FinishedRequest:
             tpot = (finished - request.first_token_time) / (request.num_output_tokens - 1)
         stop = request.stop_reason
         return cls(
-            size_class=request.size_class or NO_CLASS,
+            # Its latencies belong to the class it was admitted as, also after a move to
+            # the long lane (its device time from the move on is charged as long).
+            size_class=request.admitted_class or request.size_class or NO_CLASS,
             ran=ran,
             prompt_tokens=request.num_prompt_tokens,
             output_tokens=request.num_output_tokens,

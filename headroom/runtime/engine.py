@@ -94,8 +94,10 @@ class Engine:
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
         # Called on the engine thread after each forward pass with the sequences that sample
         # (before this step's token is appended) and the model's probe rows for them (layer ->
-        # (S, hidden)); set with the model's probe_layers (`predictor calibrate --probe-layers`).
+        # (S, hidden)); set with runner.probe_layers (`predictor calibrate --probe-layers`).
+        # probe_due, when set, says whether a step needs the rows at all.
         self.probe_hook: Callable[[list[Request], dict[int, torch.Tensor]], None] | None = None
+        self.probe_due: Callable[[SchedulerOutput], bool] | None = None
         self.inflight: InflightRefiner | None = None  # see use_inflight
         self._ids = itertools.count()
         self._timers: deque[StepTimer] = deque()  # forward passes whose device time is not yet read
@@ -322,7 +324,8 @@ class Engine:
         try:
             if self.fault_hook is not None:
                 self.fault_hook(out)
-            model_out = self.runner.execute(out, self.block_manager)
+            model_out = self.runner.execute(out, self.block_manager,
+                                            probe=self.probe_due is None or self.probe_due(out))
             sampling = [out.requests[i] for i in model_out.sample_indices]
             samples = self.sampler(model_out.logits, sampling)
         except Exception as exc:  # a failed step fails its own sequences, not the engine
@@ -464,9 +467,11 @@ class Engine:
         """Estimate each running sequence's remaining length in flight with `probe`, from
         the hidden state its forward pass computes anyway (runtime/inflight.py)."""
         refiner = InflightRefiner(probe, self.scheduler.policy, every, runaway_threshold, long_min_output)
-        self.loaded.model.probe_layers = frozenset({probe.layer})
-        self.probe_hook = refiner.observe
-        self.inflight = refiner
+        with self._state_lock:  # the engine may be stepping already
+            self.runner.probe_layers = frozenset({probe.layer})
+            self.probe_due = refiner.due
+            self.probe_hook = refiner.observe
+            self.inflight = refiner
         return refiner
 
     def long_lane(self) -> LongLaneState:

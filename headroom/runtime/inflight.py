@@ -20,12 +20,14 @@ import torch
 
 from headroom.runtime.policy import LONG, SchedulingPolicy
 from headroom.runtime.request import Request
+from headroom.runtime.scheduler import SchedulerOutput
 
 log = logging.getLogger("headroom.inflight")
 
 
 class LengthProbe(Protocol):
     layer: int
+    last_point: int  # the most generated tokens it was trained to estimate at
 
     def predict(self, requests: list[Request], states: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """(remaining output tokens, probability of running to max_tokens) per request."""
@@ -41,10 +43,24 @@ class InflightRefiner:
     long_min_output: int = 512  # a runaway whose max_tokens is under this is not long work
     estimates: int = 0  # rows estimated, for metrics
 
+    def __post_init__(self) -> None:
+        # Past the last point the probe was trained at, its trees would only extrapolate
+        # (a sequence 1,000 tokens into a 1,536 cap looks like a fresh 512-token one), so
+        # the last estimate counts down from there (Request.estimated_remaining_tokens).
+        self.last_point = self.probe.last_point
+    def _is_due(self, request: Request) -> bool:
+        generated = request.num_output_tokens
+        return generated % self.every == 0 and generated <= self.last_point
+
+    def due(self, out: SchedulerOutput) -> bool:
+        """Engine.probe_due: does any sequence that samples in this step need an estimate?"""
+        return any(r.num_computed_tokens + n == r.num_tokens and self._is_due(r)
+                   for r, n in zip(out.requests, out.num_scheduled_tokens, strict=True))
+
     def observe(self, requests: list[Request], probes: dict[int, torch.Tensor]) -> None:
         """Engine.probe_hook: each request has generated num_output_tokens before this
         step's token; probes[layer] holds their rows in the same order."""
-        due = [i for i, r in enumerate(requests) if r.num_output_tokens % self.every == 0]
+        due = [i for i, r in enumerate(requests) if self._is_due(r)]
         if not due:
             return
         rows = [requests[i] for i in due]

@@ -102,6 +102,9 @@ class ModelRunner:
             for _ in range(args.num_layers)
         ]
         self.graphs: DecodeGraphs | None = None
+        # Decoder layers whose residual stream at the sampling rows a step keeps
+        # (ModelOutput.probes), for the in-flight length probe and its calibration.
+        self.probe_layers: frozenset[int] = frozenset()
         if graph_sizes:
             self.graphs = DecodeGraphs(model, backend, self.kv_caches, graph_sizes, block_size,
                                        max_model_len or args.max_position_embeddings, num_blocks, device)
@@ -172,13 +175,15 @@ class ModelRunner:
         return t.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, block_manager: BlockManager) -> ModelOutput:
+    def execute(self, out: SchedulerOutput, block_manager: BlockManager, probe: bool = True) -> ModelOutput:
+        """probe: keep the rows of probe_layers this step (a step that keeps them runs
+        eagerly, never from a CUDA graph)."""
         batch = self.prepare(out, block_manager)
         timer = StepTimer(self.device)
         meta = batch.meta
-        probing = bool(self.model.probe_layers) and bool(batch.sample_indices)
+        probing = probe and bool(self.probe_layers) and bool(batch.sample_indices)
         ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend,
-                             probe_rows=batch.logits_rows if probing else None)
+                             probe_rows=batch.logits_rows if probing else None, probe_layers=self.probe_layers)
         if self.graphs is not None and not probing and self.graphs.can_run(meta.num_seqs, meta.num_decodes):
             hidden = self.graphs.run(batch.input_ids, batch.positions, meta)
         else:

@@ -57,8 +57,9 @@ class SchedulingPolicy:
 
     def note_admitted(self, waiting: list[Request], first: Request, now: float) -> None:
         """Counts admissions whose first pick the in-flight estimate changed (waiting as
-        it was sorted before the step admitted `first`)."""
-        if (any(r.predicted_remaining_tokens is not None for r in waiting)
+        it was sorted before the step admitted `first`): the head by the estimate went,
+        and the head without it was another. A head the lane held back counts nothing."""
+        if (first is waiting[0] and any(r.predicted_remaining_tokens is not None for r in waiting)
                 and min(waiting, key=lambda r: self.order_key(r, now, in_flight=False)) is not first):
             self.inflight_decisions["order"] += 1
 

@@ -96,7 +96,8 @@ class Request:
 
     # Set by admission (None when admission is off): they steer order, lanes and victims.
     tenant: str | None = None
-    size_class: str | None = None
+    size_class: str | None = None  # the lane it runs in: may become long in flight
+    admitted_class: str | None = None  # the class admission gave it, which its latencies are reported under
     predicted_output_tokens: float | None = None
     deadline: float | None = None  # time.monotonic() by which it must finish (wall-clock budget)
     tier: str | None = None
@@ -163,12 +164,13 @@ class Request:
     def estimated_remaining_tokens(self, in_flight: bool = True) -> float | None:
         """Output tokens still to come: the in-flight estimate less what was generated
         since it, else (or with in_flight False) the admission-time prediction less the
-        output so far."""
+        output so far; never more than max_tokens (an operator's cap included) leaves."""
+        left = self.max_tokens - self.num_output_tokens
         if in_flight and self.predicted_remaining_tokens is not None:
             since = self.num_output_tokens - (self.estimated_at_tokens or 0)
-            return max(self.predicted_remaining_tokens - since, 0.0)
+            return min(max(self.predicted_remaining_tokens - since, 0.0), left)
         if self.predicted_output_tokens is not None:
-            return max(self.predicted_output_tokens - self.num_output_tokens, 0.0)
+            return min(max(self.predicted_output_tokens - self.num_output_tokens, 0.0), left)
         return None
 
     @property

@@ -3,6 +3,8 @@ records, and the grouped CV that scores them."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -35,7 +37,7 @@ def test_probe_of_the_last_layer_gives_the_steps_logits(engine):
     model = engine.loaded.model
     last = model.args.num_layers - 1
     seen = []
-    model.probe_layers = frozenset({3, last})
+    engine.runner.probe_layers = frozenset({3, last})
     engine.probe_hook = lambda requests, probes: seen.append((len(requests), probes))
     captured_logits = []
     sampler = engine.sampler
@@ -47,7 +49,7 @@ def test_probe_of_the_last_layer_gives_the_steps_logits(engine):
         engine.generate([ids, ids[:3]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     finally:
         type(sampler).__call__ = original
-        model.probe_layers = frozenset()
+        engine.runner.probe_layers = frozenset()
         engine.probe_hook = None
     assert len(seen) == len(captured_logits) >= 3
     for (rows, probes), logits in zip(seen, captured_logits, strict=True):
@@ -60,14 +62,14 @@ def test_probe_of_the_last_layer_gives_the_steps_logits(engine):
 
 def test_recorder_keeps_each_point_a_sequence_reached_with_what_remained(engine):
     recorder = InflightRecorder(layers=(5, 20))
-    engine.loaded.model.probe_layers = frozenset(recorder.layers)
+    engine.runner.probe_layers = frozenset(recorder.layers)
     engine.probe_hook = recorder.observe
     try:
         ids = engine.tokenizer.encode("Once upon a time")
         requests = engine.generate([ids, ids], [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
                                                  SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)])
     finally:
-        engine.loaded.model.probe_layers = frozenset()
+        engine.runner.probe_layers = frozenset()
         engine.probe_hook = None
     for i, request in enumerate(requests):
         recorder.finish({"id": f"r{i}"}, request, "length")
@@ -111,3 +113,30 @@ def test_grouped_cv_finds_a_signal_in_the_hidden_state_and_not_in_the_lengths():
 def test_eval_needs_data_or_inflight(capsys):
     assert main(["predictor", "eval"]) == 2
     assert capsys.readouterr().err.strip() == "headroom: predictor eval needs --data or --inflight"
+
+
+def test_train_then_score_a_probe_on_held_out_rows(tmp_path, capsys):
+    def save(data: dict, name: str) -> str:
+        path = tmp_path / name
+        np.savez_compressed(path, **data, model_shape=np.array([64, 30, 1000]))
+        return str(path)
+
+    train_rows, held_out = save(synthetic(240, seed=0), "train.npz"), save(synthetic(80, seed=1), "test.npz")
+    assert main(["predictor", "train", "--inflight", train_rows, "--layer", "7", "--out", str(tmp_path / "probe")]) == 0
+    assert "saved to" in capsys.readouterr().err
+    meta = json.loads((tmp_path / "probe" / "meta.json").read_text())
+    assert (meta["layer"], meta["rows"], meta["requests"]) == (7, 240 * len(POINTS), 240)
+    assert meta["model"] == {"hidden_size": 64, "num_layers": 30, "vocab_size": 1000}
+    assert main(["predictor", "eval", "--inflight", held_out, "--probe", str(tmp_path / "probe")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"the probe in {tmp_path / 'probe'} (layer 7) on every row of {held_out}"
+    rows = [line.split() for line in lines[2:]]
+    assert [r[0] for r in rows] == ["prefill", "16", "32", "64", "128"]
+    assert all(int(r[1]) == 80 and float(r[3]) > 0.95 for r in rows)  # the signal is in the state
+
+
+def test_train_refuses_a_layer_it_was_not_given(tmp_path, capsys):
+    path = tmp_path / "rows.npz"
+    np.savez_compressed(path, **synthetic(20), model_shape=np.array([64, 30, 1000]))
+    assert main(["predictor", "train", "--inflight", str(path), "--layer", "3", "--out", str(tmp_path / "p")]) == 2
+    assert capsys.readouterr().err.strip() == f"headroom: {path} has layers [7], not 3"

@@ -30,8 +30,10 @@ def loop_rows(n: int, hidden: int, seed: int = 0) -> dict:
     share = np.where(capped, rng.uniform(0.6, 1.0, len(ids)), rng.uniform(0.0, 0.2, len(ids)))
     share[point == 0] = 0.0  # nothing generated yet
     signals = np.column_stack([share, rng.uniform(0.2, 1.0, len(ids)), rng.uniform(0, 0.3, len(ids))])
+    # One constant state: the served model's real states then say nothing to the trees
+    # (a feature constant in training is never split on), so only the loop decides.
     return {"layers": np.array([LAYER]), "model_shape": np.array([hidden, 30, 49152]), "ids": ids.astype(str),
-            "point": point, "states": rng.normal(size=(len(ids), 1, hidden)).astype(np.float16),
+            "point": point, "states": np.ones((len(ids), 1, hidden), dtype=np.float16),
             "signals": signals.astype(np.float32), "prompt_tokens": np.full(len(ids), 40),
             "max_tokens": np.full(len(ids), 600), "temperature": np.zeros(len(ids), dtype=np.float32),
             "output_tokens": np.where(capped, 600, point + rng.integers(1, 100, len(ids))), "capped": capped}
@@ -44,10 +46,8 @@ def probe(default_model):
 
 @pytest.fixture
 def engine(default_model):
-    engine = Engine(Config(cache=CacheConfig(num_blocks=128, block_size=16), scheduler=SchedulerConfig(max_num_seqs=4)),
-                    loaded=default_model)
-    yield engine
-    default_model.model.probe_layers = frozenset()  # the model is shared by the whole session
+    return Engine(Config(cache=CacheConfig(num_blocks=128, block_size=16), scheduler=SchedulerConfig(max_num_seqs=4)),
+                  loaded=default_model)
 
 
 def test_a_planted_loop_is_flagged_at_its_first_estimate_and_moved_to_the_long_lane(engine, probe, caplog):
@@ -65,10 +65,11 @@ def test_a_planted_loop_is_flagged_at_its_first_estimate_and_moved_to_the_long_l
     assert looping.size_class == "long"
     assert normal.runaway_flagged_at is None and normal.size_class is None
     assert normal.runaway_probability < 0.2
-    # Estimates at 0, 16, ..., 592 for the loop (38), and at every 16th token the other reached.
+    # Estimates at 0, 16, ..., 128 (the last point the probe was trained at) for the loop,
+    # and at every 16th token the other reached; from 128 on the loop's estimate counts down.
     points = range(0, normal.num_output_tokens, 16)
-    assert engine.inflight.estimates == 38 + len(points)
-    assert looping.estimated_at_tokens == 592 and normal.estimated_at_tokens == points[-1]
+    assert engine.inflight.estimates == 9 + len(points)
+    assert looping.estimated_at_tokens == 128 and normal.estimated_at_tokens == points[-1]
     assert engine.counters().inflight_decisions == {"long_lane": 1}
     flagged = [r.getMessage() for r in caplog.records if r.name == "headroom.inflight"]
     assert len(flagged) == 1
@@ -98,7 +99,9 @@ def test_the_probe_reads_the_steps_own_forward_pass(engine, probe):
             scored.append(states.clone())
             return predict(requests, states)
         probe.predict = spy
-        engine.use_inflight(probe, every=16, runaway_threshold=0.8, long_min_output=512)
+        refiner = engine.use_inflight(probe, every=16, runaway_threshold=0.8, long_min_output=512)
+        kept = []  # the steps that kept probe rows: only those with an estimate due
+        engine.probe_hook = lambda requests, probes: (kept.append(len(requests)), refiner.observe(requests, probes))
         probed = engine.generate([ids], sampling)[0].output_token_ids
     finally:
         counter.remove()
@@ -106,7 +109,7 @@ def test_the_probe_reads_the_steps_own_forward_pass(engine, probe):
         del probe.predict
     assert len(passes) == without and probed == plain
     # Estimates after prefill (the prompt's last row) and after 16 tokens (a decode step).
-    assert len(scored) == 2
+    assert len(scored) == 2 and kept == [1, 1]
     torch.testing.assert_close(scored[0], layer_out[0][-1:], rtol=0, atol=0)
     torch.testing.assert_close(scored[1], layer_out[16], rtol=0, atol=0)
 
@@ -124,7 +127,7 @@ def test_ignore_eos_makes_the_estimate_exact(engine, probe):
 
 def test_a_failing_probe_costs_no_tokens(engine, probe, caplog):
     class Broken:
-        layer = LAYER
+        layer, last_point = LAYER, 128
 
         def predict(self, requests, states):
             raise RuntimeError("probe broke")

@@ -1,4 +1,5 @@
-"""Scheduling policy: tier priority, predicted-short-first with ageing, long lane, victims."""
+"""Scheduling policy: tier priority, predicted-short-first with ageing, long lane, victims.
+Predictions stay under max_tokens, as admission's do: the estimate is capped by it."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from tests.runtime.factories import create_request, create_scheduler, run_step
 def test_predicted_short_first_within_a_priority():
     s = create_scheduler(max_num_seqs=1)
     now = time.monotonic()
-    long = create_request(predicted=400, arrival=now)
-    short = create_request(predicted=20, arrival=now)
+    long = create_request(predicted=400, max_tokens=500, arrival=now)
+    short = create_request(predicted=20, max_tokens=500, arrival=now)
     s.add_request(long)
     s.add_request(short)
     out, _ = run_step(s)
@@ -22,8 +23,8 @@ def test_predicted_short_first_within_a_priority():
 def test_priority_beats_prediction():
     s = create_scheduler(max_num_seqs=1)
     now = time.monotonic()
-    urgent_long = create_request(predicted=400, priority=2, arrival=now)
-    short = create_request(predicted=20, priority=1, arrival=now)
+    urgent_long = create_request(predicted=400, max_tokens=500, priority=2, arrival=now)
+    short = create_request(predicted=20, max_tokens=500, priority=1, arrival=now)
     s.add_request(short)
     s.add_request(urgent_long)
     out, _ = run_step(s)
@@ -34,8 +35,8 @@ def test_ageing_lets_an_old_long_request_overtake():
     # rank = predicted - 50 tok/s * waited: 400 - 50*10 = -100 beats 20 - 0 = 20.
     s = create_scheduler(max_num_seqs=1, ageing_tokens_per_s=50.0)
     now = time.monotonic()
-    old_long = create_request(predicted=400, arrival=now - 10)
-    fresh_short = create_request(predicted=20, arrival=now)
+    old_long = create_request(predicted=400, max_tokens=500, arrival=now - 10)
+    fresh_short = create_request(predicted=20, max_tokens=500, arrival=now)
     s.add_request(fresh_short)
     s.add_request(old_long)
     out, _ = run_step(s)
@@ -76,9 +77,9 @@ def test_long_lane_kv_share():
 
 def test_victim_is_lowest_tier_then_longest_predicted_remaining():
     s = create_scheduler(num_blocks=6, block_size=4, enable_prefix_caching=False)
-    a = create_request(prompt=8, max_tokens=8, priority=1, predicted=10)
-    b = create_request(prompt=8, max_tokens=8, priority=1, predicted=300)
-    c = create_request(prompt=8, max_tokens=8, priority=1, predicted=50)
+    a = create_request(prompt=8, max_tokens=600, priority=1, predicted=10)
+    b = create_request(prompt=8, max_tokens=600, priority=1, predicted=300)
+    c = create_request(prompt=8, max_tokens=600, priority=1, predicted=50)
     for r in (a, b, c):
         s.add_request(r)
     run_step(s)
@@ -89,7 +90,8 @@ def test_victim_is_lowest_tier_then_longest_predicted_remaining():
 def test_in_flight_estimate_reorders_the_waiting_queue_and_counts_it():
     s = create_scheduler(max_num_seqs=1)
     now = time.monotonic()
-    first, second = create_request(predicted=20, arrival=now), create_request(predicted=30, arrival=now)
+    first = create_request(predicted=20, max_tokens=500, arrival=now)
+    second = create_request(predicted=30, max_tokens=500, arrival=now)
     s.add_request(first)
     s.add_request(second)
     assert [r.request_id for r in sorted(s.waiting, key=lambda r: s.policy.order_key(r, now))] == \
@@ -102,20 +104,24 @@ def test_in_flight_estimate_reorders_the_waiting_queue_and_counts_it():
 
 
 def test_in_flight_estimate_counts_down_as_tokens_come():
-    request = create_request(predicted=100, max_tokens=50)
+    request = create_request(predicted=100, max_tokens=200)
     assert request.estimated_remaining_tokens() == 100.0
     request.output_token_ids.extend([5] * 10)
     assert request.estimated_remaining_tokens() == 90.0
     request.predicted_remaining_tokens, request.estimated_at_tokens = 25.0, 8
     assert request.estimated_remaining_tokens() == 23.0  # 2 tokens since the estimate
     assert request.estimated_remaining_tokens(in_flight=False) == 90.0
+    # An operator's cap bounds both: 15 tokens are all that can still come.
+    request.max_tokens_cap = 25
+    assert request.estimated_remaining_tokens() == 15.0
+    assert request.estimated_remaining_tokens(in_flight=False) == 15.0
 
 
 def test_in_flight_estimate_changes_the_victim_and_counts_it():
     s = create_scheduler(num_blocks=6, block_size=4, enable_prefix_caching=False)
-    a = create_request(prompt=8, max_tokens=8, priority=1, predicted=10)
-    b = create_request(prompt=8, max_tokens=8, priority=1, predicted=300)
-    c = create_request(prompt=8, max_tokens=8, priority=1, predicted=50)
+    a = create_request(prompt=8, max_tokens=600, priority=1, predicted=10)
+    b = create_request(prompt=8, max_tokens=600, priority=1, predicted=300)
+    c = create_request(prompt=8, max_tokens=600, priority=1, predicted=50)
     for r in (a, b, c):
         s.add_request(r)
     run_step(s)
