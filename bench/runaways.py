@@ -7,6 +7,12 @@ fresh `headroom serve` on 127.0.0.1.
   in-flight     the defaults: the in-flight probe re-estimates every 16 tokens
   in-flight+policy   also [admin] max_runaway_probability = 0.9 (deprioritize)
 
+Tenants with the default limits: `chat` sends the shorts, --batch-tenants others (batch-0,
+batch-1, ...) the runaways. With one tenant, its in-flight token cap (16,000) holds the runaways back
+in admission and the shorts queue behind them there (FIFO within a tenant, by design),
+so the engine never has to choose; with two batch tenants the KV pool fills only after
+the shorts are gone, with three it fills while they still come.
+
 Runaways are the held-out (test split) prompts of data/calibration/sharegpt_prompts.jsonl
 that ran to their 512-token cap at temperature 0 in calibration, sent with max_tokens
 --runaway-tokens and real stopping (no ignore_eos); the probe never saw them. Shorts are
@@ -37,11 +43,17 @@ from hol import PROMPTS, cpu_line, free_port, pct, start_server, stop_server
 
 LABELS = PROMPTS.parent / "smollm2-135m-labels.jsonl"
 ADMIN_TOKEN = "bench-runaways-admin-token-0123456789"
-VARIANTS = {
-    "prompt-only": "[admission]\ninflight = false\n",
-    "in-flight": None,
-    "in-flight+policy": "[admin]\nmax_runaway_probability = 0.9\n",
-}
+VARIANTS = {"prompt-only": "[admission]\ninflight = false\n", "in-flight": "[admission]\ninflight = true\n",
+            "in-flight+policy": "[admission]\ninflight = true\n\n[admin]\nmax_runaway_probability = 0.9\n"}
+
+
+def config_text(variant: str, batch_tenants: int) -> str:
+    """The variant's settings, with a `chat` tenant (the default) and the batch tenants,
+    all with the default limits."""
+    names = ["chat", *(f"batch-{i}" for i in range(batch_tenants))]
+    head, _, admin = VARIANTS[variant].partition("\n[admin]")
+    tenants = "".join(f'\n[[admission.tenants]]\nname = "{n}"\n' for n in names)
+    return head + 'default_tenant = "chat"\n' + tenants + (f"\n[admin]{admin}" if admin else "")
 
 
 def load_prompts() -> tuple[list[str], list[str]]:
@@ -53,12 +65,13 @@ def load_prompts() -> tuple[list[str], list[str]]:
     return runaways, shorts
 
 
-async def one(session: aiohttp.ClientSession, url: str, cls: str, prompt: str, max_tokens: int, t0: float) -> dict:
+async def one(session: aiohttp.ClientSession, url: str, cls: str, prompt: str, max_tokens: int, t0: float,
+              tenant: str = "chat") -> dict:
     sent = time.monotonic()
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     first, tokens, rid = None, 0, None
-    async with session.post(url + "/v1/chat/completions", json=body) as r:
+    async with session.post(url + "/v1/chat/completions", json=body, headers={"X-Tenant": tenant}) as r:
         rid = r.headers.get("X-Request-Id")
         async for line in r.content:
             if not line.startswith(b"data: {"):
@@ -99,14 +112,15 @@ async def drive(url: str, runaways: list[str], shorts: list[str], args) -> tuple
     t0 = time.monotonic()
     timeout = aiohttp.ClientTimeout(total=900)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
-        async def at(delay: float, cls: str, prompt: str, max_tokens: int) -> dict:
+        async def at(delay: float, cls: str, prompt: str, max_tokens: int, tenant: str = "chat") -> dict:
             await asyncio.sleep(max(0.0, delay - (time.monotonic() - t0)))
-            return await one(session, url, cls, prompt, max_tokens, t0)
+            return await one(session, url, cls, prompt, max_tokens, t0, tenant)
 
         watcher = asyncio.create_task(watch(session, url, flagged, stop))
         # The runaways arrive over the first seconds, so the shorts meet them all running.
-        tasks = [asyncio.create_task(at(0.5 * j, "runaway", p, args.runaway_tokens))
-                 for j, p in enumerate(runaways[: args.runaways])]
+        tasks = [asyncio.create_task(at(0.5 * j, "runaway", runaways[j % len(runaways)], args.runaway_tokens,
+                                        f"batch-{j % args.batch_tenants}"))
+                 for j in range(args.runaways)]
         tasks += [asyncio.create_task(at(a, "short", shorts[i % len(shorts)], 128)) for i, a in enumerate(arrivals)]
         results = await asyncio.gather(*tasks)
         stop.set()
@@ -130,6 +144,9 @@ def summarize(name: str, results: list[dict], flagged: dict, counters: dict) -> 
            "mean_e2e_s": statistics.mean(r["e2e"] for r in results), "counters": counters}
     for cls in ("short", "runaway"):
         rs = [r for r in results if r["cls"] == cls and r["status"] == 200]
+        if not rs:
+            out[cls] = {"n": 0}
+            continue
         ttft = [r["ttft"] for r in rs]
         out[cls] = {"n": len(rs), "ttft_p50": statistics.median(ttft), "ttft_p99": pct(ttft, 0.99),
                     "e2e_mean": statistics.mean(r["e2e"] for r in rs),
@@ -143,7 +160,8 @@ def summarize(name: str, results: list[dict], flagged: dict, counters: dict) -> 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runaways", type=int, default=16)
-    p.add_argument("--runaway-tokens", type=int, default=1536)
+    p.add_argument("--batch-tenants", type=int, default=2, help="tenants the runaways are spread over")
+    p.add_argument("--runaway-tokens", type=int, default=2048)
     p.add_argument("--rate", type=float, default=1.0, help="short requests per second (Poisson)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of short arrivals")
     p.add_argument("--variants", default=",".join(VARIANTS))
@@ -152,17 +170,14 @@ def main() -> None:
     args = p.parse_args()
     runaways, shorts = load_prompts()
     print(cpu_line())
-    print(f"# {min(args.runaways, len(runaways))} runaways (max_tokens {args.runaway_tokens}), shorts at "
+    print(f"# {args.runaways} runaways from {len(runaways)} prompts (max_tokens {args.runaway_tokens}), shorts at "
           f"{args.rate}/s for {args.duration:.0f}s (max_tokens 128), temperature 0, no ignore_eos")
     os.environ["HEADROOM_ADMIN_TOKEN"] = ADMIN_TOKEN
     summaries = []
     for name in args.variants.split(","):
-        config = VARIANTS[name]
-        path = None
-        if config:
-            with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
-                f.write(config)
-                path = f.name
+        with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+            f.write(config_text(name, args.batch_tenants))
+            path = f.name
         port = free_port()
         proc = start_server(port, "auto", path, admission=True)
         url = f"http://127.0.0.1:{port}"
@@ -171,8 +186,7 @@ def main() -> None:
             summary = summarize(name, results, flagged, asyncio.run(server_counters(url)))
         finally:
             stop_server(proc)
-            if path:
-                os.unlink(path)
+            os.unlink(path)
         summaries.append(summary)
         s, r = summary["short"], summary["runaway"]
         print(f"\n{name}: makespan {summary['makespan_s']:.1f}s, mean e2e {summary['mean_e2e_s']:.1f}s")

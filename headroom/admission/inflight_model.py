@@ -84,10 +84,20 @@ class InflightProbe:
         return None if trained == want else f"trained for a model with {trained}, this one has {want}"
 
     def predict_rows(self, data: dict) -> tuple[np.ndarray, np.ndarray]:
-        """(p_cap, log remaining) for calibration rows that hold this probe's layer."""
+        """(p_cap, expected remaining tokens) for calibration rows that hold this probe's layer."""
         x = features(data, np.arange(len(data["ids"])), list(data["layers"]).index(self.layer),
                      (self.mean, self.basis))
-        return self.cap.predict(x, num_threads=1), self.remaining.predict(x, num_threads=1)
+        return self._estimate(x, data["max_tokens"] - data["point"])
+
+    def _estimate(self, x: np.ndarray, left: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A sequence either runs to its cap (`left` tokens to go, with the classifier's
+        probability) or stops at an EOS somewhere before (the regressor's estimate): the
+        remaining tokens are the expectation of the two. The cap case matters most where
+        the estimate decides (victims, order): a likely runaway keeps a large remainder.
+        One thread: LightGBM's default OpenMP pool costs milliseconds per small call."""
+        p_cap = self.cap.predict(x, num_threads=1)
+        stops_after = np.minimum(np.expm1(self.remaining.predict(x, num_threads=1)).clip(min=0.0), left)
+        return p_cap, p_cap * left + (1 - p_cap) * stops_after
 
     def predict(self, requests: list[Request], states: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """(remaining output tokens, probability of running to max_tokens) per request;
@@ -96,9 +106,7 @@ class InflightProbe:
                            [r.num_output_tokens for r in requests], [r.sampling.temperature for r in requests],
                            np.array([loop_signals(r.output_token_ids) for r in requests], dtype=np.float32),
                            states.float().cpu().numpy(), (self.mean, self.basis))
-        # One thread: LightGBM's default OpenMP pool costs milliseconds per small call.
-        p_cap = self.cap.predict(x, num_threads=1)
-        remaining = np.expm1(self.remaining.predict(x, num_threads=1)).clip(min=0.0)
+        p_cap, remaining = self._estimate(x, np.array([r.max_tokens - r.num_output_tokens for r in requests]))
         return remaining, p_cap
 
 

@@ -121,6 +121,37 @@ def train(records: list[dict], out_dir: str | Path, seed: int = 0,
     return metrics
 
 
+def cross_validate(records: list[dict], k: int = CV_FOLDS, seed: int = 0,
+                   thresholds: ClassThresholds = DEFAULT_THRESHOLDS) -> list[dict]:
+    """k-fold CV over all records (a prompt's rows stay in one fold): each fold's metrics
+    from a predictor fitted, as train() fits, on the other folds."""
+    if len(records) < 50 * k // (k - 1):
+        raise ValueError(f"need at least {50 * k // (k - 1)} records for {k}-fold CV, got {len(records)}")
+    outer = _folds(records, k, seed)
+    results = []
+    for fold in range(k):
+        fit_rows = [r for r, f in zip(records, outer) if f != fold]
+        held = [r for r, f in zip(records, outer) if f == fold]
+        inner = _folds(fit_rows, CV_FOLDS, seed + 1)
+        x, targets = _matrix(fit_rows), _targets(fit_rows)
+        boosters = {name: _fit(name, x, targets[name], inner, seed)[0] for name in ("p50", "p90", "cap")}
+        results.append(evaluate(LengthPredictor(meta={}, **boosters), held, thresholds))
+    return results
+
+
+def format_cv(results: list[dict]) -> str:
+    rows = [("Kendall tau, predicted p50", lambda m: m["model"]["kendall_tau"]),
+            ("Kendall tau, max_tokens alone", lambda m: m["baseline_max_tokens"]["kendall_tau"]),
+            ("run-to-cap AUC", lambda m: m["model"]["cap_auc"]),
+            ("class accuracy (p50)", lambda m: m["model"]["class_accuracy"])]
+    lines = [f"{len(results)}-fold CV by prompt ({sum(m['n'] for m in results)} records)",
+             f"{'':<32}" + "".join(f"{'fold ' + str(i):>9}" for i in range(len(results))) + f"{'mean':>9}"]
+    for label, get in rows:
+        values = [get(m) for m in results]
+        lines.append(f"{label:<32}" + "".join(f"{v:>9.3f}" for v in values) + f"{np.mean(values):>9.3f}")
+    return "\n".join(lines)
+
+
 def evaluate(predictor: LengthPredictor | FallbackPredictor, records: list[dict],
              thresholds: ClassThresholds = DEFAULT_THRESHOLDS) -> dict:
     if not records:

@@ -208,6 +208,15 @@ def cmd_predictor_eval(ns: argparse.Namespace) -> int:
         print("headroom: predictor eval needs --data or --inflight", file=sys.stderr)
         return 2
     records = load_records(ns.data)
+    if ns.cv:
+        from headroom.admission.train import cross_validate, format_cv
+
+        try:
+            print(format_cv(cross_validate(records, ns.cv)))
+        except ValueError as exc:  # too few records
+            print(f"headroom: {exc}", file=sys.stderr)
+            return 2
+        return 0
     if not ns.all_rows and any(r.get("split") == "test" for r in records):
         records = [r for r in records if r.get("split") == "test"]
     try:
@@ -328,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     evl.add_argument("--probe", default=None,
                      help="with --inflight: score this trained in-flight probe on the rows (held-out rows)")
     evl.add_argument("--all-rows", action="store_true", help="score every row, not only split=test")
+    evl.add_argument("--cv", type=int, default=None, metavar="K",
+                     help="with --data: K-fold CV of the prompt-only predictor over every row (refitted per fold)")
     evl.set_defaults(func=cmd_predictor_eval)
 
     top = sub.add_parser("top", help="live terminal view of the costliest sequences (admin API)")

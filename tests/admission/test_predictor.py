@@ -23,6 +23,7 @@ from headroom.admission.predictor import (
     load_predictor,
 )
 from headroom.admission.train import evaluate, train
+from headroom.app.cli import main
 from headroom.config import ConfigError
 
 _FILLER = ["the", "cat", "garden", "river", "market", "engine", "letter", "music", "window", "paper", "cloud", "forest", "city", "table", "story", "coffee", "winter", "school", "bridge", "planet"]
@@ -275,3 +276,16 @@ def test_predict_latency_is_measured(trained, records):
         times.append(time.perf_counter() - start)
     p50, p99 = np.percentile(times, [50, 99]) * 1e6
     print(f"featurize+predict: p50 {p50:.0f} us, p99 {p99:.0f} us")
+
+
+def test_cross_validation_refits_per_fold_and_beats_max_tokens_alone(records, tmp_path, capsys):
+    from headroom.admission.train import cross_validate
+
+    folds = cross_validate(records, k=4)
+    assert [m["n"] for m in folds] and sum(m["n"] for m in folds) == len(records)
+    for m in folds:  # the hint phrase decides the length: the model must find it in every fold
+        assert m["model"]["kendall_tau"] > m["baseline_max_tokens"]["kendall_tau"] + 0.1
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records[:40]))
+    assert main(["predictor", "eval", "--data", str(path), "--cv", "4"]) == 2
+    assert capsys.readouterr().err.strip() == "headroom: need at least 66 records for 4-fold CV, got 40"

@@ -75,14 +75,19 @@ def test_long_lane_kv_share():
     assert out.requests == [a, c]
 
 
-def test_victim_is_lowest_tier_then_longest_predicted_remaining():
+def three_prefilled():
+    """Three requests predicted 10, 300 and 50 tokens, after their prefill step; the next
+    step's decodes need one block more than the pool has, so one is preempted."""
     s = create_scheduler(num_blocks=6, block_size=4, enable_prefix_caching=False)
-    a = create_request(prompt=8, max_tokens=600, priority=1, predicted=10)
-    b = create_request(prompt=8, max_tokens=600, priority=1, predicted=300)
-    c = create_request(prompt=8, max_tokens=600, priority=1, predicted=50)
-    for r in (a, b, c):
+    requests = [create_request(prompt=8, max_tokens=600, priority=1, predicted=p) for p in (10, 300, 50)]
+    for r in requests:
         s.add_request(r)
     run_step(s)
+    return s, requests
+
+
+def test_victim_is_lowest_tier_then_longest_predicted_remaining():
+    s, (_, b, _) = three_prefilled()
     out, _ = run_step(s)
     assert out.preempted[0] is b
 
@@ -118,13 +123,7 @@ def test_in_flight_estimate_counts_down_as_tokens_come():
 
 
 def test_in_flight_estimate_changes_the_victim_and_counts_it():
-    s = create_scheduler(num_blocks=6, block_size=4, enable_prefix_caching=False)
-    a = create_request(prompt=8, max_tokens=600, priority=1, predicted=10)
-    b = create_request(prompt=8, max_tokens=600, priority=1, predicted=300)
-    c = create_request(prompt=8, max_tokens=600, priority=1, predicted=50)
-    for r in (a, b, c):
-        s.add_request(r)
-    run_step(s)
+    s, (a, b, _) = three_prefilled()
     # In flight, b turns out nearly done and a is the one with most to go.
     b.predicted_remaining_tokens, b.estimated_at_tokens = 2.0, 1
     a.predicted_remaining_tokens, a.estimated_at_tokens = 500.0, 1
