@@ -326,6 +326,10 @@ class ObservabilityConfig:
     ttft_window_s: float = 60.0
     hol_short_ttft_p99_s: float = 2.0  # short-class p99 TTFT above this ...
     hol_long_share: float = 0.5  # ... while long sequences hold this share of device time or KV
+    # The usage ledger behind GET /admin/usage (one SQLite row per finished request, no
+    # text): off unless a path is given; rows older than usage_retention_days are deleted.
+    usage_ledger_path: str | None = None
+    usage_retention_days: float = 90.0
 
     def __post_init__(self) -> None:
         if self.log_format not in ("auto", "json", "console"):
@@ -336,6 +340,8 @@ class ObservabilityConfig:
             raise ConfigError(f"hol_short_ttft_p99_s must be > 0, got {self.hol_short_ttft_p99_s}")
         if not 0 < self.hol_long_share <= 1:
             raise ConfigError(f"hol_long_share must be in (0, 1], got {self.hol_long_share}")
+        if self.usage_retention_days <= 0:
+            raise ConfigError(f"usage_retention_days must be > 0, got {self.usage_retention_days}")
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import csv
 import dataclasses
+import datetime
 import functools
 import hashlib
 import hmac
+import io
 import logging
 import os
 import time
@@ -28,6 +31,7 @@ from headroom.app import keys
 from headroom.app.admission_gate import Unauthorized
 from headroom.app.errors import APIError, BadRequest, Conflict, NotFound
 from headroom.config import Config
+from headroom.observability.ledger import OUTCOMES, SUMS
 from headroom.runtime.outputs import SequenceFinished, UnknownSequence
 
 log = logging.getLogger("headroom.admin")
@@ -83,6 +87,7 @@ def create_admin_app(token: str) -> web.Application:
     admin.router.add_patch("/tenants/{name}", patch_tenant)
     admin.router.add_post("/predictor/reload", reload_predictor)
     admin.router.add_get("/stats", stats)
+    admin.router.add_get("/usage", usage)
     admin.router.add_get("/ui", ui)
     return admin
 
@@ -142,6 +147,48 @@ async def deprioritize(request: web.Request) -> web.Response:
 async def cap(request: web.Request) -> web.Response:
     body = await parse(request, CapBody)
     return await act(request, "cap", max_tokens=body.max_tokens)
+
+
+def _instant(request: web.Request, name: str, default: float) -> float:
+    """A query parameter as unix seconds: a number, or an ISO 8601 time (UTC if no zone)."""
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.datetime.fromisoformat(raw)
+    except ValueError:
+        raise BadRequest(f"{name} must be unix seconds or an ISO 8601 time, got {raw!r}", param=name,
+                         code="invalid_value") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.UTC)
+    return moment.timestamp()
+
+
+async def usage(request: web.Request) -> web.Response:
+    """Per-tenant totals from the usage ledger over [since, until), as JSON or CSV."""
+    ledger = request.config_dict[keys.OBSERVABILITY].ledger
+    if ledger is None:
+        raise Conflict("the usage ledger is off: set [observability] usage_ledger_path", code="ledger_off")
+    since, until = _instant(request, "since", 0.0), _instant(request, "until", time.time() + 1)
+    if until <= since:
+        raise BadRequest("until must be after since", param="until", code="invalid_value")
+    form = request.query.get("format", "json")
+    if form not in ("json", "csv"):
+        raise BadRequest("format must be json or csv", param="format", code="invalid_value")
+    tenants = await asyncio.get_running_loop().run_in_executor(None, ledger.usage, since, until)
+    if form == "json":
+        return web.json_response({"object": "usage", "since": since, "until": until,
+                                  "tenants": [dataclasses.asdict(t) for t in tenants]})
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(["tenant", *(f"requests_{o}" for o in OUTCOMES), *SUMS])
+    for t in tenants:
+        writer.writerow([t.tenant, *(t.requests.get(o, 0) for o in OUTCOMES), *(getattr(t, s) for s in SUMS)])
+    return web.Response(text=out.getvalue(), content_type="text/csv")
 
 
 async def stats(request: web.Request) -> web.Response:

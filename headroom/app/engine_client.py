@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from headroom.runtime.engine import Engine
 from headroom.runtime.outputs import RequestOutput
@@ -22,6 +22,9 @@ class AsyncEngine:
         self.engine = engine
         self.max_in_flight = max_in_flight
         self.in_flight: dict[str, Request] = {}
+        # Called on the loop once the engine is done with a request, also one whose client
+        # left first (the engine finishes it a step later): where its cost is final.
+        self.on_closed: Callable[[Request], None] | None = None
 
     @property
     def is_full(self) -> bool:
@@ -36,6 +39,8 @@ class AsyncEngine:
 
         def sink(output: RequestOutput) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, output)
+            if output.finished and self.on_closed is not None:
+                loop.call_soon_threadsafe(self.on_closed, request)
 
         self.in_flight[request.request_id] = request
         request.admitted_time = time.monotonic()

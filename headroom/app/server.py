@@ -70,6 +70,7 @@ def create_app(config: Config, engine: Engine) -> web.Application:
         _use_inflight(config, engine)
     app[keys.LIFECYCLE] = keys.Lifecycle()
     app[keys.OBSERVABILITY] = Observability(config.observability, engine, app[keys.GATE].admission)
+    app[keys.ENGINE].on_closed = app[keys.OBSERVABILITY].charge
     app[keys.OPENAPI] = build_openapi(package_version(), admin=admin_token(config) is not None)
     app.cleanup_ctx.append(_observability)  # first in, last out: flushes the final spans
     app.cleanup_ctx.append(_engine_thread)

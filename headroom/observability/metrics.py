@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from headroom.admission.admission import Admission
 from headroom.observability.finished import FinishedRequest
+from headroom.observability.ledger import Usage
 from headroom.runtime.engine import Engine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -61,6 +62,36 @@ class Metrics:
         self.long_lane_factor.set(1.0)
         self.registry.register(EngineCollector(engine, admission, dropped_spans))
 
+        # Cost per tenant, for billing and throttling: one label value per configured tenant
+        # (`none` for requests refused before their tenant was known).
+        def by_tenant(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ("tenant",), registry=self.registry)
+
+        self.tenant_requests = Counter("headroom:tenant_requests", "Finished requests by tenant and outcome "
+                                       "(stop, length, abort, rejected, invalid, routed, error).",
+                                       ("tenant", "outcome"), registry=self.registry)
+        self.tenant_prompt_tokens = by_tenant("headroom:tenant_prompt_tokens", "Prompt tokens of requests that ran.")
+        self.tenant_cached_tokens = by_tenant("headroom:tenant_cached_prompt_tokens",
+                                              "Of those, tokens served from the prefix cache.")
+        self.tenant_output_tokens = by_tenant("headroom:tenant_output_tokens", "Output tokens generated.")
+        self.tenant_device_seconds = by_tenant("headroom:tenant_device_seconds",
+                                               "Engine time: each step's wall time split over its sequences by "
+                                               "their share of its tokens.")
+        self.tenant_kv_block_seconds = by_tenant("headroom:tenant_kv_block_seconds",
+                                                 "KV blocks held, times the seconds of each step they were held in.")
+        self.tenant_admission_wait = by_tenant("headroom:tenant_admission_wait_seconds",
+                                               "Time between arrival and admission.")
+
+    def charge(self, usage: Usage) -> None:
+        tenant = usage.tenant
+        self.tenant_requests.labels(tenant, usage.outcome).inc()
+        self.tenant_admission_wait.labels(tenant).inc(usage.admission_wait_seconds)
+        self.tenant_prompt_tokens.labels(tenant).inc(usage.prompt_tokens)
+        self.tenant_cached_tokens.labels(tenant).inc(usage.cached_prompt_tokens)
+        self.tenant_output_tokens.labels(tenant).inc(usage.output_tokens)
+        self.tenant_device_seconds.labels(tenant).inc(usage.device_seconds)
+        self.tenant_kv_block_seconds.labels(tenant).inc(usage.kv_block_seconds)
+
     def observe(self, done: FinishedRequest) -> None:
         if not done.ran:
             return
@@ -76,6 +107,17 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def refused_outcome(done: FinishedRequest) -> str:
+    """How a request that never reached the engine ended, for the per-tenant counter."""
+    if done.http_status == 429:
+        return "rejected"
+    if 400 <= done.http_status < 500:
+        return "invalid"
+    if done.http_status == 200:
+        return "routed"  # proxied to the long pool, which counts its own cost
+    return "error"
 
 
 class EngineCollector(Collector):

@@ -15,8 +15,9 @@ from headroom.admission.admission import Admission
 from headroom.config import ObservabilityConfig
 from headroom.observability.finished import FinishedRequest
 from headroom.observability.hol import HolFeedback, HolMonitor, HolState
+from headroom.observability.ledger import Usage, UsageLedger
 from headroom.observability.logs import log_finished
-from headroom.observability.metrics import Metrics
+from headroom.observability.metrics import Metrics, refused_outcome
 from headroom.observability.tracing import Tracing, exporter_from_env
 from headroom.observability.windows import LatencyWindows
 from headroom.runtime.engine import Engine
@@ -54,6 +55,8 @@ class Observability:
         self.engine = engine
         self.tracing = tracing if tracing is not None else Tracing(exporter_from_env(), package_version())
         self.metrics = Metrics(engine, admission, self.tracing.dropped_spans)
+        self.ledger = UsageLedger(config.usage_ledger_path, config.usage_retention_days) \
+            if config.usage_ledger_path else None
         self.windows = LatencyWindows()
         self.hol = HolMonitor(config, self.windows)
         self.hol_feedback = HolFeedback(engine.set_long_lane_factor, engine.config.scheduler.long_lane)
@@ -72,6 +75,8 @@ class Observability:
             error=error,
         )
         self.metrics.observe(done)
+        if not done.ran:  # one that ran is charged when the engine is done with it (charge)
+            self.record_usage(Usage.of_refused(done, refused_outcome(done)))
         if done.ttft_s is not None and done.first_token_at is not None:
             self.windows.observe(done.size_class, done.first_token_at, done.ttft_s, done.e2e_s)
         if trace.span is not None:
@@ -121,8 +126,19 @@ class Observability:
             metrics.rolling_ttft.labels(size_class, "0.99").set(p99)
         return state
 
+    def charge(self, request: Request) -> None:
+        """The engine has finished with a request it ran: charge its tenant (AsyncEngine.on_closed)."""
+        self.record_usage(Usage.of_request(request))
+
+    def record_usage(self, usage: Usage) -> None:
+        self.metrics.charge(usage)
+        if self.ledger is not None:
+            self.ledger.record(usage)
+
     def shutdown(self) -> None:
         self.tracing.shutdown()
+        if self.ledger is not None:
+            self.ledger.close()
 
 
 def span_attributes(done: FinishedRequest) -> dict:

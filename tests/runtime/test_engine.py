@@ -416,11 +416,11 @@ def test_failed_step_fails_only_its_sequences(loaded, prompts, monkeypatch):
     execute = engine.runner.execute
     calls = []
 
-    def flaky(out, block_manager):
+    def flaky(out, block_manager, **kwargs):
         calls.append([r.request_id for r in out.requests])
         if len(calls) == 3:
             raise RuntimeError("boom")
-        return execute(out, block_manager)
+        return execute(out, block_manager, **kwargs)
 
     monkeypatch.setattr(engine.runner, "execute", flaky)
     failing, waiting = (engine.new_request(p, GREEDY) for p in prompts[:2])
