@@ -20,12 +20,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from headroom.observability.ledger import Usage, UsageLedger
 from headroom.observability.metrics import Metrics
+from headroom.runtime.outputs import EngineStats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hol import cpu_line, free_port, start_server, stop_server
@@ -46,13 +48,15 @@ usage_ledger_path = "{path}"
 """
 
 
-class NoEngine:
-    """Metrics reads the engine only at scrape time; charging needs none."""
+def idle_engine() -> SimpleNamespace:
+    """What Metrics reads of an engine at scrape time (and once at start): an idle one."""
+    return SimpleNamespace(counters=EngineStats, scheduler=SimpleNamespace(num_running=0, num_waiting=0),
+                           block_manager=SimpleNamespace(num_used_blocks=0, num_blocks=1))
 
 
 def charge_cost(n: int, directory: str) -> list[float]:
     ledger = UsageLedger(Path(directory) / "charge.sqlite", retention_days=90)
-    metrics = Metrics(NoEngine(), None, lambda: 0)  # type: ignore[arg-type]
+    metrics = Metrics(idle_engine(), None, lambda: 0)  # type: ignore[arg-type]
     times = []
     for i in range(n):
         usage = Usage(f"r{i}", ("alpha", "beta")[i % 2], "length", 128, 0, 128, 0.3, 2.5, 0.001)
