@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 ARGS   ?=
 
-.PHONY: install browser serve generate test test-gpu bench clean
+.PHONY: install browser promtool serve generate test test-gpu bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,7 +42,14 @@ browser:
 	  $$SUDO apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends chromium; }
 
-test: install browser
+# The alerting rules' tests run promtool: Debian's prometheus package, installed the same way.
+promtool:
+	@command -v promtool >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus; }
+
+test: install browser promtool
 	$(BIN)/python -m pytest -q $(ARGS)
 
 test-gpu: install

@@ -101,3 +101,41 @@ def test_endpoint_names_a_port_jaeger_exposes(services):
     assert url.hostname in services
     assert url.hostname == "jaeger"
     assert url.port in container_ports(services[url.hostname])
+
+
+def mounts(service: dict) -> dict[str, Path]:
+    """container path -> host path of each bind mount (short syntax)."""
+    out = {}
+    for volume in service.get("volumes", []):
+        host, container = str(volume).split(":")[:2]
+        out[container] = ROOT / host
+    return out
+
+
+def test_prometheus_scrapes_headroom_and_loads_the_rules(services):
+    prometheus = services["prometheus"]
+    assert published(prometheus).get(9090) == 9090
+    files = mounts(prometheus)
+    assert files["/etc/prometheus/rules.yml"] == ROOT / "deploy" / "prometheus" / "rules.yml"
+    config = yaml.safe_load(files["/etc/prometheus/prometheus.yml"].read_text())
+    assert config["rule_files"] == ["/etc/prometheus/rules.yml"]
+    [job] = config["scrape_configs"]
+    assert job["metrics_path"] == "/metrics"
+    [target] = job["static_configs"][0]["targets"]
+    host, port = target.split(":")
+    assert host == "headroom" and int(port) in container_ports(services["headroom"])
+    assert "headroom" in depends_on(prometheus)
+
+
+def test_grafana_is_provisioned_with_prometheus_and_the_dashboard(services):
+    grafana = services["grafana"]
+    files = mounts(grafana)
+    provisioning = files["/etc/grafana/provisioning"]
+    [source] = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    url = urlparse(source["url"])
+    assert (source["type"], source["uid"], url.hostname) == ("prometheus", "prometheus", "prometheus")
+    assert url.port in container_ports(services["prometheus"])
+    [provider] = yaml.safe_load((provisioning / "dashboards" / "headroom.yml").read_text())["providers"]
+    dashboard = files[provider["options"]["path"] + "/headroom.json"]
+    assert dashboard == ROOT / "deploy" / "grafana" / "headroom.json" and dashboard.is_file()
+    assert published(grafana).get(3000) == 3000 and "prometheus" in depends_on(grafana)
