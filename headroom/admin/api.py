@@ -207,6 +207,7 @@ async def stats(request: web.Request) -> web.Response:
             "offenders": [{"id": o.request_id, "tenant": o.tenant, "size_class": o.size_class,
                            "device_share": o.device_share, "kv_share": o.kv_share} for o in hol.offenders],
         },
+        "split": None if observability.split_state is None else dataclasses.asdict(observability.split_state),
         "long_lane": {
             "enabled": lane.enabled, "factor": lane.factor, "short_ttft_target_s": lane.short_ttft_target_s,
             "allowance_s": lane.allowance_s,

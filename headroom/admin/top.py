@@ -128,6 +128,12 @@ def render(url: str, sort: str, state: State) -> Group:
         line = " · ".join(f"{name} {_num(c['ttft_p99_s'], '{:.3f}')}s (n={c['count']})"
                           for name, c in sorted(classes.items())) or "no finished requests"
         parts.append(Text(f"TTFT p99 (1m): {line}"))
+        split = stats.get("split")
+        if split:
+            advice = {0.0: "", 10.0: " · plan a split", 50.0: " · two services on one pool"}[split["level"]]
+            parts.append(Text(f"pool spread (10m): largest {split['max_tokens']} tokens, median "
+                              f"{split['median_tokens']:.0f} ({split['tokens_ratio']:.1f}x){advice}",
+                              style="bold yellow" if split["level"] else None))
     table = Table(box=None, header_style="bold", pad_edge=False, title=f"sequences by {sort}", title_justify="left")
     for name in ("", "id", "tenant", "class", "state", "prompt", "out/max", "pred", "left", "p(cap)", "KV blocks",
                  "dev s", "age s", "prio"):

@@ -60,6 +60,10 @@ class Metrics:
                                       "Scale the head-of-line loop puts on the long lane's prefill allowance.",
                                       registry=self.registry)
         self.long_lane_factor.set(1.0)
+        self.split_ratio = Gauge("headroom:pool_split_ratio",
+                                 "Largest finished request against the median over the last 10 minutes, by size "
+                                 "(prompt + output tokens) or engine time: over 10, plan a split; over 50, split.",
+                                 ("measure",), registry=self.registry)
         self.registry.register(EngineCollector(engine, admission, dropped_spans))
 
         # Cost per tenant, for billing and throttling: one label value per configured tenant

@@ -18,6 +18,7 @@ from headroom.observability.hol import HolFeedback, HolMonitor, HolState
 from headroom.observability.ledger import Usage, UsageLedger
 from headroom.observability.logs import log_finished
 from headroom.observability.metrics import Metrics, refused_outcome
+from headroom.observability.split import SplitSignal, SplitState
 from headroom.observability.tracing import Tracing, exporter_from_env
 from headroom.observability.windows import LatencyWindows
 from headroom.runtime.engine import Engine
@@ -58,6 +59,8 @@ class Observability:
         self.ledger = UsageLedger(config.usage_ledger_path, config.usage_retention_days) \
             if config.usage_ledger_path else None
         self.windows = LatencyWindows()
+        self.split = SplitSignal()
+        self.split_state: SplitState | None = None
         self.hol = HolMonitor(config, self.windows)
         self.hol_feedback = HolFeedback(engine.set_long_lane_factor, engine.config.scheduler.long_lane)
         if self.tracing.enabled:
@@ -75,6 +78,9 @@ class Observability:
             error=error,
         )
         self.metrics.observe(done)
+        if done.ran and done.finish_reason in ("stop", "length"):
+            self.split.observe(done.prompt_tokens + done.output_tokens, done.device_time_s, done.size_class,
+                               done.tenant or "none")
         if not done.ran:  # one that ran is charged when the engine is done with it (charge)
             self.record_usage(Usage.of_refused(done, refused_outcome(done)))
         if done.ttft_s is not None and done.first_token_at is not None:
@@ -124,6 +130,10 @@ class Observability:
         for size_class, (p50, p99) in state.ttft_s.items():
             metrics.rolling_ttft.labels(size_class, "0.5").set(p50)
             metrics.rolling_ttft.labels(size_class, "0.99").set(p99)
+        self.split_state = split = self.split.state()
+        if split is not None:
+            metrics.split_ratio.labels("tokens").set(split.tokens_ratio)
+            metrics.split_ratio.labels("device_seconds").set(split.device_ratio)
         return state
 
     def charge(self, request: Request) -> None:

@@ -70,6 +70,7 @@ def test_the_page_finds_the_runaway_and_aborts_it(admin_server, page):
     expect(rows.first).to_have_attribute("data-seq-id", rid, timeout=TIMEOUT_MS)
     expect(page.locator("#kv")).to_contain_text(re.compile(r"\b[1-9]\d* / 512 blocks"))
     expect(page.locator("#hol")).to_contain_text("coupled")
+    expect(page.locator("#hol")).to_contain_text("pool spread (10 m)– (under 20 finished requests)")
     expect(page.locator("#tenants tbody tr")).to_have_count(2)
     box = page.locator("#ttft-chart").bounding_box()
     assert box is not None and box["width"] > 100 and box["height"] > 50

@@ -24,7 +24,7 @@ def promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_the_rules_are_valid():
     run = promtool("check", "rules", str(RULES), cwd=ROOT)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "SUCCESS: 17 rules found" in run.stdout
+    assert "SUCCESS: 19 rules found" in run.stdout
 
 
 def test_the_alerts_fire_where_they_must_and_nowhere_else():
@@ -47,6 +47,9 @@ def test_the_alerts_fire_where_they_must_and_nowhere_else():
     # Thrashing without preemptions is just a full pool.
     ("          and on() rate(headroom:num_preemptions_total[5m]) > 0\n", "\n", "alertname: HeadroomKVCacheThrashing"),
     ("        expr: vector(0.8)", "        expr: vector(0.95)", "alertname: HeadroomTenantDeviceShare"),
+    # Reading the instant value: a 5-minute spike would fire the advice.
+    ("min_over_time(headroom:pool_split_ratio{measure=\"tokens\"}[10m]) > 10",
+     "headroom:pool_split_ratio{measure=\"tokens\"} > 10", "alertname: HeadroomPoolSplitAdvised"),
 ])
 def test_a_broken_rule_fails_its_test(tmp_path, old, new, broken):
     rules = RULES.read_text(encoding="utf-8")
