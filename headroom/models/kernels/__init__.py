@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -33,6 +34,25 @@ def cpu_flags() -> set[str]:
 SOURCES = ("bindings.cpp", "q4_linear.cpp", "q8_linear.cpp", "qdot_linear.cpp", "paged_attention.cpp",
            "fused_ops.cpp", "pool.cpp")
 VNNI_FLAGS = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"}
+NAME = "headroom_cpu_kernels"
+# A build takes ~3 minutes on 2 cores. torch's builder holds a `lock` file in the build
+# directory while it compiles and waits, without end, for any lock it finds; a build that
+# was killed leaves its lock behind, and every later start would hang on it.
+STALE_LOCK_S = 900.0
+
+
+def clear_stale_lock(build_dir: Path, now: float | None = None) -> bool:
+    """Remove the builder's lock in build_dir if it is older than any build takes."""
+    lock = build_dir / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_S:
+        return False
+    log.warning("removing a stale build lock left %.0f s ago by a build that did not finish: %s", age, lock)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 @functools.cache
@@ -40,7 +60,13 @@ def cpu_kernels() -> tuple[ModuleType | None, str]:
     """(the compiled module with q4_linear, q8_linear, qdot_linear and paged_decode_attention, or None; why)."""
     if os.environ.get("HEADROOM_NO_KERNELS"):
         return None, "HEADROOM_NO_KERNELS is set"
+    from torch.utils import cpp_extension
     from torch.utils.cpp_extension import load
+
+    # torch keeps the build directory's name to itself; without it, no cleanup (torch's own wait).
+    with_build_dir = getattr(cpp_extension, "_get_build_directory", None)
+    if with_build_dir is not None:
+        clear_stale_lock(Path(with_build_dir(NAME, False)))
 
     flags = ["-O3", "-fopenmp"]  # at::parallel_for is OpenMP inlined from its header
     cpu = cpu_flags()
@@ -49,7 +75,7 @@ def cpu_kernels() -> tuple[ModuleType | None, str]:
     if VNNI_FLAGS <= cpu:
         flags += ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni"]
     try:
-        module = load(name="headroom_cpu_kernels", sources=[str(HERE / name) for name in SOURCES],
+        module = load(name=NAME, sources=[str(HERE / name) for name in SOURCES],
                       extra_cflags=flags, extra_ldflags=["-fopenmp"], extra_include_paths=[str(HERE)],
                       verbose=False)
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler, or it failed
