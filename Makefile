@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 ARGS   ?=
 
-.PHONY: install browser promtool serve generate test test-gpu bench clean
+.PHONY: install browser promtool redis serve generate test test-gpu bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,7 +49,14 @@ promtool:
 	  $$SUDO apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus; }
 
-test: install browser promtool
+# The fleet tests start real redis-server processes: Debian's redis-server package.
+redis:
+	@command -v redis-server >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends redis-server; }
+
+test: install browser promtool redis
 	$(BIN)/python -m pytest -q $(ARGS)
 
 test-gpu: install

@@ -221,6 +221,18 @@ class AdmissionConfig:
     # Run-to-cap probability at which a sequence is flagged a runaway (and, with a
     # max_tokens of long work, moved to the long lane).
     runaway_threshold: float = 0.8
+    # Where tenant budgets live: None keeps them in this process; "redis://host:port/db"
+    # shares them with every replica pointed at the same Redis (the URL may also come
+    # from HEADROOM_ADMISSION_STORE, so a password need not sit in a config file).
+    store: str | None = None
+    # Replicas sharing the store: without Redis each falls back to 1/fleet_size of every budget.
+    fleet_size: int = 1
+    # A replica's reservations in Redis expire this long after its last renewal (it
+    # renews every third of it), so those of a replica that died come back this fast.
+    lease_ttl_s: float = 10.0
+    # How this replica's leases are named in Redis (None: hostname:port); a replica that
+    # restarts under the same id gives back what its previous run left at once.
+    replica_id: str | None = None
 
     def __post_init__(self) -> None:
         # A TOML file gives a table for tiers and a list of tables for tenants.
@@ -272,6 +284,13 @@ class AdmissionConfig:
             raise ConfigError(f"admission.inflight_every must be >= 1, got {self.inflight_every}")
         if not 0 < self.runaway_threshold <= 1:
             raise ConfigError(f"admission.runaway_threshold must be in (0, 1], got {self.runaway_threshold}")
+        if self.store is not None and not self.store.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError("admission.store must be a redis://, rediss:// or unix:// URL, got one starting "
+                              f"{self.store.split(':', 1)[0]!r}")  # never echo a password
+        if not (isinstance(self.fleet_size, int) and self.fleet_size >= 1):
+            raise ConfigError(f"admission.fleet_size must be an integer >= 1, got {self.fleet_size!r}")
+        if not self.lease_ttl_s >= 1:
+            raise ConfigError(f"admission.lease_ttl_s must be >= 1, got {self.lease_ttl_s}")
 
     @staticmethod
     def _tenant(item: TenantConfig | Mapping) -> TenantConfig:

@@ -11,20 +11,31 @@ can never fit the tenant's in-flight cap, when it has waited too long, or on shu
 
 Every admitted request holds a Ticket that must be settled exactly once with the real
 token counts; settling is idempotent, so finish, abort and error paths may all call it.
+
+With a shared store (redis_store.py), a request that this replica would admit is also
+checked and charged fleet-wide, in one round trip, before its ticket is granted: pump
+hands the head of a tenant's queue to a task that asks Redis while the global slot is
+held, and a refusal puts it back at the head until the store's retry hint has passed.
+While the store is unavailable, pump grants on the local buckets, which the store has
+scaled down to this replica's share.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from headroom.admission.fair_queue import FairQueue
+from headroom.admission.redis_store import RedisStore, StoreUnavailable
 from headroom.admission.tenants import BUSY_RETRY_AFTER_S, Tenant, TenantRegistry, Waiter
 from headroom.config import AdmissionConfig
+
+log = logging.getLogger("headroom.admission")
 
 
 class Rejected(Exception):
@@ -49,6 +60,10 @@ class Ticket:
     # was charged at output weight until settle corrects it.
     prompt_tokens: int = 0
     settled: bool = False
+    # With a shared store: the fleet-wide lease, and whether its cost was charged to the
+    # shared bucket (False: granted on the local share while the store was away).
+    lease: str | None = None
+    charged: bool = False
 
 
 @dataclass
@@ -63,9 +78,10 @@ class AdmissionStats:
 class Admission:
     def __init__(self, config: AdmissionConfig, registry: TenantRegistry | None = None, *,
                  max_in_flight_seqs: int | None = None, now: Callable[[], float] = time.monotonic,
-                 tick_s: float = 0.05):
+                 tick_s: float = 0.05, store: RedisStore | None = None):
         """max_in_flight_seqs: the global limit (default config.global_max_in_flight_seqs;
-        both None: no global limit). tick_s: the refill/expiry timer period."""
+        both None: no global limit). tick_s: the refill/expiry timer period. store: tenant
+        budgets shared with other replicas (None: this process's buckets are the truth)."""
         self.config = config
         self.registry = registry if registry is not None else TenantRegistry(config, now)
         self.fair = FairQueue(config.prompt_weight, config.output_weight)
@@ -80,6 +96,9 @@ class Admission:
         self._wake = asyncio.Event()
         self._timer: asyncio.Task | None = None
         self._closed = False
+        self.store = store
+        self._confirming: set[Waiter] = set()
+        self._tasks: set[asyncio.Task] = set()  # reserve and settle round trips to the store
 
     # --- the decision -------------------------------------------------------------
 
@@ -93,30 +112,39 @@ class Admission:
             raise ValueError(f"need 0 <= prompt_tokens <= cost, got {prompt_tokens} and {cost}")
         if self._closed:
             raise self._reject(Rejected("server is shutting down", None, "shutting_down"))
-        if not tenant.bucket.fits_ever(cost):
+        if cost > tenant.config.max_in_flight_tokens:
             raise self._reject(Rejected(
                 f"request needs {cost} tokens but tenant {tenant.name!r} may have at most "
-                f"{tenant.bucket.max_in_flight_tokens} in flight; it can never be admitted", None, "too_large"))
+                f"{tenant.config.max_in_flight_tokens} in flight; it can never be admitted", None, "too_large"))
         self.pump()  # refill may already have let waiters in; they go first
+        direct = False
         if not tenant.queue:
             self.fair.lift(tenant, self.registry)
             # After pump, a free slot means no waiter of any tenant can use it now, so
             # taking it jumps nobody.
-            if self._slot_free() and tenant.bucket.can_admit(cost):
-                self.decisions["admit"] += 1
-                return self._grant(tenant, cost, prompt_tokens, "admit", 0.0)
+            if self._slot_free() and tenant.head_free() and tenant.bucket.can_admit(cost):
+                if not self._shared():
+                    self.decisions["admit"] += 1
+                    return self._grant(tenant, cost, prompt_tokens, "admit", 0.0)
+                direct = True  # admitted here; the fleet's answer is one round trip away
         max_wait = tenant.config.max_wait_s if deadline_s is None else min(deadline_s, tenant.config.max_wait_s)
-        if max_wait <= 0:
+        if max_wait <= 0 and not direct:
             raise self._reject(Rejected(f"tenant {tenant.name!r}: cannot admit now and the request may not wait",
                                         self._retry_after(tenant, cost), "timeout"))
-        if len(tenant.queue) >= tenant.config.max_queue:
+        if len(tenant.queue) >= tenant.config.max_queue and not direct:
             raise self._reject(Rejected(f"tenant {tenant.name!r}: wait queue is full ({tenant.config.max_queue})",
                                         self._retry_after(tenant, cost), "queue_full"))
 
         now = self._now()
-        waiter = Waiter(cost, prompt_tokens, now, now + max_wait, asyncio.get_running_loop().create_future())
+        waiter = Waiter(cost, prompt_tokens, now, now + max(max_wait, 0.0),
+                        asyncio.get_running_loop().create_future(), direct)
         tenant.queue.append(waiter)
-        self.decisions["wait"] += 1
+        if direct:
+            self.pump()
+            if waiter in tenant.queue:  # not picked after all: it waits like any other
+                waiter.direct = False
+        if not waiter.direct:
+            self.decisions["wait"] += 1
         self._wake.set()
         try:
             return await waiter.future
@@ -136,6 +164,9 @@ class Admission:
         self.fair.charge(tenant, prompt_tokens - ticket.prompt_tokens,
                          output_tokens - (ticket.cost - ticket.prompt_tokens))
         self.in_flight_seqs -= 1
+        if self.store is not None and ticket.lease is not None:
+            self._spawn(self.store.settle(ticket.lease, ticket.cost, prompt_tokens + output_tokens, ticket.charged),
+                        then_pump=True)
         self.pump()
 
     def pump(self) -> None:
@@ -150,7 +181,13 @@ class Admission:
             if tenant is None:
                 break
             waiter = tenant.queue.popleft()
-            ticket = self._grant(tenant, waiter.cost, waiter.prompt_tokens, "wait", now - waiter.enqueued_at)
+            if self._shared():
+                self._confirm(tenant, waiter)
+                continue
+            ticket = self._grant(tenant, waiter.cost, waiter.prompt_tokens, _decision(waiter),
+                                 now - waiter.enqueued_at)
+            if self.store is not None:  # on the local share; the store counts it once back
+                ticket.lease = self.store.hold_locally(tenant, waiter.cost)
             waiter.future.set_result(ticket)
         for tenant in self.registry:
             self._prune(tenant, now)
@@ -172,12 +209,18 @@ class Admission:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._timer
             self._timer = None
+        waiters = list(self._confirming)
         for tenant in self.registry:
-            while tenant.queue:
-                waiter = tenant.queue.popleft()
-                if not waiter.future.done():
-                    waiter.future.set_exception(
-                        self._reject(Rejected("server is shutting down", None, "shutting_down")))
+            waiters.extend(tenant.queue)
+            tenant.queue.clear()
+        for waiter in waiters:  # one being confirmed gives its lease back when the answer comes
+            if not waiter.future.done():
+                waiter.future.set_exception(self._reject(Rejected("server is shutting down", None, "shutting_down")))
+
+    async def flush(self, timeout_s: float = 2.0) -> None:
+        """Wait (bounded) for the store round trips still under way, settles above all."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)
 
     async def _tick(self) -> None:
         while True:
@@ -195,6 +238,55 @@ class Admission:
             in_flight_seqs=self.in_flight_seqs)
 
     # --- internals ----------------------------------------------------------------
+
+    def _shared(self) -> bool:
+        return self.store is not None and self.store.available
+
+    def _confirm(self, tenant: Tenant, waiter: Waiter) -> None:
+        """Ask the store for `waiter`'s tokens, holding a global slot meanwhile."""
+        self.in_flight_seqs += 1
+        tenant.confirming = True
+        self._confirming.add(waiter)
+        self._spawn(self._confirm_async(tenant, waiter))
+
+    async def _confirm_async(self, tenant: Tenant, waiter: Waiter) -> None:
+        answer: str | float | None = None
+        try:
+            answer = await self.store.reserve(tenant, waiter.cost)
+        except StoreUnavailable:
+            pass  # the store is now unavailable: pump grants on the local share
+        except Exception:
+            log.exception("admission store: reserve failed")
+        finally:
+            tenant.confirming = False
+            self._confirming.discard(waiter)
+            self.in_flight_seqs -= 1
+        if isinstance(answer, str):
+            if waiter.future.done():  # cancelled, or the server closed, while Redis answered
+                self._spawn(self.store.settle(answer, waiter.cost, 0, True), then_pump=True)
+            else:
+                if _decision(waiter) == "admit":
+                    self.decisions["admit"] += 1
+                ticket = self._grant(tenant, waiter.cost, waiter.prompt_tokens, _decision(waiter),
+                                     self._now() - waiter.enqueued_at)
+                ticket.lease, ticket.charged = answer, True
+                waiter.future.set_result(ticket)
+        elif not waiter.future.done():
+            if answer is not None:
+                tenant.hold_until = self._now() + max(answer, self._tick_s)
+            if _decision(waiter) == "admit":
+                self.decisions["wait"] += 1
+                waiter.direct = False
+            tenant.queue.appendleft(waiter)
+            self._wake.set()
+        self.pump()
+
+    def _spawn(self, coro, then_pump: bool = False) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        if then_pump:  # a settle that reached the store frees fleet-wide tokens
+            task.add_done_callback(lambda _: self.pump())
 
     def _slot_free(self) -> bool:
         return self.max_in_flight_seqs is None or self.in_flight_seqs < self.max_in_flight_seqs
@@ -242,3 +334,7 @@ class Admission:
         self.decisions["reject"] += 1
         self.rejections[rejected.code] += 1
         return rejected
+
+
+def _decision(waiter: Waiter) -> str:
+    return "admit" if waiter.direct else "wait"

@@ -49,6 +49,9 @@ class TenantBucket:
             self._level = min(self.burst, self._level + (t - self._stamp) * self.rate)
             self._stamp = t
 
+    def now(self) -> float:
+        return self._now()
+
     @property
     def level(self) -> float:
         self._refill()
@@ -74,6 +77,10 @@ class TenantBucket:
         self._refill()
         self._in_flight -= reserved
         self._level = min(self.burst, self._level + reserved - actual)
+
+    def refill_to_burst(self) -> None:
+        self._refill()
+        self._level = float(self.burst)
 
     def retry_after_s(self, cost: int) -> float:
         """Seconds until `cost` could be admitted as far as this bucket knows: the refill
@@ -102,6 +109,9 @@ class Waiter:
     enqueued_at: float
     expires_at: float
     future: asyncio.Future
+    # Admissible the moment it arrived, so only the shared store's answer stood between
+    # it and a ticket: it counts as admitted at once unless the store refuses it.
+    direct: bool = False
 
 
 @dataclass(eq=False)
@@ -112,13 +122,21 @@ class Tenant:
     # Virtual token counter: weighted service received (see fair_queue.py).
     vtc: float = 0.0
     queue: deque[Waiter] = field(default_factory=deque)
+    # With a shared store: the head is being reserved fleet-wide now, or was refused
+    # there and may be asked again only from hold_until on.
+    confirming: bool = False
+    hold_until: float = 0.0
 
     @property
     def name(self) -> str:
         return self.config.name
 
+    def head_free(self) -> bool:
+        """Nothing of this tenant's is being reserved fleet-wide, nor held back by a refusal."""
+        return not self.confirming and self.bucket.now() >= self.hold_until
+
     def head_admissible(self) -> bool:
-        return bool(self.queue) and self.bucket.can_admit(self.queue[0].cost)
+        return bool(self.queue) and self.head_free() and self.bucket.can_admit(self.queue[0].cost)
 
 
 class TenantRegistry:
@@ -127,6 +145,9 @@ class TenantRegistry:
 
     def __init__(self, config: AdmissionConfig, now: Callable[[], float] = time.monotonic):
         self.config = config
+        # The fraction of every configured budget this replica may use on its own (a
+        # fleet without its shared store falls back to 1 / fleet_size).
+        self.share = 1.0
         self._tenants: dict[str, Tenant] = {}
         self._keys: list[tuple[bytes, Tenant]] = []
         for tc in config.tenants:
@@ -176,8 +197,19 @@ class TenantRegistry:
                                      ("max_in_flight_tokens", max_in_flight_tokens)) if v is not None}
         new = dataclasses.replace(tenant.config, **changes)  # validates
         priority = self.config.priority(new.tier)
-        tenant.bucket.configure(new.rate_tokens_per_s, new.burst_tokens, new.max_in_flight_tokens)
         tenant.config = new
         tenant.priority = priority
+        self._configure(tenant)
         return tenant
+
+    def set_share(self, share: float) -> None:
+        """Scale every tenant's bucket to `share` of its configured limits."""
+        self.share = share
+        for tenant in self:
+            self._configure(tenant)
+
+    def _configure(self, tenant: Tenant) -> None:
+        c, share = tenant.config, self.share
+        tenant.bucket.configure(c.rate_tokens_per_s * share, max(1, int(c.burst_tokens * share)),
+                                max(1, int(c.max_in_flight_tokens * share)))
 

@@ -5,6 +5,8 @@ the tenant is resolved and the request goes straight to the engine (plain FCFS).
 from __future__ import annotations
 
 import math
+import os
+import socket
 import time
 from dataclasses import dataclass
 
@@ -15,6 +17,7 @@ from headroom.admission.classes import ClassThresholds, SizeClass, classify
 from headroom.admission.features import RequestFeatures
 from headroom.admission.predictor import Prediction, load_predictor
 from headroom.admission.records import RecordLog
+from headroom.admission.redis_store import RedisStore
 from headroom.admission.tenants import Tenant, TenantRegistry
 from headroom.app.errors import APIError, BadRequest, QueueFull, Unavailable
 from headroom.config import Config
@@ -45,8 +48,9 @@ class AdmissionGate:
         self.long_pool_url = config.pools.long.url
         self.registry = TenantRegistry(self.config)
         self.enabled = self.config.enabled
-        self.admission = Admission(self.config, self.registry, max_in_flight_seqs=max_in_flight_seqs) \
-            if self.enabled else None
+        self.store = _store(config, self.registry) if self.enabled else None
+        self.admission = Admission(self.config, self.registry, max_in_flight_seqs=max_in_flight_seqs,
+                                   store=self.store) if self.enabled else None
         self.predictor = load_predictor(self.config.predictor_path) if self.enabled else None
         c = self.config
         self.thresholds = ClassThresholds(c.short_max_prompt_tokens, c.short_max_output_tokens,
@@ -120,6 +124,18 @@ class AdmissionGate:
         self.decision_times.append(seconds)
         if len(self.decision_times) > 10_000:
             del self.decision_times[:5_000]
+
+
+STORE_ENV = "HEADROOM_ADMISSION_STORE"
+
+
+def _store(config: Config, registry: TenantRegistry) -> RedisStore | None:
+    c = config.admission
+    url = c.store or os.environ.get(STORE_ENV) or None
+    if url is None:
+        return None
+    replica = c.replica_id or f"{socket.gethostname()}:{config.server.port}"
+    return RedisStore(url, registry, replica_id=replica, fleet_size=c.fleet_size, lease_ttl_s=c.lease_ttl_s)
 
 
 def _rejection_error(exc: Rejected) -> APIError:

@@ -36,8 +36,15 @@ async def health(request: web.Request) -> web.Response:
                "block_size": engine.block_size}
     weights = {"dtype": str(engine.dtype).removeprefix("torch."), "quantization": engine.loaded.quantization,
                "reason": engine.quantization_reason}
-    return web.json_response({"status": "ok", "attention_backend": backend, "cuda_graphs": engine.cuda_graphs,
-                              "weights": weights})
+    body = {"status": "ok", "attention_backend": backend, "cuda_graphs": engine.cuda_graphs, "weights": weights}
+    store = request.app[keys.GATE].store
+    if store is not None:
+        # Still ready without Redis (it admits on its share), so still 200, but degraded.
+        stats = store.stats()
+        body["admission_store"] = {"kind": stats.kind, "available": stats.available, "reason": stats.reason}
+        if not stats.available:
+            body["status"] = "degraded"
+    return web.json_response(body)
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -73,6 +80,8 @@ def create_app(config: Config, engine: Engine) -> web.Application:
     app[keys.ENGINE].on_closed = app[keys.OBSERVABILITY].charge
     app[keys.OPENAPI] = build_openapi(package_version(), admin=admin_token(config) is not None)
     app.cleanup_ctx.append(_observability)  # first in, last out: flushes the final spans
+    if app[keys.GATE].store is not None:
+        app.cleanup_ctx.append(_admission_store)  # out after the engine: its last settles reach Redis
     app.cleanup_ctx.append(_engine_thread)
     app.cleanup_ctx.append(_admission_timer)
     if config.pools.long.url:
@@ -113,6 +122,18 @@ async def _admission_timer(app: web.Application):
     yield
     if admission is not None:
         await admission.close()  # waiters get 503; none is left holding a reservation
+
+
+async def _admission_store(app: web.Application):
+    gate = app[keys.GATE]
+    await gate.store.start()
+    task = asyncio.create_task(gate.store.run(), name="headroom-admission-store")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await gate.admission.flush()
+    await gate.store.close()
 
 
 async def _observability(app: web.Application):

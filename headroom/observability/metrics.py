@@ -173,6 +173,18 @@ class EngineCollector(Collector):
                      admission.in_flight_tokens, "tenant")
         yield _gauge("headroom:tenant_requests_waiting", "Requests waiting in admission.", admission.waiting,
                      "tenant")
+        if self.admission.store is None:
+            return
+        store = self.admission.store.stats()
+        yield GaugeMetricFamily("headroom:admission_store_up", "1 while the shared (Redis) admission store "
+                                "answers; 0 while this replica admits on its fallback share.",
+                                value=int(store.available))
+        yield _counter("headroom:admission_store_fallbacks", "Times the shared admission store was lost.",
+                       store.fallbacks)
+        yield _counter("headroom:admission_store_errors", "Round trips to the shared admission store that failed.",
+                       store.errors)
+        yield GaugeMetricFamily("headroom:admission_store_leases", "Reservations this replica holds in the "
+                                "shared admission store.", value=store.leases)
 
 
 def _counter(name: str, doc: str, value: float | dict[str, float], label: str | None = None) -> Metric:

@@ -1,0 +1,323 @@
+"""Tenant budgets shared by a fleet of replicas, in Redis.
+
+Each tenant has three keys: a hash with the bucket (level, stamp, in_flight), a sorted
+set of leases by expiry and a hash of lease costs. Every change is one Lua script, so
+it is atomic on the server: reserve (check + charge + lease), settle (return the lease,
+refund what was reserved and not used), and sync (renew this replica's live leases,
+add the ones Redis does not know, drop the ones this replica no longer holds). Every
+script first reclaims expired leases, so the reservations of a replica that died come
+back within the lease TTL. Times are Redis's own clock (TIME), never a replica's.
+
+The replica keeps its live leases here and syncs them every ttl/3. While Redis cannot
+be reached it is `available = False`: admission then runs on the local buckets scaled
+to this replica's share (1 / fleet_size) of every budget, and this store pings Redis;
+once it answers, one sync makes Redis's counters equal what is really in flight (the
+leases granted locally meanwhile are added, the ones settled meanwhile dropped) before
+shared admission resumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from headroom.admission.tenants import Tenant, TenantRegistry
+
+log = logging.getLogger("headroom.admission.store")
+
+_PRELUDE = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function reclaim(now)
+  local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)
+  if #expired == 0 then return end
+  local freed = 0
+  for _, id in ipairs(expired) do
+    freed = freed + tonumber(redis.call('HGET', KEYS[3], id) or 0)
+    redis.call('HDEL', KEYS[3], id)
+  end
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+  redis.call('HINCRBY', KEYS[1], 'in_flight', -freed)
+end
+local function refill(now, rate, burst)
+  local s = redis.call('HMGET', KEYS[1], 'level', 'stamp')
+  local level, stamp = tonumber(s[1]), tonumber(s[2])
+  if level == nil then return burst, now end
+  if now > stamp then
+    level = math.min(burst, level + (now - stamp) / 1000 * rate)
+    stamp = now
+  end
+  return level, stamp
+end
+"""
+
+# ARGV: cost, rate, burst, max_in_flight, lease, ttl_ms -> {granted, wait_ms, in_flight}
+RESERVE = _PRELUDE + """
+local now = now_ms()
+reclaim(now)
+local cost, rate, burst, cap = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local level, stamp = refill(now, rate, burst)
+local in_flight = tonumber(redis.call('HGET', KEYS[1], 'in_flight') or 0)
+local need = math.min(cost, burst)
+if level >= need and in_flight + cost <= cap then
+  redis.call('HSET', KEYS[1], 'level', level - cost, 'stamp', stamp, 'in_flight', in_flight + cost)
+  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[6]), ARGV[5])
+  redis.call('HSET', KEYS[3], ARGV[5], cost)
+  return {1, 0, in_flight + cost}
+end
+redis.call('HSET', KEYS[1], 'level', level, 'stamp', stamp, 'in_flight', in_flight)
+local wait = 0
+if level < need then wait = math.ceil((need - level) / rate * 1000) end
+return {0, wait, in_flight}
+"""
+
+# ARGV: lease, refund ('' when the lease was granted locally and never charged here),
+# rate, burst -> 1 if the lease was still held, else 0
+SETTLE = _PRELUDE + """
+local now = now_ms()
+reclaim(now)
+local cost = redis.call('HGET', KEYS[3], ARGV[1])
+if cost then
+  redis.call('HDEL', KEYS[3], ARGV[1])
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('HINCRBY', KEYS[1], 'in_flight', -tonumber(cost))
+end
+if ARGV[2] ~= '' then
+  local burst = tonumber(ARGV[4])
+  local level, stamp = refill(now, tonumber(ARGV[3]), burst)
+  redis.call('HSET', KEYS[1], 'level', math.min(burst, level + tonumber(ARGV[2])), 'stamp', stamp)
+end
+if cost then return 1 end
+return 0
+"""
+
+# ARGV: this replica's lease prefix, ttl_ms, count of leases to leave alone (reserves
+# in flight), those ids, then (lease, cost) pairs of the live ones -> in_flight
+SYNC = _PRELUDE + """
+local now = now_ms()
+reclaim(now)
+local prefix, ttl, npending = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local keep = {}
+for i = 4, 3 + npending do keep[ARGV[i]] = true end
+local live = {}
+for i = 4 + npending, #ARGV, 2 do live[ARGV[i]] = tonumber(ARGV[i + 1]) end
+local delta = 0
+for _, id in ipairs(redis.call('HKEYS', KEYS[3])) do
+  if string.sub(id, 1, #prefix) == prefix and live[id] == nil and not keep[id] then
+    delta = delta - tonumber(redis.call('HGET', KEYS[3], id))
+    redis.call('HDEL', KEYS[3], id)
+    redis.call('ZREM', KEYS[2], id)
+  end
+end
+for id, cost in pairs(live) do
+  if redis.call('ZADD', KEYS[2], now + ttl, id) == 1 then
+    redis.call('HSET', KEYS[3], id, cost)
+    delta = delta + cost
+  end
+end
+return redis.call('HINCRBY', KEYS[1], 'in_flight', delta)
+"""
+
+
+class StoreUnavailable(Exception):
+    """Redis could not be reached; admission falls back to local shares."""
+
+
+@dataclass
+class Lease:
+    tenant: str
+    cost: int
+
+
+@dataclass
+class StoreStats:
+    kind: str  # "embedded" or "redis"
+    available: bool
+    fallbacks: int  # times Redis was lost
+    errors: int  # failed round trips
+    leases: int  # live leases this replica holds
+    reason: str | None  # why it is unavailable
+
+
+class RedisStore:
+    def __init__(self, url: str, registry: TenantRegistry, *, replica_id: str, fleet_size: int,
+                 lease_ttl_s: float = 10.0, timeout_s: float = 0.5, prefix: str = "headroom"):
+        self.url = url
+        self.registry = registry
+        self.replica_id = replica_id
+        self.fleet_size = fleet_size
+        self.lease_ttl_ms = int(lease_ttl_s * 1000)
+        self.prefix = prefix
+        # No retries: a lost Redis is handled by falling back, at once.
+        self.client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                              retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        self._reserve = self.client.register_script(RESERVE)
+        self._settle = self.client.register_script(SETTLE)
+        self._sync = self.client.register_script(SYNC)
+        self.live: dict[str, Lease] = {}
+        self.pending: set[str] = set()  # reserves sent, answer not yet back
+        self._ids = itertools.count()
+        self._epoch = f"{time.time_ns():x}"
+        self.available = False
+        self.reason: str | None = "not connected yet"
+        self.fallbacks = 0
+        self.errors = 0
+
+    # --- the three atomic operations --------------------------------------------
+
+    async def reserve(self, tenant: Tenant, cost: int) -> str | float:
+        """Check and charge `cost` for `tenant` fleet-wide. Returns the lease id when
+        granted, else the seconds until a retry may succeed. Raises StoreUnavailable."""
+        lease = self._new_lease()
+        c = tenant.config
+        self.pending.add(lease)
+        try:
+            granted, wait_ms, _ = await self._call(self._reserve, tenant.name, cost, c.rate_tokens_per_s,
+                                                   c.burst_tokens, c.max_in_flight_tokens, lease, self.lease_ttl_ms)
+            if granted:
+                self.live[lease] = Lease(tenant.name, cost)
+                return lease
+            return wait_ms / 1000
+        finally:
+            self.pending.discard(lease)
+
+    def hold_locally(self, tenant: Tenant, cost: int) -> str:
+        """A lease for a reservation made on the local share while Redis is away; the
+        sync on recovery adds it to the fleet's count (without charging the bucket)."""
+        lease = self._new_lease()
+        self.live[lease] = Lease(tenant.name, cost)
+        return lease
+
+    async def settle(self, lease: str, reserved: int, used: int, charged: bool) -> None:
+        """Return `lease`; refund `reserved - used` to the bucket when it was charged
+        there. Without Redis, the lease is dropped by the sync on recovery (or expires)."""
+        held = self.live.pop(lease, None)
+        if held is None or not self.available:
+            return
+        tenant = self.registry.get(held.tenant)
+        c = tenant.config if tenant is not None else None
+        refund = str(reserved - used) if charged else ""
+        with contextlib.suppress(StoreUnavailable):
+            await self._call(self._settle, held.tenant, lease, refund,
+                             c.rate_tokens_per_s if c else 1, c.burst_tokens if c else 0)
+
+    async def sync(self) -> None:
+        """Renew this replica's leases for every tenant in one pipelined round trip.
+        Raises StoreUnavailable."""
+        by_tenant: dict[str, list[str | int]] = {t.name: [] for t in self.registry}
+        for lease, held in list(self.live.items()):
+            by_tenant.setdefault(held.tenant, []).extend((lease, held.cost))
+        pending = list(self.pending)
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for name, pairs in by_tenant.items():
+                    await self._sync(keys=self._keys(name), client=pipe,
+                                     args=[self._lease_prefix(), self.lease_ttl_ms, len(pending), *pending, *pairs])
+                await pipe.execute()
+        except RedisError as exc:
+            self._lost(exc)
+            raise StoreUnavailable(str(exc)) from None
+
+    # --- lifecycle ------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect and sync once (which also drops leases a previous run of this replica
+        left); without Redis, start on the local shares."""
+        try:
+            await self._recover()
+        except StoreUnavailable:
+            self.registry.set_share(1 / self.fleet_size)
+            log.error("admission store: Redis at %s unreachable (%s); admitting on this replica's share (1/%d) "
+                      "of every tenant budget until it is back", self._where(), self.reason, self.fleet_size)
+
+    async def run(self) -> None:
+        """Renew leases every ttl/3 while Redis is up; ping it every 0.5 s while it is not."""
+        while True:
+            if self.available:
+                await asyncio.sleep(self.lease_ttl_ms / 3000)
+                with contextlib.suppress(StoreUnavailable):
+                    await self.sync()
+            else:
+                await asyncio.sleep(0.5)
+                with contextlib.suppress(StoreUnavailable):
+                    await self._recover()
+
+    async def close(self) -> None:
+        """Give back every lease this replica still holds (best effort) and disconnect."""
+        self.live.clear()
+        if self.available:
+            with contextlib.suppress(StoreUnavailable):
+                await self.sync()
+        await self.client.aclose()
+
+    def stats(self) -> StoreStats:
+        return StoreStats("redis", self.available, self.fallbacks, self.errors, len(self.live), self.reason)
+
+    async def snapshot(self, tenant: str) -> dict[str, float]:
+        """Redis's view of one tenant: level, in_flight and the sum of its lease costs."""
+        bucket_key, _, cost_key = self._keys(tenant)
+        async with self.client.pipeline(transaction=True) as pipe:
+            bucket, costs = await pipe.hgetall(bucket_key).hvals(cost_key).execute()
+        return {"level": float(bucket.get(b"level", math.nan)), "in_flight": int(bucket.get(b"in_flight", 0)),
+                "leased": sum(int(c) for c in costs)}
+
+    # --- internals ------------------------------------------------------------
+
+    async def _recover(self) -> None:
+        try:
+            await self.client.ping()
+        except RedisError as exc:
+            self._lost(exc)
+            raise StoreUnavailable(str(exc)) from None
+        await self.sync()
+        self.available = True
+        self.reason = None
+        # Redis's buckets are the truth from here on; the local ones must not hold back
+        # what the fleet's allow (a local level run down on the share would).
+        self.registry.set_share(1.0)
+        for tenant in self.registry:
+            tenant.bucket.refill_to_burst()
+        log.warning("admission store: Redis at %s reachable; tenant budgets are shared by the fleet", self._where())
+
+    async def _call(self, script, tenant: str, *args):
+        try:
+            return await script(keys=self._keys(tenant), args=list(args))
+        except RedisError as exc:
+            self._lost(exc)
+            raise StoreUnavailable(str(exc)) from None
+
+    def _lost(self, exc: Exception) -> None:
+        self.errors += 1
+        if self.available:
+            self.available = False
+            self.fallbacks += 1
+            self.registry.set_share(1 / self.fleet_size)
+            log.error("admission store: Redis at %s unreachable (%s); admitting on this replica's share "
+                      "(1/%d) of every tenant budget until it is back", self._where(), exc, self.fleet_size)
+        self.reason = f"{type(exc).__name__}: {exc}"
+
+    def _keys(self, tenant: str) -> list[str]:
+        base = f"{self.prefix}:tenant:{tenant}"
+        return [f"{base}:bucket", f"{base}:lease_expiry", f"{base}:lease_cost"]
+
+    def _lease_prefix(self) -> str:
+        return f"{self.replica_id}|"
+
+    def _new_lease(self) -> str:
+        return f"{self._lease_prefix()}{self._epoch}.{next(self._ids)}"
+
+    def _where(self) -> str:
+        pool = self.client.connection_pool.connection_kwargs
+        return f"{pool.get('host', '?')}:{pool.get('port', '?')}"

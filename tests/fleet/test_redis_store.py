@@ -1,0 +1,207 @@
+"""Admission with tenant budgets in a real Redis: several Admission objects (one per
+replica, as in a fleet) on one redis-server, with exact expectations on what Redis
+holds and what each replica admits."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from headroom.admission.admission import Admission, Ticket
+from headroom.admission.redis_store import RedisStore
+from headroom.admission.tenants import TenantRegistry
+from headroom.config import AdmissionConfig, TenantConfig
+
+pytestmark = pytest.mark.asyncio
+
+CAP = 1000
+
+
+def config(fleet_size: int = 3, **limits) -> AdmissionConfig:
+    kw = {"rate_tokens_per_s": 1e6, "burst_tokens": 100_000, "max_in_flight_tokens": CAP} | limits
+    return AdmissionConfig(tenants=(TenantConfig("flood", **kw), TenantConfig("other", **kw)),
+                           default_tenant="flood", fleet_size=fleet_size)
+
+
+async def replica(redis_server, name: str, cfg: AdmissionConfig | None = None, ttl_s: float = 10.0) -> Admission:
+    cfg = cfg or config()
+    registry = TenantRegistry(cfg)
+    store = RedisStore(redis_server.url, registry, replica_id=name, fleet_size=cfg.fleet_size, lease_ttl_s=ttl_s)
+    await store.start()
+    assert store.available
+    adm = Admission(cfg, registry, max_in_flight_seqs=64, tick_s=0.01, store=store)
+    adm.start()
+    RUNNING[adm] = asyncio.create_task(store.run())  # renewals, and recovery after a loss
+    return adm
+
+
+RUNNING: dict[Admission, asyncio.Task] = {}
+
+
+async def shutdown(*replicas: Admission) -> None:
+    for adm in replicas:
+        RUNNING.pop(adm).cancel()
+        await adm.close()
+        await adm.flush()
+        await adm.store.close()
+
+
+async def kill(adm: Admission) -> None:
+    """As kill -9 leaves it: nothing settles, nothing renews, the connection is gone."""
+    RUNNING.pop(adm).cancel()
+    await adm.store.client.aclose()
+
+
+def redis_view(redis_server, tenant: str) -> tuple[int, int]:
+    """(in_flight counter, sum of lease costs), read in one transaction."""
+    pipe = redis_server.client().pipeline(transaction=True)
+    bucket, costs = pipe.hgetall(f"headroom:tenant:{tenant}:bucket").hvals(f"headroom:tenant:{tenant}:lease_cost") \
+        .execute()
+    return int(bucket.get(b"in_flight", 0)), sum(int(c) for c in costs)
+
+
+async def until(predicate, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_two_replicas_never_take_more_than_the_cap_between_them(redis_server):
+    a, b = await replica(redis_server, "a"), await replica(redis_server, "b")
+    flood_a, flood_b = a.registry.get("flood"), b.registry.get("flood")
+    # 400 each: two fit in the cap of 1000, a third does not, whichever replica asks.
+    first = await a.acquire(flood_a, 400)
+    second = await b.acquire(flood_b, 400)
+    assert (first.decision, second.decision) == ("admit", "admit")
+    assert first.lease.startswith("a|") and second.lease.startswith("b|") and first.charged
+    assert redis_view(redis_server, "flood") == (800, 800)
+    third = asyncio.create_task(a.acquire(flood_a, 400))
+    fourth = asyncio.create_task(b.acquire(flood_b, 400))
+    await asyncio.sleep(0.2)
+    assert not third.done() and not fourth.done()  # each replica alone would have room (400 of 1000)
+    assert flood_a.bucket.in_flight == 400 and flood_b.bucket.in_flight == 400
+    # The other tenant is not held back by the flood.
+    other = await a.acquire(a.registry.get("other"), 900)
+    assert other.decision == "admit" and redis_view(redis_server, "other") == (900, 900)
+
+    a.settle(first, 100, 50)
+    await until(lambda: third.done() or fourth.done())
+    assert redis_view(redis_server, "flood") == (800, 800)
+    assert not (third.done() and fourth.done())
+    b.settle(second, 100, 300)
+    await until(lambda: third.done() and fourth.done())
+    assert {third.result().decision, fourth.result().decision} == {"wait"}
+    assert redis_view(redis_server, "flood") == (800, 800)
+    for adm, ticket in ((a, third.result()), (b, fourth.result()), (a, other)):
+        adm.settle(ticket, 0, 0)
+    await until(lambda: redis_view(redis_server, "flood") == (0, 0) and redis_view(redis_server, "other") == (0, 0))
+    assert a.stats().decisions == {"admit": 2, "wait": 1} and b.stats().decisions == {"admit": 1, "wait": 1}
+    await shutdown(a, b)
+
+
+async def test_concurrent_flood_from_three_replicas_stays_within_the_cap(redis_server):
+    replicas = [await replica(redis_server, f"r{i}") for i in range(3)]
+    peak = 0
+    stop = asyncio.Event()
+
+    async def sample() -> None:
+        nonlocal peak
+        while not stop.is_set():
+            in_flight, leased = redis_view(redis_server, "flood")
+            assert in_flight == leased <= CAP
+            local = sum(adm.registry.get("flood").bucket.in_flight for adm in replicas)
+            assert local <= CAP
+            peak = max(peak, in_flight)
+            await asyncio.sleep(0.002)
+
+    async def client(adm: Admission, n: int) -> int:
+        done = 0
+        for i in range(n):
+            ticket = await adm.acquire(adm.registry.get("flood"), 150 + 50 * (i % 4))
+            await asyncio.sleep(0.005)
+            adm.settle(ticket, 10, 20)
+            done += 1
+        return done
+
+    sampler = asyncio.create_task(sample())
+    counts = await asyncio.gather(*(client(adm, 12) for adm in replicas for _ in range(4)))
+    stop.set()
+    await sampler
+    assert sum(counts) == 3 * 4 * 12
+    assert CAP - 300 < peak <= CAP  # the cap, not something smaller, was what held them back
+    await until(lambda: redis_view(redis_server, "flood") == (0, 0))
+    await shutdown(*replicas)
+
+
+async def test_settle_refunds_what_was_reserved_and_not_used(redis_server):
+    cfg = config(rate_tokens_per_s=1.0, burst_tokens=1000)  # ~no refill during the test
+    a = await replica(redis_server, "a", cfg)
+    ticket = await a.acquire(a.registry.get("flood"), 600)
+    level = float(redis_server.client().hget("headroom:tenant:flood:bucket", "level"))
+    assert 400 <= level < 401
+    a.settle(ticket, 100, 150)  # 250 used: 350 of the 600 come back
+    await until(lambda: redis_view(redis_server, "flood") == (0, 0))
+    level = float(redis_server.client().hget("headroom:tenant:flood:bucket", "level"))
+    assert 750 <= level < 752
+    await shutdown(a)
+
+
+async def test_a_dead_replicas_reservations_come_back_within_the_ttl(redis_server):
+    dead = await replica(redis_server, "dead", ttl_s=1.0)
+    alive = await replica(redis_server, "alive", ttl_s=1.0)
+    await dead.acquire(dead.registry.get("flood"), 700)
+    assert redis_view(redis_server, "flood") == (700, 700)
+    await kill(dead)
+    blocked = asyncio.create_task(alive.acquire(alive.registry.get("flood"), 700))
+    await asyncio.sleep(0.5)
+    assert not blocked.done()
+    started = time.monotonic()
+    ticket = await blocked
+    assert time.monotonic() - started < 1.0  # within the TTL of the lease
+    assert redis_view(redis_server, "flood") == (700, 700) and ticket.lease.startswith("alive|")
+    alive.settle(ticket, 0, 0)
+    await until(lambda: redis_view(redis_server, "flood") == (0, 0))
+    await shutdown(alive)
+
+
+async def test_a_restarted_replica_gives_back_what_its_previous_run_left_at_once(redis_server):
+    old = await replica(redis_server, "pod-0")
+    await old.acquire(old.registry.get("flood"), 500)
+    await kill(old)  # its lease would live for the whole TTL
+    assert redis_view(redis_server, "flood") == (500, 500)
+    new = await replica(redis_server, "pod-0")  # same replica id, new run: its first sync drops it
+    assert redis_view(redis_server, "flood") == (0, 0)
+    await shutdown(new)
+
+
+async def test_without_redis_each_replica_admits_its_share_and_resyncs_on_recovery(redis_server):
+    a, b = await replica(redis_server, "a"), await replica(redis_server, "b")
+    flood_a = a.registry.get("flood")
+    before = await a.acquire(flood_a, 200)
+    redis_server.stop()
+
+    # The first request after the loss finds out, falls back, and is admitted on the share.
+    during = await a.acquire(flood_a, 100)
+    assert not a.store.available and a.store.stats().fallbacks == 1 and a.store.reason
+    assert flood_a.bucket.max_in_flight_tokens == CAP // 3 and not during.charged
+    # 300 of a share of 333 are in flight on this replica: 100 more must wait.
+    held = asyncio.create_task(a.acquire(flood_a, 100))
+    await asyncio.sleep(0.1)
+    assert not held.done()
+    a.settle(before, 0, 0)  # settled while Redis is away
+    third = await held
+    assert flood_a.bucket.in_flight == 200
+
+    redis_server.restart()  # empty: everything it knew is gone
+    await until(lambda: a.store.available and b.store.available, timeout_s=5)
+    assert flood_a.bucket.max_in_flight_tokens == CAP
+    # Redis now counts exactly what is in flight: the two granted during the outage.
+    assert redis_view(redis_server, "flood") == (200, 200)
+    a.settle(during, 0, 0)
+    a.settle(third, 0, 0)
+    await until(lambda: redis_view(redis_server, "flood") == (0, 0))
+    assert isinstance(third, Ticket)
+    await shutdown(a, b)
