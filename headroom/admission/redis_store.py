@@ -70,6 +70,7 @@ reclaim(now)
 local cost, rate, burst, cap = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local level, stamp = refill(now, rate, burst)
 local in_flight = tonumber(redis.call('HGET', KEYS[1], 'in_flight') or 0)
+if redis.call('ZSCORE', KEYS[2], ARGV[5]) then return {1, 0, in_flight} end  -- a resend: granted already
 local need = math.min(cost, burst)
 if level >= need and in_flight + cost <= cap then
   redis.call('HSET', KEYS[1], 'level', level - cost, 'stamp', stamp, 'in_flight', in_flight + cost)
@@ -277,6 +278,9 @@ class RedisStore:
 
     async def _recover(self) -> None:
         try:
+            # Connections pooled before the loss point at a server that is gone; the
+            # first use of one would fail and fall back again.
+            await self.client.connection_pool.disconnect()
             await self.client.ping()
         except RedisError as exc:
             self._lost(exc)

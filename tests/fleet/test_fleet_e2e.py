@@ -1,0 +1,247 @@
+"""Three headroom processes on 127.0.0.1 sharing one real redis-server: a tenant that
+floods all three never has more tokens in flight, summed over the fleet, than its cap;
+another tenant still gets served; Redis stopped and restarted mid-load costs no 5xx and
+ends with Redis counting exactly what the replicas hold; a replica killed with -9
+mid-stream gives its reservations back within the lease TTL."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.fleet.redis_server import RedisServer, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.load]
+
+FLOOD_CAP = 120  # a short request costs ~30 tokens: about four in flight, fleet-wide
+TTL_S = 2.0
+CONFIG = """
+[admission]
+store = "{url}"
+fleet_size = 3
+lease_ttl_s = {ttl}
+default_tenant = "steady"
+
+[[admission.tenants]]
+name = "flood"
+max_in_flight_tokens = {cap}
+
+[[admission.tenants]]
+name = "other"
+max_in_flight_tokens = {cap}
+
+[[admission.tenants]]
+name = "steady"
+max_in_flight_tokens = 6000
+"""
+SHORT = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}
+
+
+class Replica:
+    def __init__(self, config: Path, log: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "headroom.app.cli", "serve", "--port", str(self.port), "--config", str(config),
+             "--num-kv-blocks", "512", "--max-num-seqs", "16"],
+            # Three engines share two cores: one thread each, or they thrash.
+            stdout=self.log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+
+    def wait_ready(self, timeout_s: float = 180) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"replica exited: see {self.log.name}"
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        pytest.fail(f"replica on {self.port} did not come up")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fleet")
+    store = RedisServer(free_port()).start()
+    config = tmp / "fleet.toml"
+    config.write_text(CONFIG.format(url=store.url, ttl=TTL_S, cap=FLOOD_CAP))
+    replicas = [Replica(config, tmp / f"replica{i}.log") for i in range(3)]
+    try:
+        for r in replicas:
+            r.wait_ready()
+        yield store, replicas
+    finally:
+        for r in replicas:
+            r.stop()
+        store.stop()
+
+
+async def redis_in_flight(client: aioredis.Redis, tenant: str) -> tuple[int, int]:
+    """(in_flight counter, sum of lease costs) of `tenant`, read in one transaction."""
+    async with client.pipeline(transaction=True) as pipe:
+        bucket, costs = await pipe.hget(f"headroom:tenant:{tenant}:bucket", "in_flight") \
+            .hvals(f"headroom:tenant:{tenant}:lease_cost").execute()
+    return int(bucket or 0), sum(int(c) for c in costs)
+
+
+async def local_in_flight(session: aiohttp.ClientSession, replica: Replica, tenant: str) -> int:
+    async with session.get(replica.url + "/metrics") as r:
+        text = await r.text()
+    for family in text_string_to_metric_families(text):
+        if family.name == "headroom:tenant_tokens_in_flight":
+            for sample in family.samples:
+                if sample.labels["tenant"] == tenant:
+                    return int(sample.value)
+    raise AssertionError("headroom:tenant_tokens_in_flight missing")
+
+
+async def send(session: aiohttp.ClientSession, replica: Replica, tenant: str, n: int, statuses: list[int],
+               body: dict = SHORT) -> None:
+    for _ in range(n):
+        async with session.post(replica.url + "/v1/completions", json=body, headers={"X-Tenant": tenant}) as r:
+            await r.read()
+            statuses.append(r.status)
+
+
+@pytest.mark.asyncio
+async def test_flood_on_every_replica_stays_within_the_tenant_cap(fleet):
+    store, replicas = fleet
+    client = aioredis.Redis(port=store.port)
+    flood_statuses: list[int] = []
+    other_statuses: list[int] = []
+    samples: list[int] = []
+    other_seen = 0
+    done = asyncio.Event()
+
+    async def sample() -> None:
+        nonlocal other_seen
+        while not done.is_set():
+            in_flight, leased = await redis_in_flight(client, "flood")
+            assert in_flight == leased <= FLOOD_CAP
+            samples.append(in_flight)
+            other_seen = max(other_seen, (await redis_in_flight(client, "other"))[0])
+            await asyncio.sleep(0.005)
+
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        sampler = asyncio.create_task(sample())
+        flood = asyncio.gather(*(send(session, r, "flood", 4, flood_statuses) for r in replicas for _ in range(4)))
+        await asyncio.sleep(1.0)  # the flood is at its cap by now
+        await asyncio.gather(*(send(session, r, "other", 2, other_statuses) for r in replicas))
+        assert not flood.done(), "the other tenant was served only after the flood"
+        await flood
+        done.set()
+        await sampler
+        per_replica = [await local_in_flight(session, r, "flood") for r in replicas]
+    assert flood_statuses == [200] * 48 and other_statuses == [200] * 6
+    # The cap held fleet-wide and was what held the flood back (each replica alone allows 120).
+    assert FLOOD_CAP - 35 < max(samples) <= FLOOD_CAP
+    assert other_seen > 0 and per_replica == [0, 0, 0]
+    assert await redis_in_flight(client, "flood") == (0, 0)
+    await client.aclose()
+
+
+@pytest.mark.asyncio
+async def test_redis_restarted_mid_load_no_5xx_and_counters_resync(fleet):
+    store, replicas = fleet
+    client = aioredis.Redis(port=store.port)
+    statuses: list[int] = []
+    steady_statuses: list[int] = []
+    long_body = {"prompt": "Write a long story about a dragon.", "max_tokens": 300, "temperature": 0,
+                 "ignore_eos": True}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        # Long streams that run through the outage and past the recovery.
+        steady = asyncio.gather(*(send(session, r, "steady", 1, steady_statuses, long_body) for r in replicas))
+        flood = asyncio.gather(*(send(session, r, "flood", 3, statuses) for r in replicas for _ in range(3)))
+        await asyncio.sleep(1.0)
+        store.stop()
+        outage_samples = []
+        degraded = set()
+        deadline = time.monotonic() + 2.5
+        while time.monotonic() < deadline:
+            locals_ = [await local_in_flight(session, r, "flood") for r in replicas]
+            outage_samples.append(sum(locals_))
+            for i, r in enumerate(replicas):
+                async with session.get(r.url + "/health") as h:
+                    body = await h.json()
+                    assert h.status == 200
+                    if body["status"] == "degraded":
+                        assert body["admission_store"]["available"] is False
+                        degraded.add(i)
+            await asyncio.sleep(0.05)
+        store.start()  # empty: it lost every counter and lease
+        assert degraded == {0, 1, 2}
+        assert max(outage_samples) <= FLOOD_CAP
+        # Wait until every replica is back on the shared store.
+        deadline = time.monotonic() + 10
+        while True:
+            healths = [(await (await session.get(r.url + "/health")).json())["status"] for r in replicas]
+            if healths == ["ok"] * 3:
+                break
+            assert time.monotonic() < deadline, healths
+            await asyncio.sleep(0.1)
+        assert not steady.done(), "the long streams ended before the recovery could be checked"
+        await asyncio.sleep(TTL_S / 3 + 0.2)  # one renewal round on every replica
+        redis_view = await redis_in_flight(client, "steady")
+        really = sum([await local_in_flight(session, r, "steady") for r in replicas])
+        assert not steady.done()
+        assert redis_view == (really, really) and really > 0
+        await flood
+        await steady
+    assert statuses == [200] * 27 and steady_statuses == [200] * 3
+    deadline = time.monotonic() + 5
+    while await redis_in_flight(client, "steady") != (0, 0) or await redis_in_flight(client, "flood") != (0, 0):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    await client.aclose()
+
+
+@pytest.mark.asyncio
+async def test_kill_9_mid_stream_returns_reservations_within_the_ttl(fleet):
+    store, replicas = fleet
+    victim = replicas[2]
+    client = aioredis.Redis(port=store.port)
+    body = {**SHORT, "max_tokens": 300, "ignore_eos": True, "stream": True, "prompt": "Tell me a story."}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        streams = []
+        for _ in range(2):
+            r = await session.post(victim.url + "/v1/completions", json=body, headers={"X-Tenant": "steady"})
+            assert r.status == 200
+            assert (await r.content.readline()).startswith(b"data: {")  # streaming: admitted and running
+            streams.append(r)
+        held, leased = await redis_in_flight(client, "steady")
+        assert held == leased > 0
+        victim.proc.kill()
+        killed_at = time.monotonic()
+        for r in streams:
+            r.close()
+    while await redis_in_flight(client, "steady") != (0, 0):
+        # Reclaimed by the survivors' next script after the TTL (they renew every TTL/3).
+        assert time.monotonic() - killed_at < TTL_S + TTL_S / 3 + 1.0
+        await asyncio.sleep(0.05)
+    assert time.monotonic() - killed_at >= TTL_S - 0.5  # nothing gave them back earlier but expiry
+    await client.aclose()
