@@ -33,9 +33,9 @@ from headroom.config import AdmissionConfig, TenantConfig
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from hol import cpu_line  # noqa: E402
+from hol import cpu_line
 
-from tests.fleet.redis_server import RedisServer, free_port  # noqa: E402
+from tests.fleet.redis_server import RedisServer, free_port
 
 TENANTS = ("a", "b", "c", "d")
 

@@ -182,6 +182,12 @@ class TenantConfig:
             raise ConfigError(f"{where}: max_model_len must be >= 16, got {self.max_model_len}")
 
 
+def check_store_url(url: str, where: str) -> None:
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(f"{where} must be a redis://, rediss:// or unix:// URL, got one starting "
+                          f"{url.split(':', 1)[0]!r}")  # never echo a password
+
+
 @dataclass(frozen=True)
 class AdmissionConfig:
     enabled: bool = True
@@ -284,9 +290,8 @@ class AdmissionConfig:
             raise ConfigError(f"admission.inflight_every must be >= 1, got {self.inflight_every}")
         if not 0 < self.runaway_threshold <= 1:
             raise ConfigError(f"admission.runaway_threshold must be in (0, 1], got {self.runaway_threshold}")
-        if self.store is not None and not self.store.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError("admission.store must be a redis://, rediss:// or unix:// URL, got one starting "
-                              f"{self.store.split(':', 1)[0]!r}")  # never echo a password
+        if self.store is not None:
+            check_store_url(self.store, "admission.store")
         if not (isinstance(self.fleet_size, int) and self.fleet_size >= 1):
             raise ConfigError(f"admission.fleet_size must be an integer >= 1, got {self.fleet_size!r}")
         if not self.lease_ttl_s >= 1:

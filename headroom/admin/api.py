@@ -196,6 +196,7 @@ async def stats(request: web.Request) -> web.Response:
     snapshot = request.config_dict[keys.ENGINE].engine.snapshot()
     hol = observability.hol.state
     lane = request.config_dict[keys.ENGINE].engine.long_lane()
+    store = request.config_dict[keys.GATE].store
     return web.json_response({
         "kv_blocks_total": snapshot.num_blocks, "kv_blocks_used": snapshot.used_blocks,
         "kv_usage": snapshot.used_blocks / snapshot.num_blocks,
@@ -217,6 +218,7 @@ async def stats(request: web.Request) -> web.Response:
             "actions": {"tighten": observability.hol_feedback.actions["tighten"],
                         "relax": observability.hol_feedback.actions["relax"]},
         },
+        "admission_store": {"kind": "embedded"} if store is None else dataclasses.asdict(store.stats()),
     })
 
 

@@ -20,7 +20,7 @@ from headroom.admission.records import RecordLog
 from headroom.admission.redis_store import RedisStore
 from headroom.admission.tenants import Tenant, TenantRegistry
 from headroom.app.errors import APIError, BadRequest, QueueFull, Unavailable
-from headroom.config import Config
+from headroom.config import Config, check_store_url
 from headroom.runtime.request import Request
 
 # Tier priority dominates; the request's own vLLM-style priority orders within a tier.
@@ -134,6 +134,7 @@ def _store(config: Config, registry: TenantRegistry) -> RedisStore | None:
     url = c.store or os.environ.get(STORE_ENV) or None
     if url is None:
         return None
+    check_store_url(url, STORE_ENV if c.store is None else "admission.store")
     replica = c.replica_id or f"{socket.gethostname()}:{config.server.port}"
     return RedisStore(url, registry, replica_id=replica, fleet_size=c.fleet_size, lease_ttl_s=c.lease_ttl_s)
 

@@ -139,6 +139,11 @@ class EngineCollector(Collector):
                                 value=scheduler.num_running)
         yield GaugeMetricFamily("headroom:num_requests_waiting", "Sequences queued in the engine.",
                                 value=scheduler.num_waiting)
+        # What a router or an autoscaler should read as queue depth: with admission on,
+        # most of the backlog waits there, not in the engine.
+        admission_waiting = 0 if self.admission is None else sum(self.admission.stats().waiting.values())
+        yield GaugeMetricFamily("headroom:num_requests_queued", "Requests waiting to run: queued in the engine "
+                                "plus waiting in admission.", value=scheduler.num_waiting + admission_waiting)
         used = blocks.num_used_blocks
         yield GaugeMetricFamily("headroom:kv_cache_blocks_used", "KV blocks in use.", value=used)
         yield GaugeMetricFamily("headroom:kv_cache_blocks_total", "KV blocks in the pool.", value=blocks.num_blocks)

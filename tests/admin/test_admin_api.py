@@ -171,6 +171,7 @@ def test_stats_reports_windows_kv_and_the_hol_signal(admin_server):
     assert set(body["latency"]) == {"1m", "5m", "15m"}
     assert body["kv_blocks_total"] == 512 and 0 <= body["kv_usage"] <= 1
     assert set(body["hol"]) == {"coupled", "short_ttft_p99_s", "long_device_share", "long_kv_share", "offenders"}
+    assert body["admission_store"] == {"kind": "embedded"}
 
 
 def test_no_token_no_admin_api_and_the_env_var_turns_it_on(monkeypatch, default_model):

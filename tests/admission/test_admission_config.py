@@ -97,6 +97,9 @@ def test_admission_flag_takes_on_or_off(capsys):
     ("[admission]\ntenants = []\n", "at least one tenant"),
     ("[admission.tiers]\n", "at least one tier"),
     ('[admission.tiers]\nstandard = "high"\n', "integer priority"),
+    ('[admission]\nstore = "http://127.0.0.1:6379"\n', "admission.store must be a redis://, rediss:// or unix:// URL"),
+    ("[admission]\nfleet_size = 0\n", "fleet_size must be an integer >= 1"),
+    ("[admission]\nlease_ttl_s = 0.5\n", "lease_ttl_s must be >= 1"),
 ])
 def test_bad_admission_config_is_refused(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):
@@ -114,3 +117,9 @@ def test_error_messages_never_echo_api_keys(tmp_path):
     with pytest.raises(ConfigError) as exc:
         load(tmp_path, text)
     assert "sk-secret" not in str(exc.value)
+
+
+def test_a_bad_store_url_is_refused_without_echoing_its_password(tmp_path):
+    with pytest.raises(ConfigError) as exc:
+        load(tmp_path, '[admission]\nstore = "redis:/:hunter2@cache:6379"\n')
+    assert "hunter2" not in str(exc.value) and "starting 'redis'" in str(exc.value)

@@ -45,6 +45,7 @@ max_in_flight_tokens = {cap}
 name = "steady"
 max_in_flight_tokens = 6000
 """
+ADMIN = "fleet-test-admin-token-0123456789"
 SHORT = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}
 
 
@@ -58,7 +59,7 @@ class Replica:
              "--num-kv-blocks", "512", "--max-num-seqs", "16"],
             # Three engines share two cores: one thread each, or they thrash.
             stdout=self.log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HEADROOM_ADMIN_TOKEN": ADMIN})
 
     def wait_ready(self, timeout_s: float = 180) -> None:
         deadline = time.monotonic() + timeout_s
@@ -108,15 +109,18 @@ async def redis_in_flight(client: aioredis.Redis, tenant: str) -> tuple[int, int
     return int(bucket or 0), sum(int(c) for c in costs)
 
 
-async def local_in_flight(session: aiohttp.ClientSession, replica: Replica, tenant: str) -> int:
+async def metric(session: aiohttp.ClientSession, replica: Replica, name: str, **labels: str) -> float:
     async with session.get(replica.url + "/metrics") as r:
         text = await r.text()
     for family in text_string_to_metric_families(text):
-        if family.name == "headroom:tenant_tokens_in_flight":
-            for sample in family.samples:
-                if sample.labels["tenant"] == tenant:
-                    return int(sample.value)
-    raise AssertionError("headroom:tenant_tokens_in_flight missing")
+        for sample in family.samples:
+            if sample.name in (name, name + "_total") and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    raise AssertionError(f"{name} {labels} missing from /metrics")
+
+
+async def local_in_flight(session: aiohttp.ClientSession, replica: Replica, tenant: str) -> int:
+    return int(await metric(session, replica, "headroom:tenant_tokens_in_flight", tenant=tenant))
 
 
 async def send(session: aiohttp.ClientSession, replica: Replica, tenant: str, n: int, statuses: list[int],
@@ -151,6 +155,16 @@ async def test_flood_on_every_replica_stays_within_the_tenant_cap(fleet):
         sampler = asyncio.create_task(sample())
         flood = asyncio.gather(*(send(session, r, "flood", 4, flood_statuses) for r in replicas for _ in range(4)))
         await asyncio.sleep(1.0)  # the flood is at its cap by now
+        # Queue depth for the router and the autoscaler counts admission's backlog too.
+        backlogs = []
+        for replica in replicas:
+            async with session.get(replica.url + "/metrics") as r:
+                scraped = {(s.name, s.labels.get("tenant")): s.value
+                           for f in text_string_to_metric_families(await r.text()) for s in f.samples}
+            backlogs.append(sum(v for (name, _), v in scraped.items() if name == "headroom:tenant_requests_waiting"))
+            assert scraped[("headroom:num_requests_queued", None)] == \
+                scraped[("headroom:num_requests_waiting", None)] + backlogs[-1]
+        assert sum(backlogs) >= 4  # 12 flood clients, about 4 admitted fleet-wide
         await asyncio.gather(*(send(session, r, "other", 2, other_statuses) for r in replicas))
         assert not flood.done(), "the other tenant was served only after the flood"
         await flood
@@ -184,7 +198,7 @@ async def test_redis_restarted_mid_load_no_5xx_and_counters_resync(fleet):
         deadline = time.monotonic() + 2.5
         while time.monotonic() < deadline:
             locals_ = [await local_in_flight(session, r, "flood") for r in replicas]
-            outage_samples.append(sum(locals_))
+            outage_samples.append(locals_)
             for i, r in enumerate(replicas):
                 async with session.get(r.url + "/health") as h:
                     body = await h.json()
@@ -193,9 +207,21 @@ async def test_redis_restarted_mid_load_no_5xx_and_counters_resync(fleet):
                         assert body["admission_store"]["available"] is False
                         degraded.add(i)
             await asyncio.sleep(0.05)
-        store.start()  # empty: it lost every counter and lease
         assert degraded == {0, 1, 2}
-        assert max(outage_samples) <= FLOOD_CAP
+        assert [await metric(session, r, "headroom:admission_store_up") for r in replicas] == [0, 0, 0]
+        assert [await metric(session, r, "headroom:admission_store_fallbacks") for r in replicas] == [1, 1, 1]
+        async with session.get(replicas[0].url + "/admin/stats", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+            view = (await r.json())["admission_store"]
+        assert view["kind"] == "redis" and view["available"] is False and view["reason"]
+        store.start()  # empty: it lost every counter and lease
+        # Without Redis each replica admits only within its share (1/3 of the cap): any rise
+        # of its in-flight tokens ends within it. What replicas held above their share at
+        # the loss drains, and then the shares add up to the cap.
+        share = FLOOD_CAP // 3
+        for before, after in zip(outage_samples, outage_samples[1:]):
+            assert all(b >= a or b <= share for a, b in zip(before, after)), (before, after)
+        assert sum(outage_samples[-1]) <= FLOOD_CAP
+        assert any(0 < sum(sample) for sample in outage_samples)
         # Wait until every replica is back on the shared store.
         deadline = time.monotonic() + 10
         while True:
@@ -204,6 +230,7 @@ async def test_redis_restarted_mid_load_no_5xx_and_counters_resync(fleet):
                 break
             assert time.monotonic() < deadline, healths
             await asyncio.sleep(0.1)
+        assert [await metric(session, r, "headroom:admission_store_up") for r in replicas] == [1, 1, 1]
         assert not steady.done(), "the long streams ended before the recovery could be checked"
         await asyncio.sleep(TTL_S / 3 + 0.2)  # one renewal round on every replica
         redis_view = await redis_in_flight(client, "steady")
