@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from headroom.app.structured import ToolUse
 from headroom.runtime.sampler import TokenLogprob
 
 
@@ -32,6 +33,12 @@ class ResponseFormat:
     include_usage: bool = False
     # Text offsets for completions' logprobs; advanced as chunks are formatted.
     text_offset: int = field(default=0, init=False)
+    tools: ToolUse | None = None  # chat: the request may get tool calls back
+
+    @property
+    def holds_text(self) -> bool:
+        """Stream nothing until the end: the text may turn out to be tool calls."""
+        return self.tools is not None
 
     object_full = ""
     object_chunk = ""
@@ -100,10 +107,32 @@ class ChatFormat(ResponseFormat):
 
     def full(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
              stop_reason: str | int | None, usage: Usage) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason,
-                  "stop_reason": stop_reason}
+        message, finish_reason = self._message(text, finish_reason)
+        choice = {"index": 0, "message": message, "logprobs": self._logprobs(logprobs),
+                  "finish_reason": finish_reason, "stop_reason": stop_reason}
         return {**self._base(self.object_full), "choices": [choice], "usage": usage.as_dict()}
+
+    def tool_chunks(self, text: str, finish_reason: str | None, stop_reason: str | int | None) -> list[dict]:
+        """The held-back text of a stream, as OpenAI streams it: the content and each tool
+        call (with its index) in one delta, then the finish."""
+        message, finish_reason = self._message(text, finish_reason)
+        delta: dict = {}
+        if message["content"]:
+            delta["content"] = message["content"]
+        if "tool_calls" in message:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+        chunks = [self.chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})] if delta else []
+        chunks.append(self.chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason,
+                                  "stop_reason": stop_reason}))
+        return chunks
+
+    def _message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        if self.tools is None or finish_reason != "stop":  # a call cut off by max_tokens stays text
+            return {"role": "assistant", "content": text}, finish_reason
+        calls, content = self.tools.parse(text)
+        if not calls:
+            return {"role": "assistant", "content": text}, finish_reason
+        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         text = self.token_text(token_id)

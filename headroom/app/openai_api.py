@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -25,6 +26,8 @@ from headroom.app.observe import note
 from headroom.app.proxy import proxy
 from headroom.app.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from headroom.app.sse import DONE, encode_event, open_stream
+from headroom.app.structured import constraint_param, grammar_spec, template_messages, tool_use
+from headroom.runtime.grammar import GrammarError, GrammarSpec
 from headroom.runtime.request import Request, SamplingParams
 from headroom.runtime.sampler import TokenLogprob
 
@@ -121,6 +124,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     rid = request_id(request, "cmpl", tenant)
     note(request, request_id=rid)
     engine_request = build_request(request, rid, body, prompt_ids, body.max_tokens, body.logprobs, tenant)
+    await constrain(request, engine_request, grammar_spec(body), constraint_param(body))
     fmt = CompletionFormat(rid, int(time.time()), model, _token_text(tokenizer), body.include_usage)
     text = body.prompt if isinstance(body.prompt, str) else ""
     return await respond(request, engine_request, fmt, body.stream, tenant, [{"role": "user", "content": text}])
@@ -133,18 +137,38 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = ChatCompletionRequest.model_validate_json(await request.read())
     model = check_model(request, body.model)
     tokenizer = request.app[keys.ENGINE].engine.tokenizer
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in body.messages]
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                 **({"tool_calls": [c.model_dump() for c in m.tool_calls]} if m.tool_calls else {}),
+                 **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})} for m in body.messages]
+    tools, tool_grammar = tool_use(body, tokenizer.hf.chat_template)
+    takes_tools = tokenizer.template_takes_tools
     try:
-        prompt_ids = tokenizer.apply_chat_template(messages)
+        prompt_ids = tokenizer.apply_chat_template(template_messages(messages, tools, takes_tools),
+                                                   tools=tools.tools if tools is not None and takes_tools else None)
     except ValueError as exc:
         raise BadRequest(f"messages: {exc}", param="messages") from None
     rid = request_id(request, "chatcmpl", tenant)
     note(request, request_id=rid)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     engine_request = build_request(request, rid, body, prompt_ids, body.requested_max_tokens, logprobs, tenant)
-    fmt = ChatFormat(rid, int(time.time()), model, _token_text(tokenizer), body.include_usage)
+    spec = tool_grammar or grammar_spec(body)
+    await constrain(request, engine_request, spec, "tool_choice" if tool_grammar else constraint_param(body))
+    fmt = ChatFormat(rid, int(time.time()), model, _token_text(tokenizer), body.include_usage, tools=tools)
     return await respond(request, engine_request, fmt, body.stream, tenant, messages)
+
+
+async def constrain(request: web.Request, engine_request: Request, spec: GrammarSpec | None, param: str) -> None:
+    """Give `engine_request` a matcher for `spec`. Compiling runs in a worker thread, so
+    neither the event loop nor the engine's steps wait on it; a spec compiled before
+    comes from xgrammar's cache."""
+    if spec is None:
+        return
+    grammars = request.app[keys.ENGINE].engine.grammars
+    try:
+        compiled = await asyncio.get_running_loop().run_in_executor(None, grammars.compile, spec)
+    except GrammarError as exc:
+        raise BadRequest(f"{param}: unsupported or invalid: {exc}", param=param, code="invalid_grammar") from None
+    engine_request.grammar = grammars.matcher(compiled)
 
 
 def _token_text(tokenizer):
@@ -195,6 +219,7 @@ async def _run(request: web.Request, engine_request: Request, fmt: ResponseForma
         return web.json_response(payload, headers=headers)
 
     response = await open_stream(request, headers)
+    held: list[str] = []
     try:
         async with contextlib.aclosing(outputs):
             for chunk in fmt.start_chunks():
@@ -203,6 +228,12 @@ async def _run(request: web.Request, engine_request: Request, fmt: ResponseForma
                 if out.error:  # headers are sent: the error travels as an event
                     await response.write(encode_event(error_body(out.error, APIError.type, code="engine_error")))
                     break
+                if fmt.holds_text:  # tool calls are known only once the whole text is
+                    held.append(out.text)
+                    if out.finished:
+                        for chunk in fmt.tool_chunks("".join(held), out.finish_reason, out.stop_reason):
+                            await response.write(encode_event(chunk))
+                    continue
                 if out.text or out.finished or out.logprobs:
                     chunk = fmt.delta_chunk(out.text, out.logprobs, out.finish_reason if out.finished else None,
                                             out.stop_reason if out.finished else None)

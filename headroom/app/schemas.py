@@ -8,7 +8,55 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 MAX_STOP_STRINGS = 16
-NOT_IMPLEMENTED = ("response_format", "tools", "tool_choice", "functions", "function_call", "best_of")
+# OpenAI fields not implemented: refused with a 400 naming them when set, never ignored
+# (docs/OPENAI_API.md lists every field and what headroom does with it).
+NOT_IMPLEMENTED = ("functions", "function_call", "best_of")
+CHAT_NOT_IMPLEMENTED = ("audio", "prediction", "reasoning_effort", "verbosity", "web_search_options")
+
+
+class JSONSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema: required with type json_schema, and only with it")
+        return self
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionName
 
 
 class StreamOptions(BaseModel):
@@ -35,10 +83,8 @@ class SamplingFields(BaseModel):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
     # token id (as a string, as OpenAI sends it) -> bias added to its logit
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
-    # OpenAI fields not implemented yet: refused with a 400 naming them, never ignored.
-    response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
+    response_format: ResponseFormatSpec | None = None
+    # OpenAI fields not implemented: refused with a 400 naming them, never ignored.
     functions: Any = None
     function_call: Any = None
     best_of: Any = None
@@ -47,6 +93,9 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
     priority: int = 0
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -64,6 +113,11 @@ class SamplingFields(BaseModel):
                 raise ValueError(f"{name}: not supported yet")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        constrained = self.guided_json is not None or self.guided_regex is not None or \
+            self.guided_choice is not None or (self.response_format is not None and self.response_format.type != "text")
+        for name in ("ignore_eos", "min_tokens"):
+            if constrained and getattr(self, name):
+                raise ValueError(f"{name}: not allowed with a structured output, which ends where its grammar does")
         return self
 
     @field_validator("logit_bias")
@@ -92,6 +146,8 @@ class CompletionRequest(SamplingFields):
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool = False
     suffix: str | None = None
+    tools: Any = None  # chat completions only
+    tool_choice: Any = None
 
     @field_validator("prompt")
     @classmethod
@@ -108,6 +164,9 @@ class CompletionRequest(SamplingFields):
     def _no_echo(self):
         if self.echo or self.suffix:
             raise ValueError("echo and suffix are not supported")
+        for name in ("tools", "tool_choice"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: only in chat completions")
         return self
 
 
@@ -117,11 +176,34 @@ class TextPart(BaseModel):
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str | list[TextPart] | None, Field(validate_default=True)] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+    @model_validator(mode="after")
+    def _tool_turns(self):
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool_call_id: required for role 'tool'")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only in an assistant message")
+        return self
 
     @field_validator("content")
     @classmethod
@@ -143,6 +225,22 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: Annotated[int, Field(ge=1)] | None = None  # deprecated by OpenAI, still sent
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: Annotated[list[ToolSpec], Field(min_length=1, max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # Accepted, with no effect here: bookkeeping of OpenAI's own platform.
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    store: bool | None = None
+    modalities: list[str] | None = None
+    # Not implemented: refused when set.
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -152,4 +250,16 @@ class ChatCompletionRequest(SamplingFields):
     def _top_logprobs_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
+        for name in CHAT_NOT_IMPLEMENTED:
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: not supported")
+        if self.store:
+            raise ValueError("store: completions are never stored here")
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise ValueError("modalities: only [\"text\"] is supported")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise ValueError("tool_choice: needs tools")
+        if self.tools and (self.response_format is not None and self.response_format.type != "text") \
+                and self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("response_format: not with a forced tool call (tool_choice)")
         return self

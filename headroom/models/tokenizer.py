@@ -52,12 +52,17 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list (most tool-calling models' do)."""
+        return bool(self.hf.chat_template) and "tools" in self.hf.chat_template
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
         if not self.hf.chat_template:
             raise ValueError(
                 "this model's tokenizer has no chat template; use the completions API instead"
             )
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         # The template writes any BOS itself; adding special tokens again would double it.
         return self.hf.encode(text, add_special_tokens=False)
 

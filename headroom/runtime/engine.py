@@ -7,6 +7,7 @@ bookkeeping half of a step."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -24,6 +25,7 @@ from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.cuda_graphs import capture_sizes, supports_graphs
 from headroom.runtime.detokenizer import IncrementalDetokenizer
 from headroom.runtime.device import prepare_model
+from headroom.runtime.grammar import Grammars
 from headroom.runtime.inflight import InflightRefiner, LengthProbe
 from headroom.runtime.model_runner import ModelRunner, StepTimer, kv_block_bytes
 from headroom.runtime.outputs import (
@@ -116,6 +118,11 @@ class Engine:
         return sizes, "decode batch sizes " + ",".join(map(str, sizes))
 
     # ---- called from any thread -------------------------------------------------------
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """The structured-output compiler for this model's tokenizer, built on first use."""
+        return Grammars(self.tokenizer.hf, self.loaded.args.vocab_size, self.tokenizer.eos_token_ids)
 
     def new_request(
         self,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class RequestStatus(enum.IntEnum):
@@ -123,6 +124,9 @@ class Request:
     admin_actions: list[str] = field(default_factory=list)
     deprioritized: bool = False
     max_tokens_cap: int | None = None  # an operator's cap below sampling.max_tokens
+    # Structured output: an xgrammar matcher (runtime/grammar.py) that masks every token
+    # this sequence samples and advances with it; None: unconstrained.
+    grammar: Any = None
 
     # Timestamps (time.monotonic) for spans and metrics.
     first_scheduled_time: float | None = None

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
+from headroom.runtime import grammar
 from headroom.runtime.request import Request
 
 CPU = torch.device("cpu")
+log = logging.getLogger("headroom.sampler")
 
 
 @dataclass
@@ -54,6 +57,10 @@ class Sampler:
         banned = self._min_tokens_mask(requests, logits.shape[1])
         if banned is not None:
             logits = logits.masked_fill(banned, float("-inf"))
+        constrained = [(i, r.grammar) for i, r in enumerate(requests) if r.grammar is not None]
+        if constrained:  # last, so that nothing after it can allow a token the grammar forbids
+            logits = logits.clone() if logits is raw else logits
+            grammar.mask(logits, constrained)
         greedy = [r.sampling.greedy for r in requests]
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, g in enumerate(greedy) if not g]
@@ -62,6 +69,9 @@ class Sampler:
             picked = self._sample(logits[rows], [requests[i] for i in sampled_rows])
             tokens[rows] = picked
         token_ids = tokens.tolist()
+        for i, matcher in constrained:
+            if not matcher.accept_token(token_ids[i]):  # only when the grammar allowed nothing at all
+                log.error("grammar refused token %d of %s", token_ids[i], requests[i].request_id)
         return SampleResult(token_ids, self._logprobs(raw, tokens, token_ids, requests))
 
     def adjust(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -1,0 +1,103 @@
+"""Structured output: grammars compiled by xgrammar (the engine vLLM and SGLang use),
+applied as a token bitmask to the logits of the sequences that carry one.
+
+A request's GrammarSpec (a JSON schema, any JSON, a regex, a list of choices) is compiled
+once per distinct spec, off the event loop and outside the engine's step (the server
+calls `compile` in a worker thread; xgrammar caches what it compiled). Each sequence then
+gets its own matcher: on the engine thread, the sampler fills the batch's bitmask from
+the matchers, masks the logits, samples, and advances each matcher by its token. When
+the grammar is complete it allows only the end-of-sequence tokens, so the sequence ends
+as any other does.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\] [^ ]+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+class GrammarError(ValueError):
+    """The spec cannot be compiled (bad or unsupported); the message says what."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    kind: str  # "json" (any JSON value), "json_schema", "regex", "choice"
+    source: str = ""  # the schema as JSON text, the regex, or the choices as a JSON list
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any]) -> GrammarSpec:
+        return cls("json_schema", json.dumps(schema, sort_keys=True))
+
+    @classmethod
+    def choice(cls, choices: list[str]) -> GrammarSpec:
+        return cls("choice", json.dumps(choices))
+
+
+class Grammars:
+    """Compiles specs for one tokenizer. Thread-safe: compile runs in worker threads."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: set[int], max_threads: int = 2):
+        import xgrammar as xgr  # imported on first use: a server that never sees a grammar never loads it
+
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=sorted(stop_token_ids))
+        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=True)
+        self._lock = threading.Lock()
+        self.compiled = 0  # distinct specs compiled (cache misses)
+        self._seen: set[GrammarSpec] = set()
+
+    def compile(self, spec: GrammarSpec):
+        """The compiled grammar for `spec` (from the cache when it was compiled before).
+        Raises GrammarError naming what is wrong or unsupported."""
+        c = self._compiler
+        try:
+            if spec.kind == "json":
+                compiled = c.compile_builtin_json_grammar()
+            elif spec.kind == "json_schema":
+                # No free whitespace between tokens: a small model left free to add it can
+                # emit newlines until max_tokens.
+                compiled = c.compile_json_schema(spec.source, any_whitespace=False)
+            elif spec.kind == "regex":
+                compiled = c.compile_regex(spec.source)
+            elif spec.kind == "choice":
+                choices = json.loads(spec.source)
+                compiled = c.compile_grammar("root ::= " + " | ".join(json.dumps(x) for x in choices))
+            else:
+                raise GrammarError(f"unknown grammar kind {spec.kind!r}")
+        except RuntimeError as exc:
+            raise GrammarError(_clean(str(exc))) from None
+        with self._lock:
+            if spec not in self._seen:
+                self._seen.add(spec)
+                self.compiled += 1
+        return compiled
+
+    def matcher(self, compiled):
+        return self._xgr.GrammarMatcher(compiled)
+
+
+def mask(logits: torch.Tensor, matchers: list[tuple[int, Any]]) -> None:
+    """Mask, in place, the rows of `logits` given as (row, matcher): every token the row's
+    grammar does not allow next becomes -inf."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
+    for row, matcher in matchers:
+        matcher.fill_next_token_bitmask(bitmask, row)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=[row for row, _ in matchers])
+
+
+def _clean(message: str) -> str:
+    """xgrammar's C++ errors start with a time and a source location; keep the reason."""
+    first = message.strip().splitlines()[0] if message.strip() else message
+    return _CPP_PREFIX.sub("", first).strip()
