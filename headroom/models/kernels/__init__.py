@@ -8,6 +8,7 @@ build fails, cpu_kernels() answers None with the reason, and callers use PyTorch
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import time
@@ -34,7 +35,10 @@ def cpu_flags() -> set[str]:
 SOURCES = ("bindings.cpp", "q4_linear.cpp", "q8_linear.cpp", "qdot_linear.cpp", "paged_attention.cpp",
            "fused_ops.cpp", "pool.cpp")
 VNNI_FLAGS = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"}
-NAME = "headroom_cpu_kernels"
+# One build per checkout: torch's builder writes the sources' absolute paths into its
+# build file, so two checkouts sharing one name rebuild over each other (3 minutes, the
+# lock held) each time the other has built.
+NAME = "headroom_cpu_kernels_" + hashlib.sha1(str(HERE).encode()).hexdigest()[:10]
 # A build takes ~3 minutes on 2 cores. torch's builder holds a `lock` file in the build
 # directory while it compiles and waits, without end, for any lock it finds; a build that
 # was killed leaves its lock behind, and every later start would hang on it.
