@@ -26,7 +26,8 @@ from pathlib import Path
 
 import aiohttp
 
-from headroom.models.loader import load_model
+from headroom.models.loader import default_model_path
+from headroom.models.tokenizer import Tokenizer
 from headroom.runtime.grammar import Grammars, GrammarSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,8 +51,8 @@ def wide_schema(fields: int, salt: int = 0) -> dict:
 
 
 def compile_times() -> None:
-    loaded = load_model()
-    grammars = Grammars(loaded.tokenizer.hf, loaded.args.vocab_size, loaded.tokenizer.eos_token_ids)
+    tokenizer = Tokenizer.from_gguf(default_model_path())
+    grammars = Grammars(tokenizer.hf, tokenizer.vocab_size, tokenizer.eos_token_ids)
     print(f"{'grammar':<34}{'cold ms':>10}{'cached ms':>11}")
     specs = [("any JSON (json_object)", GrammarSpec("json")), ("people (nested array)", GrammarSpec.json_schema(PEOPLE))]
     specs += [(f"object of {n} fields", GrammarSpec.json_schema(wide_schema(n))) for n in (10, 50, 200)]

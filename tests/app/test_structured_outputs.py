@@ -174,6 +174,19 @@ def test_the_mask_leaves_exactly_the_tokens_the_grammar_allows(default_model):
     assert allowed and all("yes".startswith(a) or "no".startswith(a) for a in allowed)
     assert {"yes", "no"} <= allowed or {"y", "n"} <= allowed
     assert torch.isinf(logits[1]).sum() == vocab - len(allowed)
+    # The numpy unpacking gives exactly what xgrammar's own apply does.
+    import xgrammar as xgr
+
+    matchers = [(0, grammars.matcher(grammars.compile(GrammarSpec("json")))),
+                (2, grammars.matcher(grammars.compile(GrammarSpec("regex", r"[a-c]+x"))))]
+    ours = torch.randn(3, vocab)
+    theirs = ours.clone()
+    bitmask = xgr.allocate_token_bitmask(3, vocab)
+    for row, m in matchers:
+        m.fill_next_token_bitmask(bitmask, row)
+    xgr.apply_token_bitmask_inplace(theirs, bitmask, indices=[0, 2])
+    mask(ours, matchers)
+    assert torch.equal(ours, theirs)
 
     # In the engine: the greedy output is one of the choices, and the sequence ends there.
     request = engine.new_request(engine.tokenizer.encode("Is the sky blue? Answer:"),
