@@ -31,8 +31,8 @@ class ResponseFormat:
     model: str
     token_text: object  # callable: token id -> its text
     include_usage: bool = False
-    # Text offsets for completions' logprobs; advanced as chunks are formatted.
-    text_offset: int = field(default=0, init=False)
+    # Text offsets of completions' logprobs, per choice; advanced as chunks are formatted.
+    text_offsets: dict[int, int] = field(default_factory=dict, init=False)
     tools: ToolUse | None = None  # chat: the request may get tool calls back
 
     @property
@@ -45,6 +45,9 @@ class ResponseFormat:
 
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, choices: list[dict], usage: Usage) -> dict:
+        return {**self._base(self.object_full), "choices": choices, "usage": usage.as_dict()}
 
     def usage_chunk(self, usage: Usage) -> dict:
         return {**self._base(self.object_chunk), "choices": [], "usage": usage.as_dict()}
@@ -59,30 +62,31 @@ class ResponseFormat:
 class CompletionFormat(ResponseFormat):
     object_full = object_chunk = "text_completion"
 
-    def start_chunks(self) -> list[dict]:
+    def start_chunks(self, index: int = 0) -> list[dict]:
         return []
 
     def delta_chunk(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
-                    stop_reason: str | int | None = None) -> dict:
-        return self.chunk({"index": 0, "text": text, "logprobs": self._logprobs(text, logprobs),
+                    stop_reason: str | int | None = None, index: int = 0) -> dict:
+        return self.chunk({"index": index, "text": text, "logprobs": self._logprobs(text, logprobs, index),
                            "finish_reason": finish_reason, "stop_reason": stop_reason})
 
-    def full(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
-             stop_reason: str | int | None, usage: Usage) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": self._logprobs(text, logprobs),
-                  "finish_reason": finish_reason, "stop_reason": stop_reason}
-        return {**self._base(self.object_full), "choices": [choice], "usage": usage.as_dict()}
+    def choice(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
+               stop_reason: str | int | None, index: int = 0) -> dict:
+        return {"index": index, "text": text, "logprobs": self._logprobs(text, logprobs, index),
+                "finish_reason": finish_reason, "stop_reason": stop_reason}
 
-    def _logprobs(self, text: str, logprobs: list[TokenLogprob] | None) -> dict | None:
+    def _logprobs(self, text: str, logprobs: list[TokenLogprob] | None, index: int) -> dict | None:
+        offset = self.text_offsets.get(index, 0)
         if logprobs is None:
-            self.text_offset += len(text)
+            self.text_offsets[index] = offset + len(text)
             return None
         tokens, offsets = [], []
         for lp in logprobs:
             piece = self.token_text(lp.token_id)
             tokens.append(piece)
-            offsets.append(self.text_offset)
-            self.text_offset += len(piece)
+            offsets.append(offset)
+            offset += len(piece)
+        self.text_offsets[index] = offset
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in logprobs],
@@ -95,24 +99,24 @@ class ChatFormat(ResponseFormat):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def start_chunks(self) -> list[dict]:
-        return [self.chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+    def start_chunks(self, index: int = 0) -> list[dict]:
+        return [self.chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None})]
 
     def delta_chunk(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
-                    stop_reason: str | int | None = None) -> dict:
+                    stop_reason: str | int | None = None, index: int = 0) -> dict:
         delta = {"content": text} if text or finish_reason is None else {}
-        return self.chunk({"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs),
+        return self.chunk({"index": index, "delta": delta, "logprobs": self._logprobs(logprobs),
                            "finish_reason": finish_reason, "stop_reason": stop_reason})
 
-    def full(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
-             stop_reason: str | int | None, usage: Usage) -> dict:
+    def choice(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
+               stop_reason: str | int | None, index: int = 0) -> dict:
         message, finish_reason = self._message(text, finish_reason)
-        choice = {"index": 0, "message": message, "logprobs": self._logprobs(logprobs),
-                  "finish_reason": finish_reason, "stop_reason": stop_reason}
-        return {**self._base(self.object_full), "choices": [choice], "usage": usage.as_dict()}
+        return {"index": index, "message": message, "logprobs": self._logprobs(logprobs),
+                "finish_reason": finish_reason, "stop_reason": stop_reason}
 
-    def tool_chunks(self, text: str, finish_reason: str | None, stop_reason: str | int | None) -> list[dict]:
+    def tool_chunks(self, text: str, finish_reason: str | None, stop_reason: str | int | None,
+                    index: int = 0) -> list[dict]:
         """The held-back text of a stream, as OpenAI streams it: the content and each tool
         call (with its index) in one delta, then the finish."""
         message, finish_reason = self._message(text, finish_reason)
@@ -121,8 +125,9 @@ class ChatFormat(ResponseFormat):
             delta["content"] = message["content"]
         if "tool_calls" in message:
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-        chunks = [self.chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})] if delta else []
-        chunks.append(self.chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason,
+        chunks = [self.chunk({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})] \
+            if delta else []
+        chunks.append(self.chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason,
                                   "stop_reason": stop_reason}))
         return chunks
 

@@ -63,8 +63,15 @@ def check_model(request: web.Request, name: str | None) -> str:
     return served
 
 
+def build_requests(request: web.Request, rid: str, body: SamplingFields, prompt_ids: list[int],
+                   max_tokens: int | None, logprobs: int | None, tenant: Tenant) -> list[Request]:
+    """One engine request per choice (n); choice i > 0 is `rid-i`, with seed + i."""
+    return [build_request(request, rid if i == 0 else f"{rid}-{i}", body, prompt_ids, max_tokens, logprobs, tenant,
+                          None if body.seed is None else body.seed + i) for i in range(body.n)]
+
+
 def build_request(request: web.Request, rid: str, body: SamplingFields, prompt_ids: list[int],
-                  max_tokens: int | None, logprobs: int | None, tenant: Tenant) -> Request:
+                  max_tokens: int | None, logprobs: int | None, tenant: Tenant, seed: int | None) -> Request:
     client = request.app[keys.ENGINE]
     engine = client.engine
     if client.is_in_flight(rid):
@@ -88,7 +95,7 @@ def build_request(request: web.Request, rid: str, body: SamplingFields, prompt_i
             temperature=body.temperature,
             top_p=body.top_p,
             top_k=max(body.top_k, 0),
-            seed=body.seed,
+            seed=seed,
             stop=body.stop_strings,
             ignore_eos=body.ignore_eos,
             min_tokens=min(body.min_tokens, max_tokens),
@@ -123,11 +130,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompt_ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
     rid = request_id(request, "cmpl", tenant)
     note(request, request_id=rid)
-    engine_request = build_request(request, rid, body, prompt_ids, body.max_tokens, body.logprobs, tenant)
-    await constrain(request, engine_request, grammar_spec(body), constraint_param(body))
+    engine_requests = build_requests(request, rid, body, prompt_ids, body.max_tokens, body.logprobs, tenant)
+    await constrain(request, engine_requests, grammar_spec(body), constraint_param(body))
     fmt = CompletionFormat(rid, int(time.time()), model, _token_text(tokenizer), body.include_usage)
     text = body.prompt if isinstance(body.prompt, str) else ""
-    return await respond(request, engine_request, fmt, body.stream, tenant, [{"role": "user", "content": text}])
+    return await respond(request, engine_requests, fmt, body.stream, tenant, [{"role": "user", "content": text}])
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -150,15 +157,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     rid = request_id(request, "chatcmpl", tenant)
     note(request, request_id=rid)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    engine_request = build_request(request, rid, body, prompt_ids, body.requested_max_tokens, logprobs, tenant)
+    engine_requests = build_requests(request, rid, body, prompt_ids, body.requested_max_tokens, logprobs, tenant)
     spec = tool_grammar or grammar_spec(body)
-    await constrain(request, engine_request, spec, "tool_choice" if tool_grammar else constraint_param(body))
+    await constrain(request, engine_requests, spec, "tool_choice" if tool_grammar else constraint_param(body))
     fmt = ChatFormat(rid, int(time.time()), model, _token_text(tokenizer), body.include_usage, tools=tools)
-    return await respond(request, engine_request, fmt, body.stream, tenant, messages)
+    return await respond(request, engine_requests, fmt, body.stream, tenant, messages)
 
 
-async def constrain(request: web.Request, engine_request: Request, spec: GrammarSpec | None, param: str) -> None:
-    """Give `engine_request` a matcher for `spec`. Compiling runs in a worker thread, so
+async def constrain(request: web.Request, engine_requests: list[Request], spec: GrammarSpec | None,
+                    param: str) -> None:
+    """Give each of `engine_requests` a matcher for `spec`. Compiling runs in a worker thread, so
     neither the event loop nor the engine's steps wait on it; a spec compiled before
     comes from xgrammar's cache."""
     if spec is None:
@@ -168,82 +176,136 @@ async def constrain(request: web.Request, engine_request: Request, spec: Grammar
         compiled = await asyncio.get_running_loop().run_in_executor(None, grammars.compile, spec)
     except GrammarError as exc:
         raise BadRequest(f"{param}: unsupported or invalid: {exc}", param=param, code="invalid_grammar") from None
-    engine_request.grammar = grammars.matcher(compiled)
+    for engine_request in engine_requests:
+        engine_request.grammar = grammars.matcher(compiled)
 
 
 def _token_text(tokenizer):
     return lambda token_id: tokenizer.decode([token_id])
 
 
-def _usage(r: Request) -> Usage:
-    return Usage(r.num_prompt_tokens, r.num_output_tokens, r.num_cached_tokens)
+def _usage(requests: list[Request]) -> Usage:
+    # The prompt is counted once, as OpenAI counts it for n choices.
+    return Usage(requests[0].num_prompt_tokens, sum(r.num_output_tokens for r in requests),
+                 max(r.num_cached_tokens for r in requests))
 
 
-async def respond(request: web.Request, engine_request: Request, fmt: ResponseFormat, stream: bool,
+async def respond(request: web.Request, engine_requests: list[Request], fmt: ResponseFormat, stream: bool,
                   tenant: Tenant, messages: list[dict]) -> web.StreamResponse:
     gate = request.app[keys.GATE]
-    note(request, engine_request=engine_request,
+    note(request, engine_request=engine_requests[0],
          prompt=messages if request.app[keys.CONFIG].observability.log_prompts else None)
-    admitted = await gate.admit(tenant, engine_request, messages)
-    if admitted.route is not None:
-        return await proxy(request, admitted.route, request.app[keys.HTTP_CLIENT])
-    finish_reason: str | None = None
+    admitted = []
+    done = False
     try:
+        for engine_request in engine_requests:  # n choices are admitted, and charged, as n sequences
+            admitted.append(await gate.admit(tenant, engine_request, messages))
+            if admitted[0].route is not None:
+                return await proxy(request, admitted[0].route, request.app[keys.HTTP_CLIENT])
         if request.transport is None or request.transport.is_closing():
             # Gone before it ran: never runs. Handler cancellation normally gets there first
             # (acquire abandons the wait); this is the backstop when it has not landed yet.
             raise web.HTTPBadRequest(reason="Client Closed Request")
-        response = await _run(request, engine_request, fmt, stream)
-        finish_reason = engine_request.status.finish_reason
+        response = await _run(request, engine_requests, fmt, stream)
+        done = True
         return response
     finally:
-        gate.settle(admitted, engine_request, finish_reason)
+        for one, engine_request in zip(admitted, engine_requests, strict=False):
+            gate.settle(one, engine_request, engine_request.status.finish_reason if done else None)
 
 
-async def _run(request: web.Request, engine_request: Request, fmt: ResponseFormat,
+async def _outputs(client, requests: list[Request]):
+    """(choice index, output) of every request as they come. With n > 1 the others start
+    once the first has its first token, so its prompt is in the prefix cache and they
+    prefill only the last, partial block: one prefill for all."""
+    if len(requests) == 1:
+        outputs = client.generate(requests[0])
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    first = asyncio.Event()
+
+    async def feed(index: int, engine_request: Request) -> None:
+        try:
+            outputs = client.generate(engine_request)
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    first.set()
+                    queue.put_nowait((index, out))
+        finally:
+            first.set()
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(feed(0, requests[0]))]
+    try:
+        await first.wait()
+        tasks += [asyncio.create_task(feed(i, r)) for i, r in enumerate(requests[1:], 1)]
+        left = len(requests)
+        while left:
+            index, out = await queue.get()
+            if out is None:
+                left -= 1
+            else:
+                yield index, out
+    finally:  # a client that leaves: every choice's sequence is aborted with its task
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _run(request: web.Request, engine_requests: list[Request], fmt: ResponseFormat,
                stream: bool) -> web.StreamResponse:
     client = request.app[keys.ENGINE]
-    headers = {"X-Request-Id": engine_request.request_id}
-    outputs = client.generate(engine_request)
+    headers = {"X-Request-Id": engine_requests[0].request_id}
+    n = len(engine_requests)
+    outputs = _outputs(client, engine_requests)
     if not stream:
-        text: list[str] = []
-        logprobs: list[TokenLogprob] | None = [] if engine_request.sampling.logprobs is not None else None
+        text: list[list[str]] = [[] for _ in range(n)]
+        wants_logprobs = engine_requests[0].sampling.logprobs is not None
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
+        last = [None] * n
         async with contextlib.aclosing(outputs):
-            async for out in outputs:
-                text.append(out.text)
-                if logprobs is not None and out.logprobs:
-                    logprobs.extend(out.logprobs)
-        if out.error:
-            raise APIError(out.error, code="engine_error")
-        payload = fmt.full("".join(text), logprobs, out.finish_reason, out.stop_reason, _usage(engine_request))
-        return web.json_response(payload, headers=headers)
+            async for index, out in outputs:
+                text[index].append(out.text)
+                if wants_logprobs and out.logprobs:
+                    logprobs[index].extend(out.logprobs)
+                last[index] = out
+        for out in last:
+            if out.error:
+                raise APIError(out.error, code="engine_error")
+        choices = [fmt.choice("".join(text[i]), logprobs[i] if wants_logprobs else None, last[i].finish_reason,
+                              last[i].stop_reason, i) for i in range(n)]
+        return web.json_response(fmt.full(choices, _usage(engine_requests)), headers=headers)
 
     response = await open_stream(request, headers)
-    held: list[str] = []
+    held: list[list[str]] = [[] for _ in range(n)]
     try:
         async with contextlib.aclosing(outputs):
-            for chunk in fmt.start_chunks():
-                await response.write(encode_event(chunk))
-            async for out in outputs:
+            for index in range(n):
+                for chunk in fmt.start_chunks(index):
+                    await response.write(encode_event(chunk))
+            async for index, out in outputs:
                 if out.error:  # headers are sent: the error travels as an event
                     await response.write(encode_event(error_body(out.error, APIError.type, code="engine_error")))
                     break
                 if fmt.holds_text:  # tool calls are known only once the whole text is
-                    held.append(out.text)
+                    held[index].append(out.text)
                     if out.finished:
-                        for chunk in fmt.tool_chunks("".join(held), out.finish_reason, out.stop_reason):
+                        for chunk in fmt.tool_chunks("".join(held[index]), out.finish_reason, out.stop_reason, index):
                             await response.write(encode_event(chunk))
                     continue
                 if out.text or out.finished or out.logprobs:
                     chunk = fmt.delta_chunk(out.text, out.logprobs, out.finish_reason if out.finished else None,
-                                            out.stop_reason if out.finished else None)
+                                            out.stop_reason if out.finished else None, index)
                     await response.write(encode_event(chunk))
         if fmt.include_usage:
-            await response.write(encode_event(fmt.usage_chunk(_usage(engine_request))))
+            await response.write(encode_event(fmt.usage_chunk(_usage(engine_requests))))
         await response.write(DONE)
         await response.write_eof()
-    except ConnectionResetError:  # the client left; aclosing has already aborted the sequence
-        log.info("client disconnected mid-stream: %s", engine_request.request_id)
+    except ConnectionResetError:  # the client left; aclosing has already aborted the sequences
+        log.info("client disconnected mid-stream: %s", engine_requests[0].request_id)
     return response
 
 

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16  # n: each choice is a sequence of its own
 # OpenAI fields not implemented: refused with a 400 naming them when set, never ignored
 # (docs/OPENAI_API.md lists every field and what headroom does with it).
 NOT_IMPLEMENTED = ("functions", "function_call", "best_of")
@@ -75,7 +76,7 @@ class SamplingFields(BaseModel):
     top_k: Annotated[int, Field(ge=-1)] = -1  # -1 or 0: off (vLLM's convention)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -106,8 +107,6 @@ class SamplingFields(BaseModel):
 
     @model_validator(mode="after")
     def _supported(self):
-        if self.n != 1:
-            raise ValueError("n: only n=1 is supported")
         for name in NOT_IMPLEMENTED:
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: not supported yet")

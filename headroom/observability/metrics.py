@@ -152,6 +152,10 @@ class EngineCollector(Collector):
         yield _counter("headroom:prompt_tokens", "Prompt tokens of requests that reached the engine.",
                        stats.prompt_tokens)
         yield _counter("headroom:generation_tokens", "Tokens generated.", stats.generated_tokens)
+        yield _counter("headroom:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                       stats.prefix_cache_queries)
+        yield _counter("headroom:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                       stats.prefix_cache_hits)
         yield _counter("headroom:num_preemptions", "Sequences preempted (recomputed later).", stats.preemptions)
         yield _counter("headroom:engine_busy_seconds", "Wall time spent in engine steps.", stats.step_time_s)
         yield _counter("headroom:request_success", "Finished requests, by finish reason.", stats.finished,

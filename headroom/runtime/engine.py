@@ -384,6 +384,8 @@ class Engine:
         for request, n, blocks in zip(out.requests, out.num_scheduled_tokens, held, strict=True):
             if request.num_processed_tokens == 0:
                 stats.requests_started += 1
+                stats.prefix_cache_queries += request.num_prompt_tokens
+                stats.prefix_cache_hits += request.num_cached_tokens
             request.num_blocks_held = blocks
             request.peak_blocks = max(request.peak_blocks, blocks)
             share = elapsed * n / total

@@ -38,6 +38,8 @@ class EngineStats:
     generated_tokens: int = 0
     preemptions: int = 0
     requests_started: int = 0  # requests that got their first step
+    prefix_cache_queries: int = 0  # prompt tokens of those, looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found there
     finished: Counter[str] = field(default_factory=Counter)  # by finish reason
     aborts: Counter[str] = field(default_factory=Counter)  # by cause (Request.abort_cause)
     device_time_by_class: Counter[str] = field(default_factory=Counter)  # seconds, by size class

@@ -197,3 +197,46 @@ def test_the_mask_leaves_exactly_the_tokens_the_grammar_allows(default_model):
         engine.step()
     assert request.status.finish_reason == "stop" and request.output_token_ids[-1] in engine.tokenizer.eos_token_ids
     assert engine.tokenizer.decode(request.output_token_ids, skip_special_tokens=True) in ("yes", "no")
+
+
+def counter(server, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(server.url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == name + "_total":
+                return sample.value
+    raise AssertionError(f"{name} missing")
+
+
+def test_n_choices_share_one_prefill_and_come_back_indexed(client, server):
+    block = server.engine.block_size
+    # A prompt no other test sent, of a length that is not a whole number of blocks.
+    ids = [1000 + (i * 37) % 5000 for i in range(5 * block + 3)]
+    queries, hits = counter(server, "headroom:prefix_cache_queries"), counter(server, "headroom:prefix_cache_hits")
+    res = client.completions.create(model=client.model_name, prompt=ids, max_tokens=12, temperature=1.0, seed=5, n=3)
+    assert [c.index for c in res.choices] == [0, 1, 2]
+    assert len({c.text for c in res.choices}) > 1  # seed + i: each choice draws its own tokens
+    assert res.usage.prompt_tokens == len(ids) and res.usage.completion_tokens == 36
+    # The first prefilled the prompt; the other two found its 5 full blocks in the cache.
+    assert counter(server, "headroom:prefix_cache_queries") - queries == 3 * len(ids)
+    assert counter(server, "headroom:prefix_cache_hits") - hits == 2 * 5 * block
+    assert res.usage.prompt_tokens_details.cached_tokens == 5 * block
+
+    streamed = {0: "", 1: "", 2: ""}
+    finishes = {}
+    for chunk in client.completions.create(model=client.model_name, prompt=ids, max_tokens=12, temperature=1.0,
+                                           seed=5, n=3, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert streamed == {c.index: c.text for c in res.choices} and finishes == {0: "length", 1: "length", 2: "length"}
+
+    chat = client.chat.completions.create(model=client.model_name, n=2, max_tokens=60, temperature=0.9, seed=1,
+                                          messages=[{"role": "user", "content": "A person, as JSON."}],
+                                          response_format={"type": "json_object"})
+    assert [c.index for c in chat.choices] == [0, 1]
+    for choice in chat.choices:
+        if choice.finish_reason == "stop":
+            json.loads(choice.message.content)

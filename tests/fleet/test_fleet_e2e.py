@@ -7,6 +7,7 @@ mid-stream gives its reservations back within the lease TTL."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import subprocess
@@ -218,7 +219,7 @@ async def test_redis_restarted_mid_load_no_5xx_and_counters_resync(fleet):
         # of its in-flight tokens ends within it. What replicas held above their share at
         # the loss drains, and then the shares add up to the cap.
         share = FLOOD_CAP // 3
-        for before, after in zip(outage_samples, outage_samples[1:]):
+        for before, after in itertools.pairwise(outage_samples):
             assert all(b >= a or b <= share for a, b in zip(before, after)), (before, after)
         assert sum(outage_samples[-1]) <= FLOOD_CAP
         assert any(0 < sum(sample) for sample in outage_samples)
