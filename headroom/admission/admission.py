@@ -64,6 +64,7 @@ class Ticket:
     # shared bucket (False: granted on the local share while the store was away).
     lease: str | None = None
     charged: bool = False
+    seqs: int = 1  # sequences it admits (a request's n choices)
 
 
 @dataclass
@@ -103,10 +104,11 @@ class Admission:
     # --- the decision -------------------------------------------------------------
 
     async def acquire(self, tenant: Tenant, cost: int, deadline_s: float | None = None, *,
-                      prompt_tokens: int = 0) -> Ticket:
+                      prompt_tokens: int = 0, seqs: int = 1) -> Ticket:
         """Admit `cost` tokens for `tenant`, waiting if need be. deadline_s: the most this
         request may wait, in seconds from now (the tenant's max_wait_s still caps it).
-        prompt_tokens: how much of cost is prompt, for the fair-share estimate.
+        prompt_tokens: how much of cost is prompt, for the fair-share estimate. seqs: the
+        global slots it takes (n choices of one request are admitted together).
         Raises Rejected; on cancellation the request leaves no trace."""
         if cost < 0 or not 0 <= prompt_tokens <= cost:
             raise ValueError(f"need 0 <= prompt_tokens <= cost, got {prompt_tokens} and {cost}")
@@ -116,16 +118,24 @@ class Admission:
             raise self._reject(Rejected(
                 f"request needs {cost} tokens but tenant {tenant.name!r} may have at most "
                 f"{tenant.config.max_in_flight_tokens} in flight; it can never be admitted", None, "too_large"))
+        if self.max_in_flight_seqs is not None and seqs > self.max_in_flight_seqs:
+            raise self._reject(Rejected(f"request needs {seqs} sequences but at most {self.max_in_flight_seqs} "
+                                        "may run at once; it can never be admitted", None, "too_large"))
+        if self.store is not None and not self.store.available and cost > tenant.bucket.max_in_flight_tokens:
+            raise self._reject(Rejected(
+                f"request needs {cost} tokens; while the shared admission store is unreachable tenant "
+                f"{tenant.name!r} may have at most {tenant.bucket.max_in_flight_tokens} in flight on this replica",
+                5.0, "fallback_share"))
         self.pump()  # refill may already have let waiters in; they go first
         direct = False
         if not tenant.queue:
             self.fair.lift(tenant, self.registry)
             # After pump, a free slot means no waiter of any tenant can use it now, so
             # taking it jumps nobody.
-            if self._slot_free() and tenant.head_free() and tenant.bucket.can_admit(cost):
+            if self._slot_free(seqs) and tenant.head_free() and tenant.bucket.can_admit(cost):
                 if not self._shared():
                     self.decisions["admit"] += 1
-                    return self._grant(tenant, cost, prompt_tokens, "admit", 0.0)
+                    return self._grant(tenant, cost, prompt_tokens, "admit", 0.0, seqs)
                 direct = True  # admitted here; the fleet's answer is one round trip away
         max_wait = tenant.config.max_wait_s if deadline_s is None else min(deadline_s, tenant.config.max_wait_s)
         if max_wait <= 0 and not direct:
@@ -137,7 +147,7 @@ class Admission:
 
         now = self._now()
         waiter = Waiter(cost, prompt_tokens, now, now + max(max_wait, 0.0),
-                        asyncio.get_running_loop().create_future(), direct)
+                        asyncio.get_running_loop().create_future(), direct, seqs)
         tenant.queue.append(waiter)
         if direct:
             self.pump()
@@ -163,7 +173,7 @@ class Admission:
         tenant.bucket.settle(ticket.cost, prompt_tokens + output_tokens)
         self.fair.charge(tenant, prompt_tokens - ticket.prompt_tokens,
                          output_tokens - (ticket.cost - ticket.prompt_tokens))
-        self.in_flight_seqs -= 1
+        self.in_flight_seqs -= ticket.seqs
         if self.store is not None and ticket.lease is not None:
             self._spawn(self.store.settle(ticket.lease, ticket.cost, prompt_tokens + output_tokens, ticket.charged),
                         then_pump=True)
@@ -178,16 +188,14 @@ class Admission:
             self._prune(tenant, None)
         while self._slot_free():
             tenant = self.fair.next_tenant(self.registry)
-            if tenant is None:
+            if tenant is None or not self._slot_free(tenant.queue[0].seqs):
                 break
             waiter = tenant.queue.popleft()
             if self._shared():
                 self._confirm(tenant, waiter)
                 continue
             ticket = self._grant(tenant, waiter.cost, waiter.prompt_tokens, _decision(waiter),
-                                 now - waiter.enqueued_at)
-            if self.store is not None:  # on the local share; the store counts it once back
-                ticket.lease = self.store.hold_locally(tenant, waiter.cost)
+                                 now - waiter.enqueued_at, waiter.seqs)
             waiter.future.set_result(ticket)
         for tenant in self.registry:
             self._prune(tenant, now)
@@ -244,7 +252,7 @@ class Admission:
 
     def _confirm(self, tenant: Tenant, waiter: Waiter) -> None:
         """Ask the store for `waiter`'s tokens, holding a global slot meanwhile."""
-        self.in_flight_seqs += 1
+        self.in_flight_seqs += waiter.seqs
         tenant.confirming = True
         self._confirming.add(waiter)
         self._spawn(self._confirm_async(tenant, waiter))
@@ -257,10 +265,11 @@ class Admission:
             pass  # the store is now unavailable: pump grants on the local share
         except Exception:
             log.exception("admission store: reserve failed")
+            answer = 1.0  # as a refusal: retried after a pause, not at once
         finally:
             tenant.confirming = False
             self._confirming.discard(waiter)
-            self.in_flight_seqs -= 1
+            self.in_flight_seqs -= waiter.seqs
         if isinstance(answer, str):
             if waiter.future.done():  # cancelled, or the server closed, while Redis answered
                 self._spawn(self.store.settle(answer, waiter.cost, 0, True), then_pump=True)
@@ -268,8 +277,7 @@ class Admission:
                 if _decision(waiter) == "admit":
                     self.decisions["admit"] += 1
                 ticket = self._grant(tenant, waiter.cost, waiter.prompt_tokens, _decision(waiter),
-                                     self._now() - waiter.enqueued_at)
-                ticket.lease, ticket.charged = answer, True
+                                     self._now() - waiter.enqueued_at, waiter.seqs, lease=answer)
                 waiter.future.set_result(ticket)
         elif not waiter.future.done():
             if answer is not None:
@@ -288,16 +296,24 @@ class Admission:
         if then_pump:  # a settle that reached the store frees fleet-wide tokens
             task.add_done_callback(lambda _: self.pump())
 
-    def _slot_free(self) -> bool:
-        return self.max_in_flight_seqs is None or self.in_flight_seqs < self.max_in_flight_seqs
+    def _slot_free(self, seqs: int = 1) -> bool:
+        return self.max_in_flight_seqs is None or self.in_flight_seqs + seqs <= self.max_in_flight_seqs
 
-    def _grant(self, tenant: Tenant, cost: int, prompt_tokens: int, decision: str, queued_s: float) -> Ticket:
+    def _grant(self, tenant: Tenant, cost: int, prompt_tokens: int, decision: str, queued_s: float,
+               seqs: int = 1, lease: str | None = None) -> Ticket:
+        """lease: the store's, when it granted the tokens fleet-wide; with a store and
+        none, the grant was on the local share and gets a lease the store counts once back."""
         tenant.bucket.reserve(cost)
-        self.in_flight_seqs += 1
+        self.in_flight_seqs += seqs
         self.fair.charge(tenant, prompt_tokens, cost - prompt_tokens)
         if not tenant.queue:
             self.fair.drained(tenant)
-        return Ticket(tenant.name, cost, decision, queued_s, tenant.priority, prompt_tokens)
+        ticket = Ticket(tenant.name, cost, decision, queued_s, tenant.priority, prompt_tokens, seqs=seqs)
+        if lease is not None:
+            ticket.lease, ticket.charged = lease, True
+        elif self.store is not None:
+            ticket.lease = self.store.hold_locally(tenant, cost)
+        return ticket
 
     def _prune(self, tenant: Tenant, now: float | None) -> None:
         """Drop cancelled waiters and, given the time, reject expired ones."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import math
 import time
@@ -104,28 +103,40 @@ if cost then return 1 end
 return 0
 """
 
-# ARGV: this replica's lease prefix, ttl_ms, count of leases to leave alone (reserves
-# in flight), those ids, then (lease, cost) pairs of the live ones -> in_flight
+# ARGV: this replica's lease prefix, its run's epoch, the watermark (its leases of this
+# run numbered from it on were granted after the caller's snapshot: left alone), ttl_ms,
+# mode ("add": put back live leases Redis lacks, after a loss; "renew": only extend the
+# ones it has, so a lease settled meanwhile is not put back), the count of leases being
+# reserved now (left alone), those ids, then (lease, cost) pairs of the live ones
+# -> in_flight
 SYNC = _PRELUDE + """
 local now = now_ms()
 reclaim(now)
-local prefix, ttl, npending = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local prefix, epoch, watermark, ttl, mode = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+local npending = tonumber(ARGV[6])
 local keep = {}
-for i = 4, 3 + npending do keep[ARGV[i]] = true end
+for i = 7, 6 + npending do keep[ARGV[i]] = true end
 local live = {}
-for i = 4 + npending, #ARGV, 2 do live[ARGV[i]] = tonumber(ARGV[i + 1]) end
+for i = 7 + npending, #ARGV, 2 do live[ARGV[i]] = tonumber(ARGV[i + 1]) end
 local delta = 0
 for _, id in ipairs(redis.call('HKEYS', KEYS[3])) do
   if string.sub(id, 1, #prefix) == prefix and live[id] == nil and not keep[id] then
-    delta = delta - tonumber(redis.call('HGET', KEYS[3], id))
-    redis.call('HDEL', KEYS[3], id)
-    redis.call('ZREM', KEYS[2], id)
+    local run, n = string.match(string.sub(id, #prefix + 1), "^([^.]+)%.(%d+)$")
+    if run ~= epoch or tonumber(n) < watermark then
+      delta = delta - tonumber(redis.call('HGET', KEYS[3], id))
+      redis.call('HDEL', KEYS[3], id)
+      redis.call('ZREM', KEYS[2], id)
+    end
   end
 end
 for id, cost in pairs(live) do
-  if redis.call('ZADD', KEYS[2], now + ttl, id) == 1 then
-    redis.call('HSET', KEYS[3], id, cost)
-    delta = delta + cost
+  if mode == "add" then
+    if redis.call('ZADD', KEYS[2], now + ttl, id) == 1 then
+      redis.call('HSET', KEYS[3], id, cost)
+      delta = delta + cost
+    end
+  else
+    redis.call('ZADD', KEYS[2], 'XX', now + ttl, id)
   end
 end
 return redis.call('HINCRBY', KEYS[1], 'in_flight', delta)
@@ -169,7 +180,7 @@ class RedisStore:
         self._sync = self.client.register_script(SYNC)
         self.live: dict[str, Lease] = {}
         self.pending: set[str] = set()  # reserves sent, answer not yet back
-        self._ids = itertools.count()
+        self._next_id = 0
         self._epoch = f"{time.time_ns():x}"
         self.available = False
         self.reason: str | None = "not connected yet"
@@ -214,18 +225,21 @@ class RedisStore:
             await self._call(self._settle, held.tenant, lease, refund,
                              c.rate_tokens_per_s if c else 1, c.burst_tokens if c else 0)
 
-    async def sync(self) -> None:
-        """Renew this replica's leases for every tenant in one pipelined round trip.
-        Raises StoreUnavailable."""
+    async def sync(self, add: bool = False) -> None:
+        """Renew this replica's leases for every tenant in one pipelined round trip, and
+        drop the ones it no longer holds; with `add`, also put back the live ones Redis
+        lacks (after a loss). Raises StoreUnavailable."""
         by_tenant: dict[str, list[str | int]] = {t.name: [] for t in self.registry}
         for lease, held in list(self.live.items()):
             by_tenant.setdefault(held.tenant, []).extend((lease, held.cost))
         pending = list(self.pending)
+        watermark = self._next_id  # leases numbered from here on are newer than this snapshot
         try:
             async with self.client.pipeline(transaction=False) as pipe:
                 for name, pairs in by_tenant.items():
                     await self._sync(keys=self._keys(name), client=pipe,
-                                     args=[self._lease_prefix(), self.lease_ttl_ms, len(pending), *pending, *pairs])
+                                     args=[self._lease_prefix(), self._epoch, watermark, self.lease_ttl_ms,
+                                           "add" if add else "renew", len(pending), *pending, *pairs])
                 await pipe.execute()
         except RedisError as exc:
             self._lost(exc)
@@ -285,7 +299,7 @@ class RedisStore:
         except RedisError as exc:
             self._lost(exc)
             raise StoreUnavailable(str(exc)) from None
-        await self.sync()
+        await self.sync(add=True)
         self.available = True
         self.reason = None
         # Redis's buckets are the truth from here on; the local ones must not hold back
@@ -320,7 +334,8 @@ class RedisStore:
         return f"{self.replica_id}|"
 
     def _new_lease(self) -> str:
-        return f"{self._lease_prefix()}{self._epoch}.{next(self._ids)}"
+        self._next_id += 1
+        return f"{self._lease_prefix()}{self._epoch}.{self._next_id - 1}"
 
     def _where(self) -> str:
         pool = self.client.connection_pool.connection_kwargs

@@ -112,6 +112,7 @@ class Waiter:
     # Admissible the moment it arrived, so only the shared store's answer stood between
     # it and a ticket: it counts as admitted at once unless the store refuses it.
     direct: bool = False
+    seqs: int = 1  # global slots it needs
 
 
 @dataclass(eq=False)

@@ -73,13 +73,18 @@ class AdmissionGate:
                 raise BadRequest(f"unknown tenant {name!r}", param="X-Tenant", code="unknown_tenant")
         return tenant or self.registry.default
 
-    async def admit(self, tenant: Tenant, engine_request: Request, messages: list[dict]) -> Admitted:
-        """Predict, classify and wait for admission; sets the request's admission fields.
-        Raises an APIError (429 with Retry-After, 400, 503) when it may not run."""
+    async def admit(self, tenant: Tenant, engine_requests: list[Request], messages: list[dict]) -> Admitted:
+        """Predict, classify and wait for admission; sets the requests' admission fields.
+        The n choices of one request share a prompt and parameters: one prediction, and
+        one admission of n sequences at n times the cost (all or none, so that two
+        requests can never each hold part of what both need).
+        Raises an APIError (429 with Retry-After, 400, 503) when they may not run."""
         admitted = Admitted(tenant)
-        engine_request.tenant, engine_request.tier = tenant.name, tenant.config.tier
+        for r in engine_requests:
+            r.tenant, r.tier = tenant.name, tenant.config.tier
         if self.admission is None or self.predictor is None:
             return admitted
+        engine_request = engine_requests[0]
         started = time.perf_counter()
         sampling = engine_request.sampling
         features = RequestFeatures.from_messages(messages, engine_request.num_prompt_tokens, sampling.max_tokens,
@@ -91,34 +96,44 @@ class AdmissionGate:
         admitted.decision_s = time.perf_counter() - started
         self._record_decision_time(admitted.decision_s)
         admitted.prediction, admitted.features = prediction, features
-        engine_request.size_class = engine_request.admitted_class = size_class.value
-        engine_request.predicted_output_tokens = prediction.p50
-        engine_request.predicted_output_tokens_p90 = prediction.p90
+        for r in engine_requests:
+            r.size_class = r.admitted_class = size_class.value
+            r.predicted_output_tokens = prediction.p50
+            r.predicted_output_tokens_p90 = prediction.p90
         if size_class is SizeClass.LONG and self.long_pool_url:
             admitted.route = self.long_pool_url  # the long pool admits it by its own rules
-            engine_request.admission_decision = "route"
+            for r in engine_requests:
+                r.admission_decision = "route"
             return admitted
         cost = engine_request.num_prompt_tokens + min(sampling.max_tokens, math.ceil(prediction.p90))
+        n = len(engine_requests)
         try:
-            ticket = await self.admission.acquire(tenant, cost, prompt_tokens=engine_request.num_prompt_tokens)
+            ticket = await self.admission.acquire(tenant, cost * n, prompt_tokens=engine_request.num_prompt_tokens * n,
+                                                  seqs=n)
         except Rejected as exc:
-            engine_request.admission_decision = "reject"
+            for r in engine_requests:
+                r.admission_decision = "reject"
             raise _rejection_error(exc) from None
         admitted.ticket = ticket
-        engine_request.admission_decision = ticket.decision
-        engine_request.priority += ticket.priority * TIER_STRIDE
-        if self.config.max_wall_s is not None:
-            engine_request.deadline = engine_request.arrival_time + self.config.max_wall_s
+        for r in engine_requests:
+            r.admission_decision = ticket.decision
+            r.priority += ticket.priority * TIER_STRIDE
+            if self.config.max_wall_s is not None:
+                r.deadline = r.arrival_time + self.config.max_wall_s
         return admitted
 
-    def settle(self, admitted: Admitted, engine_request: Request, finish_reason: str | None) -> None:
+    def settle(self, admitted: Admitted, engine_requests: list[Request], finish_reason: str | None) -> None:
         """Return the reservation with the tokens actually processed; safe to call twice."""
-        ran = engine_request.first_scheduled_time is not None
-        prompt, output = (engine_request.num_prompt_tokens, engine_request.num_output_tokens) if ran else (0, 0)
+        prompt = output = 0
+        for r in engine_requests:
+            if r.first_scheduled_time is not None:  # ran
+                prompt, output = prompt + r.num_prompt_tokens, output + r.num_output_tokens
         if admitted.ticket is not None and self.admission is not None:
             self.admission.settle(admitted.ticket, prompt, output)
         if self.records is not None and admitted.features is not None and finish_reason in ("stop", "length"):
-            self.records.append(admitted.features, admitted.prediction, engine_request, finish_reason)
+            for r in engine_requests:
+                if r.status.finish_reason in ("stop", "length"):
+                    self.records.append(admitted.features, admitted.prediction, r, r.status.finish_reason)
 
     def _record_decision_time(self, seconds: float) -> None:
         self.decision_times.append(seconds)
@@ -144,5 +159,5 @@ def _rejection_error(exc: Rejected) -> APIError:
         return BadRequest(exc.reason, code="exceeds_tenant_capacity")
     if exc.code == "shutting_down":
         return Unavailable(exc.reason, code="draining", headers={"Retry-After": "5"})
-    retry = max(1, math.ceil(exc.retry_after_s or 1))
+    retry = max(1, math.ceil(min(exc.retry_after_s or 1, 3600)))  # never inf: it is a header
     return QueueFull(exc.reason, code=f"tenant_{exc.code}", headers={"Retry-After": str(retry)})

@@ -66,7 +66,9 @@ def check_model(request: web.Request, name: str | None) -> str:
 def build_requests(request: web.Request, rid: str, body: SamplingFields, prompt_ids: list[int],
                    max_tokens: int | None, logprobs: int | None, tenant: Tenant) -> list[Request]:
     """One engine request per choice (n); choice i > 0 is `rid-i`, with seed + i."""
-    return [build_request(request, rid if i == 0 else f"{rid}-{i}", body, prompt_ids, max_tokens, logprobs, tenant,
+    # Choice ids get a random part: a client's own X-Request-Id can never name another's choice.
+    ids = [rid] + [f"{rid}-{i}-{uuid.uuid4().hex[:8]}" for i in range(1, body.n)]
+    return [build_request(request, ids[i], body, prompt_ids, max_tokens, logprobs, tenant,
                           None if body.seed is None else body.seed + i) for i in range(body.n)]
 
 
@@ -171,9 +173,11 @@ async def constrain(request: web.Request, engine_requests: list[Request], spec: 
     comes from xgrammar's cache."""
     if spec is None:
         return
-    grammars = request.app[keys.ENGINE].engine.grammars
+    engine = request.app[keys.ENGINE].engine
+    loop = asyncio.get_running_loop()
+    grammars = await loop.run_in_executor(None, lambda: engine.grammars)  # the first builds the vocabulary's table
     try:
-        compiled = await asyncio.get_running_loop().run_in_executor(None, grammars.compile, spec)
+        compiled = await loop.run_in_executor(None, grammars.compile, spec)
     except GrammarError as exc:
         raise BadRequest(f"{param}: unsupported or invalid: {exc}", param=param, code="invalid_grammar") from None
     for engine_request in engine_requests:
@@ -195,13 +199,11 @@ async def respond(request: web.Request, engine_requests: list[Request], fmt: Res
     gate = request.app[keys.GATE]
     note(request, engine_request=engine_requests[0],
          prompt=messages if request.app[keys.CONFIG].observability.log_prompts else None)
-    admitted = []
+    admitted = await gate.admit(tenant, engine_requests, messages)  # n choices: n sequences, at once
+    if admitted.route is not None:
+        return await proxy(request, admitted.route, request.app[keys.HTTP_CLIENT])
     done = False
     try:
-        for engine_request in engine_requests:  # n choices are admitted, and charged, as n sequences
-            admitted.append(await gate.admit(tenant, engine_request, messages))
-            if admitted[0].route is not None:
-                return await proxy(request, admitted[0].route, request.app[keys.HTTP_CLIENT])
         if request.transport is None or request.transport.is_closing():
             # Gone before it ran: never runs. Handler cancellation normally gets there first
             # (acquire abandons the wait); this is the backstop when it has not landed yet.
@@ -210,8 +212,7 @@ async def respond(request: web.Request, engine_requests: list[Request], fmt: Res
         done = True
         return response
     finally:
-        for one, engine_request in zip(admitted, engine_requests, strict=False):
-            gate.settle(one, engine_request, engine_request.status.finish_reason if done else None)
+        gate.settle(admitted, engine_requests, engine_requests[0].status.finish_reason if done else None)
 
 
 async def _outputs(client, requests: list[Request]):

@@ -258,7 +258,13 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("modalities: only [\"text\"] is supported")
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             raise ValueError("tool_choice: needs tools")
-        if self.tools and (self.response_format is not None and self.response_format.type != "text") \
-                and self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("response_format: not with a forced tool call (tool_choice)")
+        forced = self.tools and self.tool_choice not in (None, "none", "auto")
+        if forced:
+            for name in ("response_format", "guided_json", "guided_regex", "guided_choice"):
+                value = getattr(self, name)
+                if value is not None and not (name == "response_format" and value.type == "text"):
+                    raise ValueError(f"{name}: not with a forced tool call (tool_choice)")
+            for name in ("ignore_eos", "min_tokens"):
+                if getattr(self, name):
+                    raise ValueError(f"{name}: not allowed with a forced tool call, which ends where its grammar does")
         return self

@@ -128,12 +128,18 @@ async def _admission_store(app: web.Application):
     gate = app[keys.GATE]
     await gate.store.start()
     task = asyncio.create_task(gate.store.run(), name="headroom-admission-store")
+    task.add_done_callback(_log_death)
     yield
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
     await gate.admission.flush()
     await gate.store.close()
+
+
+def _log_death(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("admission store: lease renewal stopped; leases will expire", exc_info=task.exception())
 
 
 async def _observability(app: web.Application):

@@ -71,9 +71,12 @@ class ToolUse:
 
     def parse(self, text: str) -> tuple[list[dict], str | None]:
         """(tool_calls in OpenAI's shape, the content left over) from the model's text."""
-        if self.forced:
-            call = json.loads(text)  # the grammar made it one object of this shape
-            return [_call(call["name"], call["arguments"])], None
+        if self.forced:  # the grammar made it one object of this shape, unless a stop string cut it
+            try:
+                call = json.loads(text)
+                return [_call(call["name"], call["arguments"])], None
+            except (json.JSONDecodeError, KeyError, TypeError):
+                return [], text
         if not self.hermes:
             return [], text
         calls = []
@@ -96,7 +99,9 @@ def tool_use(body, template: str | None) -> tuple[ToolUse | None, GrammarSpec | 
     choice = body.tool_choice or "auto"
     hermes = bool(template) and "<tool_call>" in template
     if choice == "auto":
-        return ToolUse(tools, forced=False, hermes=hermes), None
+        # Without a call format in the template, a call could not be told from an answer:
+        # the model answers as with "none" (docs/OPENAI_API.md).
+        return (ToolUse(tools, forced=False, hermes=True), None) if hermes else (None, None)
     if choice == "required":
         chosen = body.tools
     else:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,27 +34,30 @@ class GrammarSpec:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any]) -> GrammarSpec:
-        return cls("json_schema", json.dumps(schema, sort_keys=True))
+        # Key order kept: xgrammar makes the output's keys follow the schema's properties
+        # (a "reasoning" before an "answer" must stay first).
+        return cls("json_schema", json.dumps(schema))
 
     @classmethod
     def choice(cls, choices: list[str]) -> GrammarSpec:
-        return cls("choice", json.dumps(choices))
+        return cls("choice", json.dumps(choices, ensure_ascii=False))
 
 
 class Grammars:
-    """Compiles specs for one tokenizer. Thread-safe: compile runs in worker threads."""
+    """Compiles specs for one tokenizer (xgrammar's compiler is thread-safe: compile runs
+    in worker threads)."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: set[int], max_threads: int = 2):
+    def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: set[int], max_threads: int = 2,
+                 cache_limit_bytes: int = 256 * 2**20):
         import xgrammar as xgr  # imported on first use: a server that never sees a grammar never loads it
 
         self._xgr = xgr
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(stop_token_ids))
-        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=True)
-        self._lock = threading.Lock()
-        self.compiled = 0  # distinct specs compiled (cache misses)
-        self._seen: set[GrammarSpec] = set()
+        # Bounded: every distinct schema a client sends is compiled and cached.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=True,
+                                             cache_limit_bytes=cache_limit_bytes)
 
     def compile(self, spec: GrammarSpec):
         """The compiled grammar for `spec` (from the cache when it was compiled before).
@@ -72,15 +74,12 @@ class Grammars:
                 compiled = c.compile_regex(spec.source)
             elif spec.kind == "choice":
                 choices = json.loads(spec.source)
-                compiled = c.compile_grammar("root ::= " + " | ".join(json.dumps(x) for x in choices))
+                compiled = c.compile_grammar("root ::= " + " | ".join(json.dumps(x, ensure_ascii=False)
+                                                                      for x in choices))
             else:
                 raise GrammarError(f"unknown grammar kind {spec.kind!r}")
         except RuntimeError as exc:
             raise GrammarError(_clean(str(exc))) from None
-        with self._lock:
-            if spec not in self._seen:
-                self._seen.add(spec)
-                self.compiled += 1
         return compiled
 
     def matcher(self, compiled):

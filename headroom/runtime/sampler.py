@@ -70,8 +70,9 @@ class Sampler:
             tokens[rows] = picked
         token_ids = tokens.tolist()
         for i, matcher in constrained:
-            if not matcher.accept_token(token_ids[i]):  # only when the grammar allowed nothing at all
-                log.error("grammar refused token %d of %s", token_ids[i], requests[i].request_id)
+            if not matcher.accept_token(token_ids[i]):  # the grammar allowed nothing at all
+                log.error("grammar refused token %d of %s; it ends here", token_ids[i], requests[i].request_id)
+                token_ids[i] = self.eos_token_ids[0] if self.eos_token_ids else token_ids[i]
         return SampleResult(token_ids, self._logprobs(raw, tokens, token_ids, requests))
 
     def adjust(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -350,3 +350,22 @@ async def test_bad_arguments(clock):
     adm = make(clock, tenant_config("a"))
     with pytest.raises(ValueError):
         await adm.acquire(adm.registry.get("a"), 10, prompt_tokens=11)
+
+
+@pytest.mark.asyncio
+async def test_n_sequences_are_admitted_together_or_not_at_all(clock):
+    adm = make(clock, tenant_config("a"), seqs=4)
+    a = adm.registry.get("a")
+    three = await adm.acquire(a, 900, prompt_tokens=300, seqs=3)
+    assert three.seqs == 3 and adm.in_flight_seqs == 3
+    two = waiter(adm, a, 600, seqs=2)  # one slot is free, but it needs two: it waits whole
+    await spin()
+    assert not two.done() and adm.in_flight_seqs == 3
+    adm.settle(three, 300, 30)
+    await spin()
+    assert two.done() and two.result().seqs == 2 and adm.in_flight_seqs == 2
+    with pytest.raises(Rejected) as never:
+        await adm.acquire(a, 100, seqs=5)
+    assert never.value.code == "too_large"
+    adm.settle(two.result(), 0, 0)
+    assert adm.in_flight_seqs == 0

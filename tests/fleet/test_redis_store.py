@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from headroom.admission.admission import Admission, Ticket
+from headroom.admission.admission import Admission, Rejected, Ticket
 from headroom.admission.redis_store import RedisStore
 from headroom.admission.tenants import TenantRegistry
 from headroom.config import AdmissionConfig, TenantConfig
@@ -194,14 +194,49 @@ async def test_without_redis_each_replica_admits_its_share_and_resyncs_on_recove
     a.settle(before, 0, 0)  # settled while Redis is away
     third = await held
     assert flood_a.bucket.in_flight == 200
+    # Admitted at once on the share (nothing queued): it holds a lease all the same.
+    direct = await a.acquire(flood_a, 10)
+    assert direct.decision == "admit" and direct.lease.startswith("a|") and not direct.charged
+    # More than the share can never be admitted here while Redis is away: refused now, not queued.
+    with pytest.raises(Rejected) as refused:
+        await a.acquire(flood_a, 400)
+    assert refused.value.code == "fallback_share" and refused.value.retry_after_s == 5.0
 
     redis_server.restart()  # empty: everything it knew is gone
     await until(lambda: a.store.available and b.store.available, timeout_s=5)
     assert flood_a.bucket.max_in_flight_tokens == CAP
-    # Redis now counts exactly what is in flight: the two granted during the outage.
-    assert redis_view(redis_server, "flood") == (200, 200)
+    # Redis now counts exactly what is in flight: the three granted during the outage.
+    assert redis_view(redis_server, "flood") == (210, 210)
     a.settle(during, 0, 0)
     a.settle(third, 0, 0)
+    a.settle(direct, 0, 0)
     await until(lambda: redis_view(redis_server, "flood") == (0, 0))
     assert isinstance(third, Ticket)
     await shutdown(a, b)
+
+
+async def test_a_sync_never_drops_a_newer_lease_nor_puts_back_a_settled_one(redis_server):
+    a = await replica(redis_server, "a")
+    store, flood = a.store, a.registry.get("flood")
+    ticket = await a.acquire(flood, 300)
+    number = int(ticket.lease.rsplit(".", 1)[1])
+    # A sync whose snapshot was taken before this lease was numbered leaves it alone...
+    live = dict(store.live)
+    store.live.clear()
+    store._next_id = number
+    await store.sync()
+    assert redis_view(redis_server, "flood") == (300, 300)
+    # ...one taken after drops it (this replica no longer holds it).
+    store._next_id = number + 1
+    await store.sync()
+    assert redis_view(redis_server, "flood") == (0, 0)
+    # A renewal with a stale snapshot that still lists a settled lease does not put it back.
+    store.live.update(live)
+    await store.sync(add=False)
+    assert redis_view(redis_server, "flood") == (0, 0)
+    # After a loss, the resync does.
+    await store.sync(add=True)
+    assert redis_view(redis_server, "flood") == (300, 300)
+    a.settle(ticket, 0, 0)
+    await until(lambda: redis_view(redis_server, "flood") == (0, 0))
+    await shutdown(a)
