@@ -68,8 +68,13 @@ def build_requests(request: web.Request, rid: str, body: SamplingFields, prompt_
     """One engine request per choice (n); choice i > 0 is `rid-i`, with seed + i."""
     # Choice ids get a random part: a client's own X-Request-Id can never name another's choice.
     ids = [rid] + [f"{rid}-{i}-{uuid.uuid4().hex[:8]}" for i in range(1, body.n)]
-    return [build_request(request, ids[i], body, prompt_ids, max_tokens, logprobs, tenant,
-                          None if body.seed is None else body.seed + i) for i in range(body.n)]
+    seeds = [None if body.seed is None else _wrap_seed(body.seed + i) for i in range(body.n)]
+    return [build_request(request, ids[i], body, prompt_ids, max_tokens, logprobs, tenant, seeds[i])
+            for i in range(body.n)]
+
+
+def _wrap_seed(seed: int) -> int:
+    return seed - 2**64 if seed >= 2**64 else seed
 
 
 def build_request(request: web.Request, rid: str, body: SamplingFields, prompt_ids: list[int],
@@ -96,7 +101,7 @@ def build_request(request: web.Request, rid: str, body: SamplingFields, prompt_i
             max_tokens=max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
-            top_k=max(body.top_k, 0),
+            top_k=body.top_k if 0 < body.top_k < engine.loaded.args.vocab_size else 0,  # as many as the vocabulary: off
             seed=seed,
             stop=body.stop_strings,
             ignore_eos=body.ignore_eos,

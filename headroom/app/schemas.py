@@ -74,7 +74,7 @@ class SamplingFields(BaseModel):
     temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = -1  # -1 or 0: off (vLLM's convention)
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None  # what a torch generator takes
     stop: str | list[str] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     stream: bool = False

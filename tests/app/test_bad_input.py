@@ -98,6 +98,7 @@ def test_ten_megabyte_body_is_413(server):
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"function_call": "auto"}, "function_call"),
     ({"best_of": 2}, "best_of"),
+    ({"seed": 2**64}, "seed"),
 ])
 def test_bad_sampling_fields_are_400_naming_the_field(server, fields, param):
     error = assert_openai_error(post_raw(server, CHAT, chat("hi", **fields)), 400)
@@ -192,3 +193,12 @@ def test_hostile_input_leaves_the_server_healthy_and_holding_nothing(server):
     gate = server.app[keys.GATE]
     assert all(t.bucket.in_flight == 0 for t in gate.registry)
     assert server.app[keys.ENGINE].in_flight == {}
+
+
+def test_a_top_k_beyond_the_vocabulary_is_no_top_k(server):
+    # The fuzzer's find: 2**63 overflowed the sampler's tensor and came back as a 500.
+    body = {"prompt": "0", "max_tokens": 3, "temperature": 0}
+    plain = httpx.post(server.url + COMPLETIONS, json=body, timeout=60)
+    huge = httpx.post(server.url + COMPLETIONS, json={**body, "top_k": 2**63}, timeout=60)
+    assert plain.status_code == huge.status_code == 200
+    assert huge.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
