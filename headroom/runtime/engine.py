@@ -260,11 +260,16 @@ class Engine:
                     error = f"request id {request.request_id!r} is already in use"
                     self._reject(request, sink, error)
                     continue
+                try:
+                    self.sampler.add(request)
+                except Exception as exc:  # one request the engine cannot take fails alone, at once
+                    log.exception("engine could not take %s", request.request_id)
+                    self._reject(request, sink, f"engine error: {exc}")
+                    continue
                 self._sinks[request.request_id] = sink
                 self._detokenizers[request.request_id] = IncrementalDetokenizer(
                     self.tokenizer.hf, request.prompt_token_ids, request.sampling.stop
                 )
-                self.sampler.add(request)
                 request.busy_at_arrival = self.stats.step_time_s
                 self.scheduler.add_request(request)
                 self.stats.prompt_tokens += request.num_prompt_tokens

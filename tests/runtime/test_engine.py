@@ -452,6 +452,27 @@ def test_duplicate_request_id_is_rejected_without_disturbing_the_first(loaded, p
     assert_engine_idle(engine)
 
 
+def test_a_request_the_engine_cannot_take_fails_alone_and_at_once(loaded, prompts, monkeypatch):
+    # Before, the error escaped the inbox: this request never got an output (its client
+    # hung) and the commands after it in the same batch were lost.
+    engine = make_engine(loaded)
+    bad = engine.new_request(prompts[0], GREEDY, request_id="bad")
+    good = engine.new_request(prompts[1], GREEDY, request_id="good")
+    add = engine.sampler.add
+
+    def failing_add(request):
+        if request.request_id == "bad":
+            raise RuntimeError("Overflow when unpacking long")
+        add(request)
+
+    monkeypatch.setattr(engine.sampler, "add", failing_add)
+    sink_bad, sink_good = run_stepped(engine, [bad, good])
+    assert [(o.finished, o.finish_reason) for o in sink_bad.outputs] == [(True, "error")]
+    assert sink_bad.outputs[0].error == "engine error: Overflow when unpacking long"
+    assert sink_good.outputs[-1].finish_reason == "length" and good.num_output_tokens == GREEDY.max_tokens
+    assert_engine_idle(engine)
+
+
 def test_wall_clock_budget_finishes_as_length_and_frees_blocks(loaded, prompts):
     engine = make_engine(loaded)
     late = engine.new_request(prompts[0], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
