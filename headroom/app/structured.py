@@ -68,6 +68,7 @@ class ToolUse:
     tools: list[dict]
     forced: bool
     hermes: bool
+    parallel: bool = True  # parallel_tool_calls: false keeps the first call only
 
     def parse(self, text: str) -> tuple[list[dict], str | None]:
         """(tool_calls in OpenAI's shape, the content left over) from the model's text."""
@@ -87,7 +88,7 @@ class ToolUse:
             except (json.JSONDecodeError, KeyError, TypeError):
                 return [], text  # not a call after all: leave the text as the model wrote it
         content = HERMES_CALL.sub("", text).strip() if calls else text
-        return calls, content or None
+        return (calls if self.parallel else calls[:1]), content or None
 
 
 def tool_use(body, template: str | None) -> tuple[ToolUse | None, GrammarSpec | None]:
@@ -101,7 +102,8 @@ def tool_use(body, template: str | None) -> tuple[ToolUse | None, GrammarSpec | 
     if choice == "auto":
         # Without a call format in the template, a call could not be told from an answer:
         # the model answers as with "none" (docs/OPENAI_API.md).
-        return (ToolUse(tools, forced=False, hermes=True), None) if hermes else (None, None)
+        parallel = body.parallel_tool_calls is not False
+        return (ToolUse(tools, forced=False, hermes=True, parallel=parallel), None) if hermes else (None, None)
     if choice == "required":
         chosen = body.tools
     else:
@@ -119,8 +121,10 @@ def tool_use(body, template: str | None) -> tuple[ToolUse | None, GrammarSpec | 
 def template_messages(messages: list[dict], use: ToolUse | None, template_takes_tools: bool) -> list[dict]:
     """Messages as the chat template gets them. A template that takes no tools gets them,
     and earlier tool calls, written out as text."""
-    if template_takes_tools:
-        return messages
+    if template_takes_tools:  # such templates write the arguments out themselves (Qwen's with tojson)
+        return [{**m, "tool_calls": [{**c, "function": {**c["function"],
+                                                        "arguments": _arguments(c["function"]["arguments"])}}
+                                     for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages]
     out = []
     for m in messages:
         if m.get("tool_calls"):

@@ -22,6 +22,14 @@ def test_hermes_calls_are_read_and_the_rest_is_content():
     assert len({c["id"] for c in calls}) == 2
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    use = ToolUse([WEATHER], forced=False, hermes=True, parallel=False)
+    text = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Bergen"}}</tool_call>')
+    calls, content = use.parse(text)
+    assert content is None and [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Oslo"}]
+
+
 def test_text_that_only_looks_like_a_call_stays_text():
     use = ToolUse([WEATHER], forced=False, hermes=True)
     text = "<tool_call>{not json}</tool_call>"
@@ -50,4 +58,7 @@ def test_a_template_without_tools_gets_them_and_past_calls_as_text():
     assert json.dumps(WEATHER["function"]) in out[0]["content"]
     assert out[2] == {"role": "assistant", "content": '{"name": "get_weather", "arguments": {"city": "Oslo"}}'}
     assert out[3] == {"role": "tool", "content": '{"t": 3}'}
-    assert template_messages(messages, use, template_takes_tools=True) is messages
+    given = template_messages(messages, use, template_takes_tools=True)
+    assert given[:2] == messages[:2] and given[3] == messages[3]
+    assert given[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}  # a dict, as templates expect
+    assert messages[2]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'  # the caller's untouched
