@@ -54,6 +54,8 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="auto", help="auto, none, int8, int4 (CPU)")
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument("--compare-kv", default=None, help="also run with this KV cache dtype; print ratios")
     p.add_argument("--concurrency", default=None, help="default: 1,8,32,64 on CPU, 1,32,128 on CUDA")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
     p.add_argument("--compare-eager", action="store_true", help="CUDA: also run with graphs off; print ratios")
@@ -74,20 +76,27 @@ def main() -> None:
         eager = run_levels(ns, levels, enforce_eager=True)
         for g, e in zip(results, eager, strict=True):
             print(f"# ratio graphs/eager at c{g['concurrency']}: {g['output_tok_s'] / e['output_tok_s']:.2f}x")
+    if ns.compare_kv:
+        other = run_levels(ns, levels, enforce_eager=ns.enforce_eager, kv_cache_dtype=ns.compare_kv)
+        for a, b in zip(results, other, strict=True):
+            print(f"# ratio kv {ns.kv_cache_dtype}/{ns.compare_kv} at c{a['concurrency']}: "
+                  f"{a['output_tok_s'] / b['output_tok_s']:.2f}x")
 
 
-def run_levels(ns: argparse.Namespace, levels: list[int], enforce_eager: bool) -> list[dict]:
+def run_levels(ns: argparse.Namespace, levels: list[int], enforce_eager: bool,
+               kv_cache_dtype: str | None = None) -> list[dict]:
     config = Config(
         model=ModelConfig(model=ns.model, device=ns.device, dtype=ns.dtype, quantization=ns.quantization,
                           enforce_eager=enforce_eager),
-        cache=CacheConfig(kv_cache_memory_gib=2.0, enable_prefix_caching=False),
+        cache=CacheConfig(kv_cache_memory_gib=2.0, enable_prefix_caching=False,
+                          kv_cache_dtype=kv_cache_dtype or ns.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max(levels), max_num_batched_tokens=ns.max_num_batched_tokens),
         attention_backend=ns.attention_backend,
     )
     engine = Engine(config)
     print(
         f"# throughput: model={engine.loaded.name} device={engine.device} dtype={engine.dtype} "
-        f"quantization={engine.loaded.quantization} "
+        f"quantization={engine.loaded.quantization} kv_cache_dtype={engine.kv_dtype} "
         f"backend={engine.backend.name} cuda_graphs={engine.cuda_graphs} threads={torch.get_num_threads()} "
         f"torch={torch.__version__} cpu={platform.processor() or platform.machine()}"
         + (f" gpu={torch.cuda.get_device_name(engine.device)}" if engine.device.type == "cuda" else "")

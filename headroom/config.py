@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 class ConfigError(ValueError):
@@ -54,6 +55,9 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_cache_memory_gib: float = 1.0
     enable_prefix_caching: bool = True
+    # The KV cache's element type; auto is the model's dtype, except bfloat16 where the
+    # weights are already quantised on the CPU (see runtime/device.py: resolve_kv_dtype).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size is not None and (self.block_size < 1 or self.block_size % 8):
@@ -62,6 +66,8 @@ class CacheConfig:
             raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory_gib <= 0:
             raise ConfigError("kv_cache_memory_gib must be > 0")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)

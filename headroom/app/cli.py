@@ -42,6 +42,7 @@ _FLAGS = {
     "block_size": ("cache", "block_size"),
     "num_kv_blocks": ("cache", "num_blocks"),
     "kv_cache_memory_gib": ("cache", "kv_cache_memory_gib"),
+    "kv_cache_dtype": ("cache", "kv_cache_dtype"),
     "prefix_caching": ("cache", "enable_prefix_caching"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
@@ -83,6 +84,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int)
     g.add_argument("--num-kv-blocks", type=int)
     g.add_argument("--kv-cache-memory-gib", type=float)
+    g.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the KV cache's dtype (auto: bfloat16 beside quantised CPU weights, else the model's)")
     g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--max-num-seqs", type=int)
     g.add_argument("--max-num-batched-tokens", type=int)

@@ -35,7 +35,8 @@ async def health(request: web.Request) -> web.Response:
     backend = {"name": engine.backend.name, "reason": getattr(engine.backend, "reason", None),
                "block_size": engine.block_size}
     weights = {"dtype": str(engine.dtype).removeprefix("torch."), "quantization": engine.loaded.quantization,
-               "reason": engine.quantization_reason}
+               "reason": engine.quantization_reason,
+               "kv_cache": {"dtype": str(engine.kv_dtype).removeprefix("torch."), "reason": engine.kv_dtype_reason}}
     body = {"status": "ok", "attention_backend": backend, "cuda_graphs": engine.cuda_graphs, "weights": weights}
     store = request.app[keys.GATE].store
     if store is not None:

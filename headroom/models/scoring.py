@@ -19,13 +19,14 @@ BLOCK = 16
 
 
 @torch.inference_mode()
-def sequence_logits(model, ids: list[int]) -> torch.Tensor:
-    """(len(ids), vocab): row i predicts token i + 1."""
+def sequence_logits(model, ids: list[int], kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(len(ids), vocab): row i predicts token i + 1. The prompt's attention reads its keys
+    and values back from a cache of kv_dtype, as a served prefill does."""
     n = len(ids)
     blocks = -(-n // BLOCK)
     args = model.args
     shape = (blocks, BLOCK, args.num_kv_heads, args.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(args.num_layers)]
+    caches = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)) for _ in range(args.num_layers)]
     meta = AttentionMetadata(
         slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
         seq_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([n], dtype=torch.int32),
@@ -41,13 +42,13 @@ def corpus(prompts_file: Path) -> str:
     return "\n\n".join(r for r in rows if len(r) > 200)
 
 
-def chunked_perplexity(model, chunks: list[list[int]]) -> float:
+def chunked_perplexity(model, chunks: list[list[int]], kv_dtype: torch.dtype = torch.float32) -> float:
     """exp(mean NLL) over the second half of each chunk: every scored token has at least
     half a chunk of context."""
     total, count = 0.0, 0
     for ids in chunks:
         first = len(ids) // 2
-        logits = sequence_logits(model, ids)
+        logits = sequence_logits(model, ids, kv_dtype)
         total += F.cross_entropy(logits[first:-1], torch.tensor(ids[first + 1:]), reduction="sum").item()
         count += len(ids) - 1 - first
     return math.exp(total / count)

@@ -75,6 +75,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if amx else torch.float32
 
 
+def resolve_kv_dtype(name: str, device: torch.device, dtype: torch.dtype, quantization: str) -> tuple[torch.dtype, str]:
+    """The KV cache's dtype and why, for the log and /health. Decode attention at large
+    batches reads the whole cache every step, so bfloat16 halves its bytes; auto takes it
+    only where the weights are already quantised (a mode measured against float32 as a
+    whole), so float32 with no quantisation stays exact."""
+    if name != "auto":
+        chosen = getattr(torch, name)
+        if chosen != dtype and device.type != "cpu":
+            raise ConfigError(f"kv_cache_dtype {name} beside {dtype} weights runs on the CPU only")
+        return chosen, "chosen by flag or config"
+    if device.type == "cpu" and dtype == torch.float32 and quantization != "none":
+        return torch.bfloat16, f"auto: bfloat16 beside {quantization} weights (half the bytes decode attention reads)"
+    return dtype, "auto: the model's dtype"
+
+
 def prepare_model(config: ModelConfig) -> tuple[LoadedModel, str]:
     """Load the model on the device and in the dtype config resolves to, pack its linears
     as resolve_quantization decides, and, in float32 on the CPU, hand its small ops to

@@ -24,7 +24,7 @@ from headroom.runtime.attention import select_backend
 from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.cuda_graphs import capture_sizes, supports_graphs
 from headroom.runtime.detokenizer import IncrementalDetokenizer
-from headroom.runtime.device import prepare_model
+from headroom.runtime.device import prepare_model, resolve_kv_dtype
 from headroom.runtime.grammar import Grammars
 from headroom.runtime.inflight import InflightRefiner, LengthProbe
 from headroom.runtime.model_runner import ModelRunner, StepTimer, kv_block_bytes
@@ -65,8 +65,10 @@ class Engine:
         self.max_model_len = config.model.max_model_len or args.max_position_embeddings
         self.backend = select_backend(config.attention_backend, self.device)
         self.block_size = config.cache.block_size or self.backend.block_size
+        self.kv_dtype, self.kv_dtype_reason = resolve_kv_dtype(config.cache.kv_cache_dtype, self.device, self.dtype,
+                                                               loaded.quantization)
         num_blocks = config.cache.num_blocks or int(
-            config.cache.kv_cache_memory_gib * 2**30 // kv_block_bytes(args, self.block_size, self.dtype)
+            config.cache.kv_cache_memory_gib * 2**30 // kv_block_bytes(args, self.block_size, self.kv_dtype)
         )
         self.block_manager = BlockManager(num_blocks, self.block_size, config.cache.enable_prefix_caching)
         eos = self.tokenizer.eos_token_ids
@@ -74,14 +76,15 @@ class Engine:
         self.sampler = Sampler(eos, seed=config.seed, device=self.device)
         graph_sizes, self.cuda_graphs = self._graph_sizes(config)
         self.runner = ModelRunner(self.loaded.model, self.backend, num_blocks, self.block_size, self.device,
-                                  self.dtype, graph_sizes=graph_sizes, max_model_len=self.max_model_len)
+                                  self.kv_dtype, graph_sizes=graph_sizes, max_model_len=self.max_model_len)
         self.cuda_graphs = self.runner.capture_graphs() or self.cuda_graphs
         self.stats = EngineStats()
         log.info(
-            "engine ready: model=%s device=%s dtype=%s quantization=%s (%s) backend=%s block_size=%d "
-            "kv_blocks=%d (%d tokens) cuda_graphs=%s",
+            "engine ready: model=%s device=%s dtype=%s quantization=%s (%s) kv_cache_dtype=%s (%s) backend=%s "
+            "block_size=%d kv_blocks=%d (%d tokens) cuda_graphs=%s",
             self.loaded.name, self.device, str(self.dtype).removeprefix("torch."), self.loaded.quantization,
-            self.quantization_reason, self.backend.name,
+            self.quantization_reason, str(self.kv_dtype).removeprefix("torch."), self.kv_dtype_reason,
+            self.backend.name,
             self.block_size, num_blocks, num_blocks * self.block_size, self.cuda_graphs,
         )
 

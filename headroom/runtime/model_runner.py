@@ -82,7 +82,7 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         device: torch.device,
-        dtype: torch.dtype,
+        kv_dtype: torch.dtype,
         graph_sizes: tuple[int, ...] = (),
         max_model_len: int | None = None,
     ):
@@ -96,9 +96,9 @@ class ModelRunner:
         # decode batches; the BlockManager only knows num_blocks, so never hands it out.
         shape = (num_blocks + (1 if graph_sizes else 0), block_size, args.num_kv_heads, args.head_dim)
         # flash-attn's paged layout, one K and one V tensor per layer.
-        new = torch.zeros if backend.reads_unwritten_slots(dtype) else torch.empty
+        new = torch.zeros if backend.reads_unwritten_slots(kv_dtype) else torch.empty
         self.kv_caches = [
-            (new(shape, dtype=dtype, device=device), new(shape, dtype=dtype, device=device))
+            (new(shape, dtype=kv_dtype, device=device), new(shape, dtype=kv_dtype, device=device))
             for _ in range(args.num_layers)
         ]
         self.graphs: DecodeGraphs | None = None

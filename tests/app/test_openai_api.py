@@ -320,7 +320,8 @@ def test_draining_server_answers_503(server):
         "attention_backend": {"name": "cpu_paged", "reason": "auto on cpu: cpu_paged is the best available",
                               "block_size": 16},
         "cuda_graphs": "off (no CUDA graphs on cpu)",
-        "weights": {"dtype": "float32", "quantization": "none", "reason": "as the caller loaded it"},
+        "weights": {"dtype": "float32", "quantization": "none", "reason": "as the caller loaded it",
+                    "kv_cache": {"dtype": "float32", "reason": "auto: the model's dtype"}},
     }
 
 

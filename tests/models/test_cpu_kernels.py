@@ -181,11 +181,16 @@ def test_float_ops_match_the_torch_modules():
     assert torch.allclose(q, want_q, atol=1e-6) and torch.allclose(k, want_k, atol=1e-6)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (5, 1, 128), (4, 4, 32), (10, 2, 64)])
-def test_decode_step_writes_this_steps_kv_and_attends_like_the_reference(hq, hkv, d):
+def test_decode_step_writes_this_steps_kv_and_attends_like_the_reference(hq, hkv, d, cache_dtype):
+    # d=32 takes the portable path (the AVX-512 one is for 64 and 128). A bfloat16 cache:
+    # the kernel must round what it writes as torch's .to(bfloat16) does (the caches are
+    # compared exactly) and read it widened to float32, as the reference computes.
     torch.manual_seed(hq * d)
     num_blocks, block = 40, 16
-    k_cache, v_cache = torch.randn(num_blocks, block, hkv, d), torch.randn(num_blocks, block, hkv, d)
+    k_cache = torch.randn(num_blocks, block, hkv, d).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block, hkv, d).to(cache_dtype)
     lens = [1, 16, 17, 250]
     tables, table = scattered_tables(lens, num_blocks, block)
     slots = torch.tensor([t[(n - 1) // block] * block + (n - 1) % block for t, n in zip(tables, lens)])
@@ -199,6 +204,7 @@ def test_decode_step_writes_this_steps_kv_and_attends_like_the_reference(hq, hkv
     expected = TorchAttention().forward(q, k, v, ref_k, ref_v, meta, d**-0.5)
     got = CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta, d**-0.5)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)  # the same slots written
+    assert got.dtype == torch.float32
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 

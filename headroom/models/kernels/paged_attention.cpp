@@ -1,6 +1,7 @@
 // Decode attention on the CPU that reads K and V in place from the paged cache (no
-// gather into a padded copy, no mask): one query token per sequence, float32, any GQA
-// ratio. Threads over (sequence, kv head); the query heads that share a kv head are
+// gather into a padded copy, no mask): one query token per sequence, float32 queries and
+// arithmetic over a float32 or bfloat16 cache (bf16 halves the bytes a step reads; it is
+// widened to float32 as it is loaded), any GQA ratio. Threads over (sequence, kv head); the query heads that share a kv head are
 // scored together so each cached key and value is read once per step. Given this step's
 // keys and values with their slots, it writes them into the cache first (the same
 // thread that then reads them). With AVX-512 and a head_dim of 64 or 128, a query
@@ -13,10 +14,22 @@
 #include <algorithm>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 #include "simd.h"
 
 namespace {
+
+using bf16 = c10::BFloat16;
+
+// A bf16 is the top half of a float32: widening is a 16-bit shift, exact.
+inline float widen(float x) { return x; }
+inline float widen(bf16 x) { return static_cast<float>(x); }
+// Rounded to nearest even, as torch's .to(torch.bfloat16) rounds.
+template <typename T>
+inline void store_row(const float* src, T* dst, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(src[i]);
+}
 
 inline float dot(const float* a, const float* b, int64_t d) {
 #ifdef HEADROOM_AVX2
@@ -44,16 +57,22 @@ inline void axpy(float p, const float* x, float* y, int64_t d) {
 }
 
 #ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
 // One (sequence, kv head): V = head_dim / 16 vectors per head.
-template <int V>
-void attend_512(const float* qh, const float* kp, const float* vp, const int32_t* table, int64_t len,
+template <int V, typename T>
+void attend_512(const float* qh, const T* kp, const T* vp, const int32_t* table, int64_t len,
                 int64_t group, int64_t block_size, int64_t token_stride, int64_t block_stride, int64_t h,
                 float s, float* scores, float* out) {
   constexpr int64_t D = 16 * V;
   for (int64_t t = 0; t < len; ++t) {
-    const float* key = kp + table[t / block_size] * block_stride + (t % block_size) * token_stride + h * D;
+    const T* key = kp + table[t / block_size] * block_stride + (t % block_size) * token_stride + h * D;
     __m512 k[V];
-    for (int i = 0; i < V; ++i) k[i] = _mm512_loadu_ps(key + 16 * i);
+    for (int i = 0; i < V; ++i) k[i] = load16(key + 16 * i);
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = qh + g * D;
       __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
@@ -90,9 +109,9 @@ void attend_512(const float* qh, const float* kp, const float* vp, const int32_t
     for (int64_t g = 0; g < heads; ++g)
       for (int i = 0; i < V; ++i) o[g][i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < len; ++t) {
-      const float* value = vp + table[t / block_size] * block_stride + (t % block_size) * token_stride + h * D;
+      const T* value = vp + table[t / block_size] * block_stride + (t % block_size) * token_stride + h * D;
       __m512 v[V];
-      for (int i = 0; i < V; ++i) v[i] = _mm512_loadu_ps(value + 16 * i);
+      for (int i = 0; i < V; ++i) v[i] = load16(value + 16 * i);
       for (int64_t g = 0; g < heads; ++g) {
         const __m512 p = _mm512_set1_ps(scores[(g0 + g) * len + t]);
         for (int i = 0; i < V; ++i) o[g][i] = _mm512_fmadd_ps(p, v[i], o[g][i]);
@@ -104,35 +123,101 @@ void attend_512(const float* qh, const float* kp, const float* vp, const int32_t
 }
 #endif
 
+// The cache's element type T is float or bf16; q, k_new, v_new and the output are float32.
+template <typename T>
+void decode(const float* qp, T* kc, T* vc, const int32_t* tp, const int32_t* lp, float* op, int64_t B, int64_t Hq,
+            int64_t Hkv, int64_t D, int64_t W, int64_t block_size, float s, const float* knp, const float* vnp,
+            int64_t kn_row, int64_t vn_row, const int64_t* sp) {
+  const int64_t group = Hq / Hkv;
+  const int64_t token_stride = Hkv * D, block_stride = block_size * Hkv * D;
+  headroom::parallel_rows(B, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, row(D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, h = item % Hkv;
+      const int64_t len = lp[b];
+      TORCH_CHECK(len >= 1 && (len + block_size - 1) / block_size <= W, "seq_len does not fit the block table");
+      if (sp != nullptr) {
+        const int64_t slot = sp[b];
+        store_row(knp + b * kn_row + h * D, kc + slot * token_stride + h * D, D);
+        store_row(vnp + b * vn_row + h * D, vc + slot * token_stride + h * D, D);
+      }
+      scores.assign(group * len, 0.f);
+      const float* qh = qp + (b * Hq + h * group) * D;
+      const int32_t* table = tp + b * W;
+#ifdef __AVX512F__
+      if (D == 64 || D == 128) {
+        auto attend = D == 64 ? attend_512<4, T> : attend_512<8, T>;
+        attend(qh, kc, vc, table, len, group, block_size, token_stride, block_stride, h, s, scores.data(),
+               op + (b * Hq + h * group) * D);
+        continue;
+      }
+#endif
+      // Portable: each cached row widened to float32 first, then AVX2 where the build has it.
+      auto cached = [&](const T* cache, int64_t t) -> const float* {
+        const T* at = cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + h * D;
+        if constexpr (std::is_same_v<T, float>) {
+          return at;
+        } else {
+          for (int64_t i = 0; i < D; ++i) row[i] = widen(at[i]);
+          return row.data();
+        }
+      };
+      for (int64_t t = 0; t < len; ++t) {
+        const float* key = cached(kc, t);
+        for (int64_t g = 0; g < group; ++g) scores[g * len + t] = s * dot(qh + g * D, key, D);
+      }
+      std::vector<float> total(group);
+      for (int64_t g = 0; g < group; ++g) {
+        float* srow = scores.data() + g * len;
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < len; ++t) top = std::max(top, srow[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          srow[t] = std::exp(srow[t] - top);
+          sum += srow[t];
+        }
+        total[g] = sum;
+        float* o = op + (b * Hq + h * group + g) * D;
+        for (int64_t i = 0; i < D; ++i) o[i] = 0.f;
+      }
+      for (int64_t t = 0; t < len; ++t) {
+        const float* value = cached(vc, t);
+        for (int64_t g = 0; g < group; ++g)
+          axpy(scores[g * len + t], value, op + (b * Hq + h * group + g) * D, D);
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* o = op + (b * Hq + h * group + g) * D;
+        const float inv = 1.f / total[g];
+        for (int64_t i = 0; i < D; ++i) o[i] *= inv;
+      }
+    }
+  });
+}
+
 }  // namespace
 
-// q: (B, Hq, D); caches: (num_blocks, block_size, Hkv, D); block_tables: (B, W) int32;
-// seq_lens: (B,) int32 (context length including this token) -> (B, Hq, D). With k_new and
-// v_new (B, Hkv, D) and slots (B,) int64, those are first written to the cache at the slots.
+// q: (B, Hq, D) float32; caches: (num_blocks, block_size, Hkv, D), both float32 or both
+// bfloat16; block_tables: (B, W) int32; seq_lens: (B,) int32 (context length including this
+// token) -> (B, Hq, D) float32. With k_new and v_new (B, Hkv, D) float32 and slots (B,)
+// int64, those are first written to the cache at the slots (rounded to the cache's dtype).
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                                      std::optional<torch::Tensor> k_new, std::optional<torch::Tensor> v_new,
                                      std::optional<torch::Tensor> slots) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
-                  v_cache.scalar_type() == torch::kFloat32, "paged_decode_attention is float32 only");
+  const auto kv = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32, "paged_decode_attention takes float32 queries");
+  TORCH_CHECK((kv == torch::kFloat32 || kv == torch::kBFloat16) && v_cache.scalar_type() == kv,
+              "the caches must be both float32 or both bfloat16");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
               "block_tables and seq_lens must be int32");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   q = q.contiguous();
   block_tables = block_tables.contiguous();
+  seq_lens = seq_lens.contiguous();
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2), W = block_tables.size(1);
   TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(3) == D, "head counts or head_dim do not match");
-  const int64_t group = Hq / Hkv;
   auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  const int32_t* tp = block_tables.data_ptr<int32_t>();
-  const int32_t* lp = seq_lens.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t token_stride = Hkv * D, block_stride = block_size * Hkv * D;
-  const float s = static_cast<float>(scale);
   const bool write = k_new.has_value();
   TORCH_CHECK(write == v_new.has_value() && write == slots.has_value(), "give k_new, v_new and slots together");
   const float *knp = nullptr, *vnp = nullptr;
@@ -151,59 +236,16 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     vn_row = v_new->stride(0);
     sp = slots->data_ptr<int64_t>();
   }
-  float* kw = k_cache.data_ptr<float>();
-  float* vw = v_cache.data_ptr<float>();
-
-  headroom::parallel_rows(B, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / Hkv, h = item % Hkv;
-      const int64_t len = lp[b];
-      TORCH_CHECK(len >= 1 && (len + block_size - 1) / block_size <= W, "seq_len does not fit the block table");
-      if (write) {
-        const int64_t slot = sp[b];
-        std::copy_n(knp + b * kn_row + h * D, D, kw + slot * token_stride + h * D);
-        std::copy_n(vnp + b * vn_row + h * D, D, vw + slot * token_stride + h * D);
-      }
-      scores.assign(group * len, 0.f);
-      const float* qh = qp + (b * Hq + h * group) * D;
-#ifdef __AVX512F__
-      if (D == 64 || D == 128) {
-        auto attend = D == 64 ? attend_512<4> : attend_512<8>;
-        attend(qh, kp, vp, tp + b * W, len, group, block_size, token_stride, block_stride, h, s, scores.data(),
-               op + (b * Hq + h * group) * D);
-        continue;
-      }
-#endif
-      for (int64_t t = 0; t < len; ++t) {
-        const float* key = kp + tp[b * W + t / block_size] * block_stride + (t % block_size) * token_stride + h * D;
-        for (int64_t g = 0; g < group; ++g) scores[g * len + t] = s * dot(qh + g * D, key, D);
-      }
-      std::vector<float> total(group);
-      for (int64_t g = 0; g < group; ++g) {
-        float* row = scores.data() + g * len;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < len; ++t) top = std::max(top, row[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-          row[t] = std::exp(row[t] - top);
-          sum += row[t];
-        }
-        total[g] = sum;
-        float* o = op + (b * Hq + h * group + g) * D;
-        for (int64_t i = 0; i < D; ++i) o[i] = 0.f;
-      }
-      for (int64_t t = 0; t < len; ++t) {
-        const float* value = vp + tp[b * W + t / block_size] * block_stride + (t % block_size) * token_stride + h * D;
-        for (int64_t g = 0; g < group; ++g)
-          axpy(scores[g * len + t], value, op + (b * Hq + h * group + g) * D, D);
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* o = op + (b * Hq + h * group + g) * D;
-        const float inv = 1.f / total[g];
-        for (int64_t i = 0; i < D; ++i) o[i] *= inv;
-      }
-    }
-  });
+  const float s = static_cast<float>(scale);
+  const float* qp = q.data_ptr<float>();
+  const int32_t* tp = block_tables.data_ptr<int32_t>();
+  const int32_t* lp = seq_lens.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  if (kv == torch::kFloat32)
+    decode(qp, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tp, lp, op, B, Hq, Hkv, D, W, block_size, s,
+           knp, vnp, kn_row, vn_row, sp);
+  else
+    decode(qp, k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(), tp, lp, op, B, Hq, Hkv, D, W, block_size, s,
+           knp, vnp, kn_row, vn_row, sp);
   return out;
 }

@@ -11,6 +11,8 @@ from headroom.models.kernels import cpu_kernels
 from headroom.runtime.attention.metadata import AttentionMetadata
 from headroom.runtime.attention.torch_ref import TorchAttention
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the caches the C++ kernel reads
+
 
 class CpuPagedAttention(TorchAttention):
     name = "cpu_paged"
@@ -27,17 +29,17 @@ class CpuPagedAttention(TorchAttention):
         self.kernels, _ = cpu_kernels()
 
     def reads_unwritten_slots(self, dtype: torch.dtype) -> bool:
-        return dtype != torch.float32  # float32 decode reads each context to its length only
+        return dtype not in KERNEL_DTYPES  # the kernel reads each context to its length only
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if meta.num_decodes == meta.num_seqs and k_cache.dtype == torch.float32 and q.dtype == torch.float32:
+        if meta.num_decodes == meta.num_seqs and k_cache.dtype in KERNEL_DTYPES and q.dtype == torch.float32:
             # A decode-only step: one call writes this step's K/V and attends.
             return self.kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                                        k, v, meta.slot_mapping)
         return super().forward(q, k, v, k_cache, v_cache, meta, scale)
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if k_cache.dtype != torch.float32:
+        if k_cache.dtype not in KERNEL_DTYPES:
             return super().decode(q, k_cache, v_cache, meta, scale)
         nd = meta.num_decodes
         return self.kernels.paged_decode_attention(q.float(), k_cache, v_cache, meta.block_tables[:nd],

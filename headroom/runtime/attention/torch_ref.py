@@ -91,8 +91,8 @@ class TorchAttention:
         # Decodes of similar length at once: pad each context to the longest, mask the tail.
         block_size = k_cache.shape[1]
         tables = tables[:, : -(-max_len // block_size)]
-        keys = gather_blocks(k_cache, tables).flatten(1, 2)  # (B, L, Hkv, D)
-        values = gather_blocks(v_cache, tables).flatten(1, 2)
+        keys = gather_blocks(k_cache, tables).flatten(1, 2).to(q.dtype)  # (B, L, Hkv, D)
+        values = gather_blocks(v_cache, tables).flatten(1, 2).to(q.dtype)
         positions = torch.arange(keys.shape[1], device=q.device)
         mask = positions[None, :] < seq_lens[:, None]  # (B, L)
         out = F.scaled_dot_product_attention(
@@ -108,8 +108,10 @@ class TorchAttention:
     @staticmethod
     def _prefill(q, k_cache, v_cache, block_table, seq_len: int, scale: float) -> torch.Tensor:
         q_len = q.shape[0]
-        keys = gather_kv(k_cache, block_table, seq_len).transpose(0, 1)  # (Hkv, L, D)
-        values = gather_kv(v_cache, block_table, seq_len).transpose(0, 1)
+        # A cache in another dtype than the queries (a bfloat16 KV cache beside float32
+        # activations) is widened to theirs.
+        keys = gather_kv(k_cache, block_table, seq_len).transpose(0, 1).to(q.dtype)  # (Hkv, L, D)
+        values = gather_kv(v_cache, block_table, seq_len).transpose(0, 1).to(q.dtype)
         if q_len == seq_len:
             mask, causal = None, True
         else:
