@@ -21,10 +21,10 @@ PEAK_GBPS = {"H200": 4800, "H100 SXM": 3350, "H100 80GB HBM3": 3350, "H100 PCIe"
 
 
 def decode_batch(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None):
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device, dtype=dtype)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device, dtype=kv_dtype or dtype)
     v_cache = torch.randn_like(k_cache)
     tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq).int()
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
@@ -44,6 +44,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--kv-dtype", default=None, help="the cache's dtype, if not --dtype (the CPU: float32 queries, "
+                   "a bfloat16 cache)")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", default="512,2048,8192")
@@ -55,18 +57,19 @@ def main() -> None:
     p.add_argument("--peak-gbps", type=float, default=None, help="the memory's peak (default: by device name)")
     ns = p.parse_args()
     device, dtype = torch.device(ns.device), getattr(torch, ns.dtype)
+    kv_dtype = getattr(torch, ns.kv_dtype or ns.dtype)
     backend = select_backend(ns.attention_backend, device)
     block_size = backend.block_size
     peak = ns.peak_gbps
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if peak is None:
         peak = next((gbps for key, gbps in PEAK_GBPS.items() if key in name), None)
-    print(f"# attention_bandwidth: device={name} backend={backend.name} block_size={block_size} dtype={ns.dtype} "
+    print(f"# attention_bandwidth: device={name} backend={backend.name} block_size={block_size} dtype={ns.dtype} kv_dtype={ns.kv_dtype or ns.dtype} "
           f"batch={ns.batch} heads={ns.heads}/{ns.kv_heads} head_dim={ns.head_dim} peak={peak} GB/s")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for context in (int(c) for c in ns.context.split(",")):
         q, k, v, k_cache, v_cache, meta = decode_batch(ns.batch, context, ns.heads, ns.kv_heads, ns.head_dim,
-                                                        block_size, device, dtype)
+                                                        block_size, device, dtype, kv_dtype)
         scale = ns.head_dim ** -0.5
         for _ in range(3):
             backend.forward(q, k, v, k_cache, v_cache, meta, scale)
@@ -76,7 +79,7 @@ def main() -> None:
             backend.forward(q, k, v, k_cache, v_cache, meta, scale)
         sync()
         seconds = (time.perf_counter() - started) / ns.iters
-        kv_bytes = 2 * ns.batch * context * ns.kv_heads * ns.head_dim * dtype.itemsize
+        kv_bytes = 2 * ns.batch * context * ns.kv_heads * ns.head_dim * kv_dtype.itemsize
         gbps = kv_bytes / seconds / 1e9
         share = f", {100 * gbps / peak:.1f}% of peak" if peak else ""
         print(f"context {context:>6}: {1e3 * seconds:8.3f} ms per decode step, KV read {kv_bytes / 2**20:8.1f} MiB, "
