@@ -21,6 +21,7 @@ from headroom.admission.redis_store import RedisStore
 from headroom.admission.tenants import Tenant, TenantRegistry
 from headroom.app.errors import APIError, BadRequest, QueueFull, Unavailable
 from headroom.config import Config, check_store_url
+from headroom.openmp import in_passing_thread
 from headroom.runtime.request import Request
 
 # Tier priority dominates; the request's own vLLM-style priority orders within a tier.
@@ -51,7 +52,8 @@ class AdmissionGate:
         self.store = _store(config, self.registry) if self.enabled else None
         self.admission = Admission(self.config, self.registry, max_in_flight_seqs=max_in_flight_seqs,
                                    store=self.store) if self.enabled else None
-        self.predictor = load_predictor(self.config.predictor_path) if self.enabled else None
+        # LightGBM loads its models with OpenMP: off this (the event loop's) thread, see headroom/openmp.py.
+        self.predictor = in_passing_thread(load_predictor, self.config.predictor_path) if self.enabled else None
         c = self.config
         self.thresholds = ClassThresholds(c.short_max_prompt_tokens, c.short_max_output_tokens,
                                           c.long_min_prompt_tokens, c.long_min_output_tokens)

@@ -23,6 +23,7 @@ from headroom.app.openapi import build_openapi
 from headroom.app.runner import Runner
 from headroom.config import Config
 from headroom.observability.observer import Observability, package_version
+from headroom.openmp import in_passing_thread
 from headroom.runtime.engine import Engine
 
 log = logging.getLogger("headroom.server")
@@ -102,7 +103,8 @@ def _use_inflight(config: Config, engine: Engine) -> None:
     from headroom.admission.inflight_model import load_inflight_probe
 
     c, args = config.admission, engine.loaded.args
-    probe = load_inflight_probe(c.inflight_probe_path, args.hidden_size, args.num_layers, args.vocab_size)
+    probe = in_passing_thread(load_inflight_probe, c.inflight_probe_path, args.hidden_size, args.num_layers,
+                              args.vocab_size)  # LightGBM's loading runs OpenMP: see headroom/openmp.py
     if probe is not None:
         engine.use_inflight(probe, c.inflight_every, c.runaway_threshold, c.long_min_output_tokens)
 
