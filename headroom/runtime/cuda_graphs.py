@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from headroom.config import Config
 from headroom.models.llama import ForwardContext, Llama
 from headroom.runtime.attention import AttentionBackend, AttentionMetadata
 
@@ -44,6 +45,18 @@ def padded_size(n: int, sizes: Sequence[int]) -> int | None:
     """The smallest captured size that holds n rows, or None when none does."""
     i = bisect.bisect_left(sizes, n)
     return sizes[i] if i < len(sizes) else None
+
+
+def graph_plan(config: Config, device: torch.device, backend: AttentionBackend) -> tuple[tuple[int, ...], str]:
+    """Decode batch sizes to capture, and what to say about it at start and in /health."""
+    if device.type != "cuda":
+        return (), f"off (no CUDA graphs on {device.type})"
+    if config.model.enforce_eager:
+        return (), "off (enforce_eager)"
+    if not supports_graphs(backend):
+        return (), f"off (the {backend.name} backend reads host-side lengths in its forward)"
+    sizes = capture_sizes(config.scheduler.max_num_seqs, config.model.cuda_graph_sizes)
+    return sizes, "decode batch sizes " + ",".join(map(str, sizes))
 
 
 def supports_graphs(backend: AttentionBackend) -> bool:

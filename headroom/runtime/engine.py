@@ -22,7 +22,7 @@ from headroom.config import Config
 from headroom.models.loader import LoadedModel
 from headroom.runtime.attention import select_backend
 from headroom.runtime.block_manager import BlockManager
-from headroom.runtime.cuda_graphs import capture_sizes, supports_graphs
+from headroom.runtime.cuda_graphs import graph_plan
 from headroom.runtime.detokenizer import IncrementalDetokenizer
 from headroom.runtime.device import prepare_model, resolve_kv_dtype
 from headroom.runtime.grammar import Grammars
@@ -74,7 +74,7 @@ class Engine:
         eos = self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos)
         self.sampler = Sampler(eos, seed=config.seed, device=self.device)
-        graph_sizes, self.cuda_graphs = self._graph_sizes(config)
+        graph_sizes, self.cuda_graphs = graph_plan(config, self.device, self.backend)
         self.runner = ModelRunner(self.loaded.model, self.backend, num_blocks, self.block_size, self.device,
                                   self.kv_dtype, graph_sizes=graph_sizes, max_model_len=self.max_model_len)
         self.cuda_graphs = self.runner.capture_graphs() or self.cuda_graphs
@@ -108,17 +108,6 @@ class Engine:
         self._timers: deque[StepTimer] = deque()  # forward passes whose device time is not yet read
         self._thread: threading.Thread | None = None
         self._stopping = False
-
-    def _graph_sizes(self, config: Config) -> tuple[tuple[int, ...], str]:
-        """Decode batch sizes to capture, and what to say about it at start and in /health."""
-        if self.device.type != "cuda":
-            return (), f"off (no CUDA graphs on {self.device.type})"
-        if config.model.enforce_eager:
-            return (), "off (enforce_eager)"
-        if not supports_graphs(self.backend):
-            return (), f"off (the {self.backend.name} backend reads host-side lengths in its forward)"
-        sizes = capture_sizes(config.scheduler.max_num_seqs, config.model.cuda_graph_sizes)
-        return sizes, "decode batch sizes " + ",".join(map(str, sizes))
 
     # ---- called from any thread -------------------------------------------------------
 
@@ -527,39 +516,9 @@ class Engine:
 
     def _sequence_snapshot(self, request: Request, now: float, busy: float | None = None,
                            in_step_s: float = 0.0) -> SequenceSnapshot:
-        busy = self.stats.step_time_s if busy is None else busy
-        held = len(self.block_manager.block_table(request.request_id))
-        lifetime_busy = busy - request.busy_at_arrival
-        device_time = request.device_time_s + in_step_s
-        first = request.first_token_time
-        return SequenceSnapshot(
-            request_id=request.request_id,
-            tenant=request.tenant,
-            tier=request.tier,
-            size_class=request.size_class,
-            status=request.status.name.lower(),
-            priority=request.priority,
-            age_s=now - request.arrival_time,
-            prompt_tokens=request.num_prompt_tokens,
-            output_tokens=request.num_output_tokens,
-            max_tokens=request.max_tokens,
-            predicted_output_tokens=request.predicted_output_tokens,
-            blocks_held=held,
-            kv_share=held / self.block_manager.num_blocks,
-            device_time_s=device_time,
-            device_share=device_time / lifetime_busy if lifetime_busy > 0 else 0.0,
-            kv_block_seconds=request.kv_block_seconds,
-            tokens_processed=request.num_processed_tokens,
-            preemptions=request.num_preemptions,
-            ttft_s=None if first is None else first - request.arrival_time,
-            budget_left_s=None if request.deadline is None else request.deadline - now,
-            deprioritized=request.deprioritized,
-            admin_actions=tuple(request.admin_actions),
-            predicted_remaining_tokens=request.estimated_remaining_tokens() if request.estimated_at_tokens is not None
-            else None,
-            runaway_probability=request.runaway_probability,
-            runaway_flagged_at=request.runaway_flagged_at,
-        )
+        return SequenceSnapshot.of(request, now, self.stats.step_time_s if busy is None else busy,
+                                   len(self.block_manager.block_table(request.request_id)),
+                                   self.block_manager.num_blocks, in_step_s)
 
     # ---- conveniences for the CLI, tests and benchmarks --------------------------------
 

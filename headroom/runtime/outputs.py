@@ -94,6 +94,43 @@ class SequenceSnapshot:
     runaway_probability: float | None = None
     runaway_flagged_at: int | None = None  # output tokens when first predicted to run away
 
+    @classmethod
+    def of(cls, request: Request, now: float, busy_s: float, blocks_held: int, num_blocks: int,
+           in_step_s: float = 0.0) -> SequenceSnapshot:
+        """request at `now`, with the engine busy busy_s in all (the step running now counted
+        as far as it has got, in_step_s of it this request's)."""
+        lifetime_busy = busy_s - request.busy_at_arrival
+        device_time = request.device_time_s + in_step_s
+        first = request.first_token_time
+        return cls(
+            request_id=request.request_id,
+            tenant=request.tenant,
+            tier=request.tier,
+            size_class=request.size_class,
+            status=request.status.name.lower(),
+            priority=request.priority,
+            age_s=now - request.arrival_time,
+            prompt_tokens=request.num_prompt_tokens,
+            output_tokens=request.num_output_tokens,
+            max_tokens=request.max_tokens,
+            predicted_output_tokens=request.predicted_output_tokens,
+            blocks_held=blocks_held,
+            kv_share=blocks_held / num_blocks,
+            device_time_s=device_time,
+            device_share=device_time / lifetime_busy if lifetime_busy > 0 else 0.0,
+            kv_block_seconds=request.kv_block_seconds,
+            tokens_processed=request.num_processed_tokens,
+            preemptions=request.num_preemptions,
+            ttft_s=None if first is None else first - request.arrival_time,
+            budget_left_s=None if request.deadline is None else request.deadline - now,
+            deprioritized=request.deprioritized,
+            admin_actions=tuple(request.admin_actions),
+            predicted_remaining_tokens=request.estimated_remaining_tokens() if request.estimated_at_tokens is not None
+            else None,
+            runaway_probability=request.runaway_probability,
+            runaway_flagged_at=request.runaway_flagged_at,
+        )
+
     @property
     def progress(self) -> float | None:
         """Output so far over the predicted output (above 1: running past its prediction)."""
