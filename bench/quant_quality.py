@@ -15,7 +15,8 @@ a llama-server serving the same GGUF: every mode is then scored on llama.cpp's t
 Rows: float32; int8 and int4 with every chunk on the packed path (on a CPU with AVX-512
 VNNI that path rounds activations to 8 bits per group of 32, as llama.cpp does); and the
 bfloat16 matmuls that serve batches too large for the packed weights where the CPU has
-native bf16.
+native bf16. The "+ bf16 KV" rows read the prompt's keys and values back from a bfloat16
+cache, as `headroom serve` does beside quantised weights (--kv-cache-dtype auto).
 
 usage: python bench/quant_quality.py [--llama-perplexity PATH] [--tokenize-with URL]
                                      [--ctx 256] [--chunks 16]
@@ -70,24 +71,28 @@ def main() -> None:
     print(cpu_line())
     text = corpus(PROMPTS)
     rows = {}
-    # (row, mode, batches up to which the packed weights serve, dtype of the matmuls above)
-    variants = [("float32", "none", 0, torch.float32), ("int8", "int8", args.ctx, torch.float32),
-                ("int4", "int4", args.ctx, torch.float32), ("bfloat16 matmuls", "int8", 0, torch.bfloat16)]
-    for name, mode, small_batch, large_dtype in variants:
+    # (row, mode, batches up to which the packed weights serve, dtype of the matmuls above, KV cache dtype)
+    f32, bf16 = torch.float32, torch.bfloat16
+    variants = [("float32", "none", 0, f32, f32), ("int8", "int8", args.ctx, f32, f32),
+                ("int4", "int4", args.ctx, f32, f32), ("bfloat16 matmuls", "int8", 0, bf16, f32),
+                ("float32 + bf16 KV", "none", 0, f32, bf16), ("int8 + bf16 KV", "int8", args.ctx, f32, bf16),
+                ("int4 + bf16 KV", "int4", args.ctx, f32, bf16),
+                ("int8 + f16 KV", "int8", args.ctx, f32, torch.float16), ("int4 + f16 KV", "int4", args.ctx, f32, torch.float16)]
+    for name, mode, small_batch, large_dtype, kv_dtype in variants:
         loaded = load_model(ModelConfig(), torch.device("cpu"), torch.float32)
         ids = tokenize(args.tokenize_with, text) if args.tokenize_with else loaded.tokenizer.hf.encode(text)
         chunks = [ids[i * args.ctx:(i + 1) * args.ctx] for i in range(args.chunks)]
         assert len(chunks[-1]) == args.ctx, "text too short for that many chunks"
         quantize_model(loaded.model, mode, small_batch, large_dtype)
-        rows[name] = chunked_perplexity(loaded.model, chunks)
+        rows[name] = chunked_perplexity(loaded.model, chunks, kv_dtype)
     if args.llama_perplexity:
         rows["llama.cpp Q4_1"] = llama_perplexity(args.llama_perplexity, text, args.ctx, args.chunks)
     base = rows["float32"]
     tokens = f"llama.cpp's tokens ({args.tokenize_with})" if args.tokenize_with else "the tokenizers library's tokens"
     print(f"perplexity over {args.chunks} chunks of {args.ctx} tokens (second halves scored), on {tokens}")
-    print(f"{'mode':<16}{'ppl':>10}{'vs float32':>12}")
+    print(f"{'mode':<20}{'ppl':>10}{'vs float32':>12}")
     for name, ppl in rows.items():
-        print(f"{name:<16}{ppl:>10.4f}{ppl / base:>12.5f}")
+        print(f"{name:<20}{ppl:>10.4f}{ppl / base:>12.5f}")
 
 
 if __name__ == "__main__":

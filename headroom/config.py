@@ -55,7 +55,7 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_cache_memory_gib: float = 1.0
     enable_prefix_caching: bool = True
-    # The KV cache's element type; auto is the model's dtype, except bfloat16 where the
+    # The KV cache's element type; auto is the model's dtype, except float16 where the
     # weights are already quantised on the CPU (see runtime/device.py: resolve_kv_dtype).
     kv_cache_dtype: str = "auto"
 

@@ -85,7 +85,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int)
     g.add_argument("--kv-cache-memory-gib", type=float)
     g.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the KV cache's dtype (auto: bfloat16 beside quantised CPU weights, else the model's)")
+                   help="the KV cache's dtype (auto: float16 beside quantised CPU weights, else the model's)")
     g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--max-num-seqs", type=int)
     g.add_argument("--max-num-batched-tokens", type=int)

@@ -1,4 +1,4 @@
-"""The KV cache's dtype: what auto picks and why, a bfloat16 cache beside float32 weights
+"""The KV cache's dtype: what auto picks and why, a 16-bit cache beside float32 weights
 through the C++ decode kernel and the torch reference alike, and its pool sized by its
 own element size."""
 
@@ -17,15 +17,15 @@ TEXTS = ["The capital of France is", "Once upon a time", "def fib(n):", "My favo
 
 
 @pytest.mark.parametrize("name, device, dtype, quantization, want, why", [
-    ("auto", CPU, torch.float32, "int4", torch.bfloat16, "auto: bfloat16 beside int4 weights"),
-    ("auto", CPU, torch.float32, "int8", torch.bfloat16, "auto: bfloat16 beside int8 weights"),
+    ("auto", CPU, torch.float32, "int4", torch.float16, "auto: float16 beside int4 weights"),
+    ("auto", CPU, torch.float32, "int8", torch.float16, "auto: float16 beside int8 weights"),
     ("auto", CPU, torch.float32, "none", torch.float32, "auto: the model's dtype"),
     ("auto", CPU, torch.bfloat16, "none", torch.bfloat16, "auto: the model's dtype"),
     ("auto", CUDA, torch.bfloat16, "none", torch.bfloat16, "auto: the model's dtype"),
     ("float32", CPU, torch.float32, "int4", torch.float32, "chosen by flag or config"),
     ("bfloat16", CPU, torch.float32, "none", torch.bfloat16, "chosen by flag or config"),
 ])
-def test_auto_takes_bfloat16_only_beside_quantised_cpu_weights(name, device, dtype, quantization, want, why):
+def test_auto_takes_float16_only_beside_quantised_cpu_weights(name, device, dtype, quantization, want, why):
     got, reason = resolve_kv_dtype(name, device, dtype, quantization)
     assert got == want and reason.startswith(why)
 
@@ -44,25 +44,27 @@ def generate(loaded, prompts, kv_dtype: str, backend: str) -> tuple[Engine, list
     return engine, [r.output_token_ids for r in done]
 
 
-def test_a_bfloat16_cache_decodes_alike_through_the_kernel_and_the_reference(default_model):
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_a_16_bit_cache_decodes_alike_through_the_kernel_and_the_reference(default_model, kv_dtype):
     prompts = [default_model.tokenizer.encode(t) for t in TEXTS]
-    kernel, tokens = generate(default_model, prompts, "bfloat16", "cpu_paged")
+    kernel, tokens = generate(default_model, prompts, kv_dtype, "cpu_paged")
     assert kernel.backend.name == "cpu_paged"
-    assert all(k.dtype == torch.bfloat16 and v.dtype == torch.bfloat16 for k, v in kernel.runner.kv_caches)
-    reference, expected = generate(default_model, prompts, "bfloat16", "torch")
+    want = getattr(torch, kv_dtype)
+    assert all(k.dtype == want and v.dtype == want for k, v in kernel.runner.kv_caches)
+    reference, expected = generate(default_model, prompts, kv_dtype, "torch")
     assert reference.backend.name == "torch"
     assert tokens == expected
     for engine in (kernel, reference):
         assert engine.block_manager.num_free_blocks == 64  # every block back after the requests
 
 
-def test_a_bfloat16_pool_holds_twice_the_blocks_in_the_same_memory(default_model):
+def test_a_16_bit_pool_holds_twice_the_blocks_in_the_same_memory(default_model):
     blocks = {}
-    for kv_dtype in ("float32", "bfloat16"):
+    for kv_dtype in ("float32", "float16"):
         engine = Engine(Config(cache=CacheConfig(kv_cache_memory_gib=0.01, block_size=16, kv_cache_dtype=kv_dtype)),
                         loaded=default_model)
         blocks[kv_dtype] = engine.block_manager.num_blocks
     args = default_model.args
     per_block_fp32 = 2 * args.num_layers * 16 * args.num_kv_heads * args.head_dim * 4
     assert blocks["float32"] == int(0.01 * 2**30 // per_block_fp32)
-    assert blocks["bfloat16"] == int(0.01 * 2**30 // (per_block_fp32 // 2))
+    assert blocks["float16"] == int(0.01 * 2**30 // (per_block_fp32 // 2))

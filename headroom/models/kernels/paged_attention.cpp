@@ -1,7 +1,7 @@
 // Decode attention on the CPU that reads K and V in place from the paged cache (no
 // gather into a padded copy, no mask): one query token per sequence, float32 queries and
-// arithmetic over a float32 or bfloat16 cache (bf16 halves the bytes a step reads; it is
-// widened to float32 as it is loaded), any GQA ratio. Threads over (sequence, kv head); the query heads that share a kv head are
+// arithmetic over a float32, float16 or bfloat16 cache (16 bits halve the bytes a step
+// reads; they are widened to float32 as they are loaded), any GQA ratio. Threads over (sequence, kv head); the query heads that share a kv head are
 // scored together so each cached key and value is read once per step. Given this step's
 // keys and values with their slots, it writes them into the cache first (the same
 // thread that then reads them). With AVX-512 and a head_dim of 64 or 128, a query
@@ -21,11 +21,13 @@
 namespace {
 
 using bf16 = c10::BFloat16;
+using f16 = c10::Half;
 
-// A bf16 is the top half of a float32: widening is a 16-bit shift, exact.
+// Widening to float32 is exact for both 16-bit types (a bf16 is the top half of a float32).
 inline float widen(float x) { return x; }
 inline float widen(bf16 x) { return static_cast<float>(x); }
-// Rounded to nearest even, as torch's .to(torch.bfloat16) rounds.
+inline float widen(f16 x) { return static_cast<float>(x); }
+// Rounded to nearest even, as torch's .to(torch.bfloat16) and .to(torch.float16) round.
 template <typename T>
 inline void store_row(const float* src, T* dst, int64_t d) {
   for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(src[i]);
@@ -61,6 +63,9 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const f16* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // One (sequence, kv head): V = head_dim / 16 vectors per head.
@@ -196,7 +201,7 @@ void decode(const float* qp, T* kc, T* vc, const int32_t* tp, const int32_t* lp,
 
 }  // namespace
 
-// q: (B, Hq, D) float32; caches: (num_blocks, block_size, Hkv, D), both float32 or both
+// q: (B, Hq, D) float32; caches: (num_blocks, block_size, Hkv, D), both float32, float16 or
 // bfloat16; block_tables: (B, W) int32; seq_lens: (B,) int32 (context length including this
 // token) -> (B, Hq, D) float32. With k_new and v_new (B, Hkv, D) float32 and slots (B,)
 // int64, those are first written to the cache at the slots (rounded to the cache's dtype).
@@ -206,8 +211,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      std::optional<torch::Tensor> slots) {
   const auto kv = k_cache.scalar_type();
   TORCH_CHECK(q.scalar_type() == torch::kFloat32, "paged_decode_attention takes float32 queries");
-  TORCH_CHECK((kv == torch::kFloat32 || kv == torch::kBFloat16) && v_cache.scalar_type() == kv,
-              "the caches must be both float32 or both bfloat16");
+  TORCH_CHECK((kv == torch::kFloat32 || kv == torch::kBFloat16 || kv == torch::kHalf) && v_cache.scalar_type() == kv,
+              "the caches must be both float32, both float16 or both bfloat16");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
               "block_tables and seq_lens must be int32");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -244,6 +249,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   if (kv == torch::kFloat32)
     decode(qp, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tp, lp, op, B, Hq, Hkv, D, W, block_size, s,
            knp, vnp, kn_row, vn_row, sp);
+  else if (kv == torch::kHalf)
+    decode(qp, reinterpret_cast<f16*>(k_cache.data_ptr<at::Half>()), reinterpret_cast<f16*>(v_cache.data_ptr<at::Half>()),
+           tp, lp, op, B, Hq, Hkv, D, W, block_size, s, knp, vnp, kn_row, vn_row, sp);
   else
     decode(qp, k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(), tp, lp, op, B, Hq, Hkv, D, W, block_size, s,
            knp, vnp, kn_row, vn_row, sp);

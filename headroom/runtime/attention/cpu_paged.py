@@ -1,7 +1,7 @@
 """The CPU backend: decode rows through headroom's C++ kernel, which reads K and V in
-place from the block table (no gather into a padded copy, no mask) and, in a step of
-decodes only, writes the step's K/V in the same call; prefill chunks and any non-float32
-cache through the torch reference it extends."""
+place from the block table (no gather into a padded copy, no mask) from a float32, float16
+or bfloat16 cache and, in a step of decodes only, writes the step's K/V in the same call;
+prefill chunks, and any other cache, through the torch reference it extends."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from headroom.models.kernels import cpu_kernels
 from headroom.runtime.attention.metadata import AttentionMetadata
 from headroom.runtime.attention.torch_ref import TorchAttention
 
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the caches the C++ kernel reads
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the caches the C++ kernel reads
 
 
 class CpuPagedAttention(TorchAttention):

@@ -108,7 +108,7 @@ class TorchAttention:
     @staticmethod
     def _prefill(q, k_cache, v_cache, block_table, seq_len: int, scale: float) -> torch.Tensor:
         q_len = q.shape[0]
-        # A cache in another dtype than the queries (a bfloat16 KV cache beside float32
+        # A cache in another dtype than the queries (a 16-bit KV cache beside float32
         # activations) is widened to theirs.
         keys = gather_kv(k_cache, block_table, seq_len).transpose(0, 1).to(q.dtype)  # (Hkv, L, D)
         values = gather_kv(v_cache, block_table, seq_len).transpose(0, 1).to(q.dtype)
