@@ -10,8 +10,8 @@ after the same load run that way), so start-up work that may run OpenMP is run s
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -20,18 +20,5 @@ T = TypeVar("T")
 def in_passing_thread(fn: Callable[..., T], *args, **kwargs) -> T:
     """fn(*args, **kwargs) on a new thread that ends when fn returns (or raises, which is
     raised here), so any OpenMP workers it started end with it."""
-    result: list[T] = []
-    error: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            result.append(fn(*args, **kwargs))
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
-            error.append(exc)
-
-    thread = threading.Thread(target=run, name="headroom-passing")
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="headroom-passing") as pool:
+        return pool.submit(fn, *args, **kwargs).result()
