@@ -16,7 +16,10 @@ Rows: float32; int8 and int4 with every chunk on the packed path (on a CPU with 
 VNNI that path rounds activations to 8 bits per group of 32, as llama.cpp does); and the
 bfloat16 matmuls that serve batches too large for the packed weights where the CPU has
 native bf16. The "+ bf16 KV" rows read the prompt's keys and values back from a bfloat16
-cache, as `headroom serve` does beside quantised weights (--kv-cache-dtype auto).
+cache, as `headroom serve` does beside quantised weights (--kv-cache-dtype auto). The
+"served" rows are what `headroom serve` runs on a CPU with AVX-512 VNNI: the packed path up
+to batch 4 and the tiled integer kernel above it: the same 8-bit arithmetic summed in
+another order, so any difference from the int4 rows is the luck of rounding activations.
 
 usage: python bench/quant_quality.py [--llama-perplexity PATH] [--tokenize-with URL]
                                      [--ctx 256] [--chunks 16]
@@ -71,19 +74,21 @@ def main() -> None:
     print(cpu_line())
     text = corpus(PROMPTS)
     rows = {}
-    # (row, mode, batches up to which the packed weights serve, dtype of the matmuls above, KV cache dtype)
-    f32, bf16 = torch.float32, torch.bfloat16
-    variants = [("float32", "none", 0, f32, f32), ("int8", "int8", args.ctx, f32, f32),
-                ("int4", "int4", args.ctx, f32, f32), ("bfloat16 matmuls", "int8", 0, bf16, f32),
-                ("float32 + bf16 KV", "none", 0, f32, bf16), ("int8 + bf16 KV", "int8", args.ctx, f32, bf16),
-                ("int4 + bf16 KV", "int4", args.ctx, f32, bf16),
-                ("int8 + f16 KV", "int8", args.ctx, f32, torch.float16), ("int4 + f16 KV", "int4", args.ctx, f32, torch.float16)]
-    for name, mode, small_batch, large_dtype, kv_dtype in variants:
+    # (row, mode, batches up to which the packed weights serve, dtype of the float matmuls above,
+    # KV cache dtype, whether batches above take the tiled integer kernel)
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    packed = [(f"{mode}{kv_name}", mode, args.ctx, f32, kv, False)
+              for kv_name, kv in (("", f32), (" + bf16 KV", bf16), (" + f16 KV", f16)) for mode in ("int8", "int4")]
+    served = [(f"int4 served{kv_name}", "int4", 4, f32, kv, True)
+              for kv_name, kv in (("", f32), (" + bf16 KV", bf16), (" + f16 KV", f16))]
+    variants = [("float32", "none", 0, f32, f32, False), ("float32 + bf16 KV", "none", 0, f32, bf16, False),
+                ("bfloat16 matmuls", "int8", 0, bf16, f32, False), *packed, *served]
+    for name, mode, small_batch, large_dtype, kv_dtype, tiled in variants:
         loaded = load_model(ModelConfig(), torch.device("cpu"), torch.float32)
         ids = tokenize(args.tokenize_with, text) if args.tokenize_with else loaded.tokenizer.hf.encode(text)
         chunks = [ids[i * args.ctx:(i + 1) * args.ctx] for i in range(args.chunks)]
         assert len(chunks[-1]) == args.ctx, "text too short for that many chunks"
-        quantize_model(loaded.model, mode, small_batch, large_dtype)
+        quantize_model(loaded.model, mode, small_batch, large_dtype, tiled)
         rows[name] = chunked_perplexity(loaded.model, chunks, kv_dtype)
     if args.llama_perplexity:
         rows["llama.cpp Q4_1"] = llama_perplexity(args.llama_perplexity, text, args.ctx, args.chunks)

@@ -26,11 +26,17 @@ def resolve_device(name: str) -> torch.device:
 
 
 def large_batch_dtype(device: torch.device) -> tuple[torch.dtype, str]:
-    """The dtype of the float matmuls that serve batches too large for packed weights."""
+    """The dtype of the float matmuls that serve batches too large for packed weights, and
+    what serves them: the tiled integer kernel instead where the CPU has AVX-512 VNNI (the
+    float matmuls then serve only shapes it does not tile)."""
+    kernels, _ = cpu_kernels()
+    tiled = device.type == "cpu" and kernels is not None and kernels.qdot_available()
     native = [flag for flag in BF16_FLAGS if flag in cpu_flags()] if device.type == "cpu" else []
-    if native:
-        return torch.bfloat16, f"bfloat16 matmuls above it ({native[0]})"
-    return torch.float32, "float32 matmuls above it (no native bf16 on this CPU)"
+    dtype, why = ((torch.bfloat16, f"bfloat16 matmuls ({native[0]})") if native
+                  else (torch.float32, "float32 matmuls (no native bf16 on this CPU)"))
+    if tiled:
+        return dtype, f"the tiled int8 kernel above it (AVX-512 VNNI; {why} for shapes it does not tile)"
+    return dtype, f"{why} above it"
 
 
 def resolve_quantization(name: str, device: torch.device, dtype: torch.dtype, hidden_size: int,
@@ -53,11 +59,12 @@ def resolve_quantization(name: str, device: torch.device, dtype: torch.dtype, hi
     found = {mode: measure_crossover(hidden_size, 2 * intermediate_size, 4 if mode == "int4" else 8, large)
              for mode in (("int4", "int8") if name == "auto" else (name,))}
     said = "; ".join(f"{mode} {1e3 * c.packed_s[1]:.3f} ms vs float {1e3 * c.float_s[1]:.3f} ms at batch 1, "
-                     f"packed up to batch {c.small_batch}" for mode, c in found.items())
+                     f"{c.relative_cost:.2f}x float's time over batches 1-64, packed up to batch {c.small_batch}"
+                     for mode, c in found.items())
     said = f"{why}; {said}; {large_why}"
     if name != "auto":
         return name, max(1, found[name].small_batch), large, f"chosen by flag or config ({said})"
-    useful = {mode: c for mode, c in found.items() if c.small_batch >= 1}
+    useful = {mode: c for mode, c in found.items() if c.relative_cost < 1}
     if not useful:
         return "none", 0, dtype, f"auto: no packed kernel beats float32 here ({said})"
     best = min(useful, key=lambda mode: useful[mode].relative_cost)

@@ -150,6 +150,38 @@ def test_linear_of_a_k_multiple_of_64_computes_what_its_path_promises(bits, rows
     assert (linear.dequantized() - weight).abs().max().item() <= 1e-6 * weight.abs().max().item()
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [5, 6, 7, 8, 9, 10, 11, 40])
+def test_batches_above_small_batch_take_the_tiled_kernel_and_the_same_arithmetic(bits, rows):
+    # 336 outputs: 21 tiles of 16, so ten pairs and a tile alone; rows 5-11 reach every
+    # partial row tile (1-5 rows after whole tiles of 6).
+    kernels, _ = cpu_kernels()
+    if not kernels.qdot_available():
+        pytest.skip("the tiled integer kernel needs AVX-512 VNNI; this CPU's large batches take a float matmul")
+    torch.manual_seed(rows)
+    weight = q4_1_weight(336, 192) if bits == 4 else q8_0_weight(336, 192)
+    linear = QuantLinear(weight, None, bits, small_batch=4)
+    assert linear.tiles is not None and linear.large is None  # no float copy of the weight is kept
+    x = torch.randn(rows, 192) * torch.linspace(0.1, 3, 192)
+    x[1, 64:96] = 0
+    expected = int8_activation_reference(x, linear)
+    tiled = linear(x)
+    assert torch.allclose(tiled, expected, rtol=1e-5, atol=1e-4)
+    # Row by row through the packed kernel: the same numbers but for float rounding, so a
+    # sequence's logits hardly depend on which batch it was in.
+    one_by_one = torch.cat([linear(row[None]) for row in x])
+    assert torch.allclose(tiled, one_by_one, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(tiled, x @ weight.t(), rtol=1e-5, atol=1e-4)  # activations rounded, not float
+
+
+def test_a_shape_the_kernel_does_not_tile_keeps_the_float_matmul():
+    weight = q4_1_weight(200, 192)  # 200 outputs: not a whole number of 16-row tiles
+    linear = QuantLinear(weight, None, 4, small_batch=2)
+    assert linear.tiles is None
+    x = torch.randn(3, 192)
+    assert torch.allclose(linear(x), x @ weight.t(), rtol=1e-5, atol=1e-5)
+
+
 def test_float_ops_match_the_torch_modules():
     from headroom.models.llama import RMSNorm, apply_rope
 

@@ -28,6 +28,15 @@ cache 1.00001x and 8/8). On 2026-11-23 (AVX2): int4 and int8 1.00000x and every 
 llama.cpp's own Q4_1 of this file is 1.00402x float32 on 16 chunks of the same corpus
 (bench/quant_quality.py, bench/RESULTS.md), against our int8 1.00236x and int4 1.00385x.
 The bounds sit just outside what was measured.
+
+"served" is what `headroom serve` runs with AVX-512 VNNI since the sixth session: packed
+up to batch 4, the tiled integer kernel above (the same 8-bit arithmetic summed in another
+order), a float16 cache: 1.00799x, 5/8, 11.9. That is the luck of rounding activations to
+8 bits, not a worse kernel: a float rounding upstream moves some activation across a
+rounding boundary and every later layer rounds again. On these 6 chunks the same
+arithmetic in two summation orders and three cache dtypes scored 1.0011-1.0080x; on 16
+chunks of llama.cpp's tokens (bench/quant_quality.py) 1.0027-1.0064x, the served one
+1.0031x against llama.cpp's Q4_1 at 1.0040x. Its bound allows that spread.
 """
 
 from __future__ import annotations
@@ -114,23 +123,28 @@ BOUNDS = {
     ("int8", True): (4, 11, 0.006), ("int4", True): (5, 12, 0.006),
     ("bf16", False): (6, 12, 0.003), ("bf16", True): (6, 12, 0.003),
     ("int4+kv_f16", False): (7, 14, 0.001), ("int4+kv_f16", True): (5, 11, 0.006),
+    ("served", False): (7, 14, 0.001), ("served", True): (5, 11, 0.009),
     ("kv_f16", False): (8, 16, 0.0005),
 }
-# variant -> (mode, batches served packed, dtype of the matmuls above, KV cache dtype): the
-# packed path for every step, or the bfloat16 matmuls that serve large batches for every
-# step; int4+kv_f16 is the packed path beside the float16 KV cache that auto serves with it.
-VARIANTS = {"int8": ("int8", 4096, torch.float32, torch.float32), "int4": ("int4", 4096, torch.float32, torch.float32),
-            "bf16": ("int8", 0, torch.bfloat16, torch.float32),
-            "int4+kv_f16": ("int4", 4096, torch.float32, torch.float16),
-            "kv_f16": ("int8", 0, torch.float32, torch.float16)}
+# variant -> (mode, batches served packed, dtype of the float matmuls above, KV cache dtype,
+# whether batches above take the tiled integer kernel): the packed path for every step, or
+# the bfloat16 matmuls for every step; int4+kv_f16 is the packed path beside the float16 KV
+# cache that auto serves with it, and served is what `headroom serve` runs by default on a
+# CPU with AVX-512 VNNI: packed up to batch 4, the tiled kernel above, a float16 cache.
+VARIANTS = {"int8": ("int8", 4096, torch.float32, torch.float32, False),
+            "int4": ("int4", 4096, torch.float32, torch.float32, False),
+            "bf16": ("int8", 0, torch.bfloat16, torch.float32, False),
+            "int4+kv_f16": ("int4", 4096, torch.float32, torch.float16, False),
+            "served": ("int4", 4, torch.float32, torch.float16, True),
+            "kv_f16": ("int8", 0, torch.float32, torch.float16, False)}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_faster_mode_against_fp32(reference, variant):
     prompts, ids, ref_tokens, ref_ppl = reference
-    mode, small_batch, large_dtype, kv_dtype = VARIANTS[variant]
+    mode, small_batch, large_dtype, kv_dtype, tiled = VARIANTS[variant]
     loaded = load_model(ModelConfig(), torch.device("cpu"), torch.float32)
-    quantize_model(loaded.model, mode, small_batch, large_dtype)
+    quantize_model(loaded.model, mode, small_batch, large_dtype, tiled)
     ppl = perplexity(loaded.model, ids, kv_dtype)
     before, full = agreement(greedy(loaded, prompts, str(kv_dtype).removeprefix("torch.")), ref_tokens)
     quantised = activations_quantised() and variant not in ("bf16", "kv_f16")

@@ -15,6 +15,7 @@ void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor si
 torch::Tensor qdot_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
                           int64_t bits);
 bool qdot_available();
+torch::Tensor qgemm_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, torch::Tensor mins);
 
 // Every kernel runs without the GIL, as PyTorch's own ops do: the engine thread spends most
 // of a step in them, and the event loop must be able to stream tokens meanwhile.
@@ -35,5 +36,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qdot_linear", &qdot_linear,
         "x @ W^T for unsigned 4- or 8-bit group-32 weights (scale and min), x quantised to int8 per group", no_gil,
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"));
+  m.def("qgemm_linear", &qgemm_linear,
+        "x @ W^T for batches of many rows: the same arithmetic as qdot_linear on weights laid out in 16-row tiles",
+        no_gil, py::arg("x"), py::arg("tiles"), py::arg("scales"), py::arg("mins"));
   m.def("qdot_available", &qdot_available, "whether this build has the AVX-512 VNNI integer-dot linear");
 }

@@ -12,6 +12,7 @@
 #include "pool.h"
 
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 #include "simd.h"
@@ -32,19 +33,21 @@ QuantisedRows quantise_rows(const float* x, int64_t M, int64_t K) {
   QuantisedRows out{std::vector<int8_t>(M * K), std::vector<float>(M * G), torch::empty({M, G})};
   float* sums = out.sum.data_ptr<float>();
   const __m512 sign = _mm512_set1_ps(-0.f);
-  for (int64_t i = 0; i < M * G; ++i) {
-    const float* xg = x + i * kGroup;
-    const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
-    const float d = amax / 127.f;
-    const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
-    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));  // round to nearest even
-    const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q.data() + i * kGroup), _mm512_cvtsepi32_epi8(qa));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q.data() + i * kGroup + 16), _mm512_cvtsepi32_epi8(qb));
-    out.scale[i] = d;
-    sums[i] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
-  }
+  headroom::parallel_rows(M, M * G, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* xg = x + i * kGroup;
+      const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+      const float d = amax / 127.f;
+      const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));  // round to nearest even
+      const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q.data() + i * kGroup), _mm512_cvtsepi32_epi8(qa));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q.data() + i * kGroup + 16), _mm512_cvtsepi32_epi8(qb));
+      out.scale[i] = d;
+      sums[i] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+    }
+  });
   return out;
 }
 
@@ -146,6 +149,91 @@ void qdot_rows(const QuantisedRows& x, const uint8_t* wp, const float* sp, const
     }
   });
 }
+
+// The same arithmetic for batches of many rows, laid out the other way round: each
+// register holds 16 outputs (16 weight rows) of one step of 4 inputs, so one vpdpbusd is
+// 64 multiply-adds into 16 separate outputs and nothing is summed across lanes. A group
+// of 32 inputs takes 8 of them; its int32 sums are scaled once (cvt, one multiply-add)
+// and the minimum's share is one more. Per 512 multiply-adds that is 11 instructions,
+// where a bfloat16 GEMM takes 16 vdpbf16ps; on a 2-core EPYC (Zen, AVX-512 VNNI and BF16)
+// a projection of SmolLM2's took 1.45-1.6x less time than oneDNN's bfloat16 at 32-512 rows. Weights: (N/16, G, 8, 16, 4) bytes; their scales and
+// minima: (N/16, G, 16).
+constexpr int64_t kTile = 16;    // outputs per register
+constexpr int64_t kRowTile = 6;  // activation rows per register tile
+constexpr int64_t kTilePair = 2; // 16-output tiles per register tile: 6 x 2 accumulators of each kind
+
+template <int RT, int NB>
+inline void tile_gemm(const int8_t* xq, const float* xd, const float* xsum, const uint8_t* w, const float* ws,
+                      const float* wm, float* y, int64_t K, int64_t N) {
+  const int64_t G = K / kGroup, tile_bytes = K * kTile;
+  __m512 acc[RT][NB];
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i dots[RT][NB];
+    for (int r = 0; r < RT; ++r)
+      for (int j = 0; j < NB; ++j) dots[r][j] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int s = 0; s < kGroup / 4; ++s) {
+      __m512i wv[NB];
+      for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w + j * tile_bytes + (g * 8 + s) * 64);
+      for (int r = 0; r < RT; ++r) {
+        const __m512i xv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xq + r * K + g * kGroup + s * 4));
+        for (int j = 0; j < NB; ++j) dots[r][j] = _mm512_dpbusd_epi32(dots[r][j], wv[j], xv);
+      }
+    }
+    for (int j = 0; j < NB; ++j) {
+      const __m512 scale = _mm512_loadu_ps(ws + j * G * kTile + g * kTile);
+      const __m512 low = _mm512_loadu_ps(wm + j * G * kTile + g * kTile);
+      for (int r = 0; r < RT; ++r) {
+        const __m512 both = _mm512_mul_ps(scale, _mm512_set1_ps(xd[r * G + g]));
+        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r][j]), both, acc[r][j]);
+        acc[r][j] = _mm512_fmadd_ps(low, _mm512_set1_ps(xsum[r * G + g]), acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(y + r * N + j * kTile, acc[r][j]);
+}
+
+template <int NB>
+inline void gemm_rows(const QuantisedRows& x, const float* sums, int64_t m0, int64_t m1, const uint8_t* w,
+                      const float* ws, const float* wm, float* y, int64_t K, int64_t N) {
+  const int64_t G = K / kGroup;
+  int64_t m = m0;
+  for (; m + kRowTile <= m1; m += kRowTile)
+    tile_gemm<kRowTile, NB>(x.q.data() + m * K, x.scale.data() + m * G, sums + m * G, w, ws, wm, y + m * N, K, N);
+  const int8_t* xq = x.q.data() + m * K;
+  const float *xd = x.scale.data() + m * G, *xs = sums + m * G;
+  switch (m1 - m) {
+    case 5: tile_gemm<5, NB>(xq, xd, xs, w, ws, wm, y + m * N, K, N); break;
+    case 4: tile_gemm<4, NB>(xq, xd, xs, w, ws, wm, y + m * N, K, N); break;
+    case 3: tile_gemm<3, NB>(xq, xd, xs, w, ws, wm, y + m * N, K, N); break;
+    case 2: tile_gemm<2, NB>(xq, xd, xs, w, ws, wm, y + m * N, K, N); break;
+    case 1: tile_gemm<1, NB>(xq, xd, xs, w, ws, wm, y + m * N, K, N); break;
+    default: break;
+  }
+}
+
+void qgemm_rows(const QuantisedRows& x, const uint8_t* wp, const float* sp, const float* mp, float* yp, int64_t M,
+                int64_t K, int64_t N) {
+  // Threads split the weight tiles; each passes all rows over its tiles. (Splitting rows
+  // too, in chunks, left the threads unequal work at 512 rows and gained nothing at 4096.)
+  const int64_t G = K / kGroup, tiles = N / kTile, pairs = (tiles + kTilePair - 1) / kTilePair;
+  const float* sums = x.sum.data_ptr<float>();
+  headroom::parallel_rows(M, pairs, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t t = p * kTilePair;
+      const uint8_t* w = wp + t * K * kTile;
+      const float *s = sp + t * G * kTile, *mn = mp + t * G * kTile;
+      if (t + kTilePair <= tiles) {
+        gemm_rows<kTilePair>(x, sums, 0, M, w, s, mn, yp + t * kTile, K, N);
+      } else {
+        gemm_rows<1>(x, sums, 0, M, w, s, mn, yp + t * kTile, K, N);
+      }
+    }
+  });
+}
 #endif
 }  // namespace
 
@@ -183,6 +271,31 @@ torch::Tensor qdot_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
                  y.data_ptr<float>(), M, K, N);
   }
 
+#endif
+  return y;
+}
+
+// x: (M, K) float32; tiles: (N/16, K/32, 8, 16, 4) uint8, unsigned 8-bit weights (4-bit
+// ones as they are, 0..15); scales, mins: (N/16, K/32, 16) float32 -> (M, N) float32.
+torch::Tensor qgemm_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, torch::Tensor mins) {
+  TORCH_CHECK(qdot_available(), "qgemm_linear needs AVX-512 VNNI, which this build lacks");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
+  TORCH_CHECK(tiles.scalar_type() == torch::kUInt8 && scales.scalar_type() == torch::kFloat32 &&
+                  mins.scalar_type() == torch::kFloat32 && tiles.is_contiguous() && scales.is_contiguous() &&
+                  mins.is_contiguous(), "tiles must be contiguous uint8, scales and mins contiguous float32");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(tiles.dim() == 5 && tiles.size(1) == K / kGroup && K % kGroup == 0 && tiles.size(2) == 8 &&
+                  tiles.size(3) == 16 && tiles.size(4) == 4 && scales.dim() == 3 &&
+                  scales.size(0) == tiles.size(0) && scales.size(1) == K / kGroup && scales.size(2) == 16 &&
+                  mins.sizes() == scales.sizes(),
+              "shapes do not match (N/16, K/32, 8, 16, 4) tiles of a group-32 weight");
+  const int64_t N = tiles.size(0) * 16;
+  auto y = torch::empty({M, N}, x.options());
+#ifdef HEADROOM_VNNI
+  const QuantisedRows xq = quantise_rows(x.data_ptr<float>(), M, K);
+  qgemm_rows(xq, tiles.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(), y.data_ptr<float>(),
+             M, K, N);
 #endif
   return y;
 }
