@@ -265,6 +265,7 @@ def main() -> None:
     p.add_argument("--plot", default=str(ROOT / "bench" / "hol_ttft.png"))
     p.add_argument("--json", default=None, help="also write the summaries here")
     p.add_argument("--runs", default="short-only,mixed-fcfs,mixed-admission")
+    p.add_argument("--config", default=None, help="TOML for `headroom serve` in scenario defaults (a variant)")
     ns = p.parse_args()
     short_msgs, long_msgs = load_prompts()
     long_at = [float(x) for x in ns.long_at.split(",") if x]
@@ -276,7 +277,7 @@ def main() -> None:
     runs, summaries = [], []
     for name in ns.runs.split(","):
         admission = name != "mixed-fcfs"
-        config_path = None
+        config_path = ns.config if ns.scenario == "defaults" else None
         if ns.scenario == "tenants":
             with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
                 f.write(TENANTS_TOML.format(enabled="true" if admission else "false"))
@@ -290,7 +291,7 @@ def main() -> None:
                                     [] if name == "short-only" else long_at, 7, ns.short_tokens, tenants))
         finally:
             stop_server(proc)
-            if config_path:
+            if config_path and config_path != ns.config:
                 os.unlink(config_path)
         run.name = name
         runs.append(run)

@@ -92,6 +92,9 @@ class SchedulerConfig:
     long_lane: bool = True
     # 0.25 s: the short class's p99 TTFT 1.47-1.61x its p99 alone on 2 cores with the
     # engines of 2026-11-24 (bench/hol.py); 0.5 s let it reach 3x, and 0.125 s gained nothing.
+    # With the sixth session's faster engine 1.93x (169 ms against 88 alone), and 0.1 s
+    # was worse (176 ms, the long class's TTFT 9-15 s): smaller chunks stretch the long
+    # prefill over more of the short requests' arrivals.
     short_ttft_target_s: float = 0.25
     long_ttft_target_s: float = 10.0
     # At most this many long-class sequences running (None: no cap), holding at most this
