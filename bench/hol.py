@@ -13,6 +13,7 @@ and sends the long requests as the latter.
 
 Prints per-class p50/p99 TTFT and TPOT, long requests' TTFT and end-to-end, total
 output tokens/s, and writes a PNG of short-class TTFT over time for the three runs.
+`--repeat N` does each run N times on fresh servers and pools their requests.
 Short prompts are the shortest of data/calibration/sharegpt_prompts.jsonl (ShareGPT,
 see its README); long prompts concatenate longer ones up to ~2,000 tokens.
 """
@@ -266,34 +267,40 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write the summaries here")
     p.add_argument("--runs", default="short-only,mixed-fcfs,mixed-admission")
     p.add_argument("--config", default=None, help="TOML for `headroom serve` in scenario defaults (a variant)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of each kind, each on a fresh server, pooled: a p99 of 99 requests is their "
+                        "second slowest, and the short-only baseline alone spans 74-114 ms run to run")
     ns = p.parse_args()
     short_msgs, long_msgs = load_prompts()
     long_at = [float(x) for x in ns.long_at.split(",") if x]
     tenants = ("interactive", "reasoning") if ns.scenario == "tenants" else (None, None)
     print(f"# hol, scenario {ns.scenario}: {ns.rate} short req/s (Poisson, max_tokens {ns.short_tokens}, greedy) "
           f"for {ns.duration:.0f} s; {len(long_at)} long requests (~2,000-token prompts, 512 tokens, ignore_eos) "
-          f"at {long_at} s")
+          f"at {long_at} s; each run {ns.repeat}x, pooled")
     print(cpu_line())
     runs, summaries = [], []
     for name in ns.runs.split(","):
         admission = name != "mixed-fcfs"
-        config_path = ns.config if ns.scenario == "defaults" else None
-        if ns.scenario == "tenants":
-            with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
-                f.write(TENANTS_TOML.format(enabled="true" if admission else "false"))
-            config_path = f.name
-        port = free_port()
-        proc = start_server(port, ns.dtype, config_path, admission)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            asyncio.run(drive(url, short_msgs[:3], [], 5.0, 1.0, [], 1, ns.short_tokens, tenants))  # warm-up
-            run = asyncio.run(drive(url, short_msgs, long_msgs, ns.rate, ns.duration,
-                                    [] if name == "short-only" else long_at, 7, ns.short_tokens, tenants))
-        finally:
-            stop_server(proc)
-            if config_path and config_path != ns.config:
-                os.unlink(config_path)
-        run.name = name
+        run = Run(name)
+        for _ in range(ns.repeat):
+            config_path = ns.config if ns.scenario == "defaults" else None
+            if ns.scenario == "tenants":
+                with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+                    f.write(TENANTS_TOML.format(enabled="true" if admission else "false"))
+                config_path = f.name
+            port = free_port()
+            proc = start_server(port, ns.dtype, config_path, admission)  # fresh: no prefix cache carried over
+            try:
+                url = f"http://127.0.0.1:{port}"
+                asyncio.run(drive(url, short_msgs[:3], [], 5.0, 1.0, [], 1, ns.short_tokens, tenants))  # warm-up
+                one_run = asyncio.run(drive(url, short_msgs, long_msgs, ns.rate, ns.duration,
+                                            [] if name == "short-only" else long_at, 7, ns.short_tokens, tenants))
+            finally:
+                stop_server(proc)
+                if config_path and config_path != ns.config:
+                    os.unlink(config_path)
+            run.results += one_run.results
+            run.duration += one_run.duration
         runs.append(run)
         s = summarize(run)
         summaries.append(s)

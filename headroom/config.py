@@ -90,12 +90,13 @@ class SchedulerConfig:
     # with the long request's wait and is whole at long_ttft_target_s. long_lane = false
     # turns it all off.
     long_lane: bool = True
-    # 0.25 s: the short class's p99 TTFT 1.47-1.61x its p99 alone on 2 cores with the
-    # engines of 2026-11-24 (bench/hol.py); 0.5 s let it reach 3x, and 0.125 s gained nothing.
-    # With the sixth session's faster engine 1.93x (169 ms against 88 alone), and 0.1 s
-    # was worse (176 ms, the long class's TTFT 9-15 s): smaller chunks stretch the long
-    # prefill over more of the short requests' arrivals.
-    short_ttft_target_s: float = 0.25
+    # 0.15 s: a long chunk may add ~37 ms to a step (in practice 40-60: a chunk deep in a
+    # long context pays ~20 ms for attention's gather however few its tokens). With no long
+    # chunk in a step that starts a short request, a short one meets one chunk, not two: on
+    # 2 cores (bench/hol.py --repeat 2, 2026-11-24) its p99 TTFT mixed 1.13-1.20x its p99
+    # alone, against 1.61-1.93x at 0.25 s with chunks in both steps; the long class's first
+    # token 2.0-2.9x later than under FCFS. 0.1 s stretched the long prefill to 9-15 s.
+    short_ttft_target_s: float = 0.15
     long_ttft_target_s: float = 10.0
     # At most this many long-class sequences running (None: no cap), holding at most this
     # share of the KV blocks.

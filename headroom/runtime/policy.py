@@ -5,10 +5,11 @@ Order: tier priority first, then predicted-shortest-remaining first with ageing 
 request's rank is its estimated remaining output tokens, in flight once the length
 probe has seen it run, minus ageing_tokens_per_s for every second it has waited, so
 nothing starves). Without predictions every rank is just minus the wait, which is FCFS.
-Victims: lowest priority, then the longest estimated remaining, then the newest. Long-class requests run in a lane with its own concurrency and KV share; while
-shorter requests are present, their prefill chunks are sized by the engine's measured
-step cost so that a step grows by at most a quarter of the short class's TTFT target
-(see long_prefill_allowance).
+Victims: lowest priority, then the longest estimated remaining, then the newest.
+Long-class requests run in a lane with its own concurrency and KV share; their prefill
+chunks are sized by the engine's measured step cost so that a step grows by at most a
+quarter of the short class's TTFT target, and a step that starts a shorter request
+carries none until the long one has waited long_ttft_target_s (see long_prefill_allowance).
 """
 
 from __future__ import annotations
@@ -85,9 +86,10 @@ class SchedulingPolicy:
         """Seconds that long-class prefill chunks may add to this step (None: no limit).
 
         A short request meets at most two steps before its first token: the one running
-        when it arrives and its own. So a long chunk may add a quarter of the short
-        class's TTFT target to a step, or a quarter of what the step costs without it
-        (base_s) where a step is already slower than the target, whichever is more. The
+        when it arrives and its own. Its own step carries no long chunk, unless the long
+        request has waited long_ttft_target_s. The one it arrives during may carry a quarter of the short class's TTFT
+        target, or a quarter of what the step costs without it (base_s) where a step is
+        already slower than the target, whichever is more. The
         head-of-line loop scales that down while the short class still suffers; the
         floor keeps the long class moving even then: it grows with the oldest prefilling
         long request's wait and is the whole allowance at long_ttft_target_s.
@@ -105,6 +107,12 @@ class SchedulingPolicy:
         waited = max((now - r.arrival_time for r in (*running, *waiting)
                       if r.size_class == LONG and r.num_tokens - r.num_computed_tokens > 1), default=0.0)
         floor = min(1.0, waited / config.long_ttft_target_s)
+        if any(r.size_class != LONG for r in waiting):
+            # A shorter request starts in this step: its first token comes at the step's
+            # end, so a long chunk here would be paid in full by its TTFT. None, until the
+            # long request has waited long_ttft_target_s: a chunk deep in a long context
+            # costs ~20 ms for attention's gather however few its tokens (2-core EPYC).
+            return full if floor >= 1.0 else 0.0
         return full * max(floor, self.long_lane_factor)
 
     def long_chunk(self, context: int, allowance_s: float, limit: int) -> int:

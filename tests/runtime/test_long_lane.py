@@ -79,11 +79,16 @@ def test_allowance_is_a_quarter_of_the_short_target_and_the_floor_grows_with_the
     # Nobody to protect yet, but one may arrive during the step: bounded all the same.
     assert policy.long_prefill_allowance([long], [], clock.t) == 0.125
     assert policy.long_prefill_allowance([long, short_running], [], clock.t) == 0.125
-    assert policy.long_prefill_allowance([long], [short_waiting], clock.t) == 0.125
+    # A step that starts a shorter request carries nothing until the long one has waited
+    # long_ttft_target_s, then the whole allowance ...
+    assert policy.long_prefill_allowance([long], [short_waiting], clock.t) == 0.0
+    assert policy.long_prefill_allowance([long], [short_waiting], clock.t + 9.9) == 0.0
+    assert policy.long_prefill_allowance([long], [short_waiting], clock.t + 10.0) == 0.125
     policy.long_lane_factor = 0.25  # tightened by the head-of-line loop ...
     assert policy.long_prefill_allowance([long, short_running], [], clock.t) == 0.03125
     # ... but not below the floor, which grows with the long request's wait.
     assert policy.long_prefill_allowance([long, short_running], [], clock.t + 5.0) == 0.0625
+    assert policy.long_prefill_allowance([long], [short_waiting], clock.t + 5.0) == 0.0
     assert policy.long_prefill_allowance([long], [short_waiting], clock.t + 60.0) == 0.125
 
 
@@ -123,14 +128,15 @@ def test_chunks_follow_the_learned_cost_as_the_context_grows():
     short = create_request(prompt=10, size_class="short", max_tokens=500, arrival=clock.t)
     s.add_request(long)
     s.add_request(short)
-    expected, context = [], 0
+    # The first step starts the short one and carries no long chunk; after it, the short
+    # decodes beside each chunk.
+    expected, context = [0], 0
     while context < 1500:
-        # The first step also prefills the short one's 10 tokens; after it, the short decodes.
-        n = min(1500 - context, largest_chunk(0.125, context, 512 - (10 if not expected else 1)))
+        n = min(1500 - context, largest_chunk(0.125, context, 512 - 1))
         expected.append(n)
         context += n
     assert chunks(s, long.request_id, len(expected)) == expected
-    assert expected[0] == 60 and expected[-2] == 35  # deeper context, smaller chunks
+    assert expected[1] == 60 and expected[-2] == 35  # deeper context, smaller chunks
     assert long.num_computed_tokens == 1500
 
 
@@ -145,8 +151,9 @@ def test_without_a_learned_cost_long_chunks_start_small():
 
 
 def test_the_tightest_loop_cannot_starve_a_long_prefill():
-    # The loop has tightened the lane as far as it goes; a new short request arrives at
-    # every step. The long one's share still grows with its wait, whole after 10 s.
+    # The loop has tightened the lane as far as it goes, and a new short request arrives
+    # at every other step (a step that starts one gives the long one nothing until it has
+    # waited 10 s). The long one's share still grows with its wait, whole after 10 s.
     clock = Clock()
     s = create_scheduler(max_num_seqs=64, max_num_batched_tokens=512, num_blocks=4000, clock=clock,
                          short_ttft_target_s=0.5, long_ttft_target_s=10.0)
@@ -155,18 +162,23 @@ def test_the_tightest_loop_cannot_starve_a_long_prefill():
     long = create_request(prompt=1000, size_class="long", max_tokens=2, arrival=clock.t)
     s.add_request(long)
     sizes = []
-    for _ in range(80):
-        s.add_request(create_request(prompt=10, size_class="short", max_tokens=30, arrival=clock.t))
+    for step in range(80):
+        if step % 2 == 0:
+            s.add_request(create_request(prompt=10, size_class="short", max_tokens=30, arrival=clock.t))
         sizes.append(chunks(s, long.request_id, 1)[0])
         clock.t += 0.5
         if long.num_computed_tokens >= 1000:
             break
     context, expected = 0, []
     for step in range(len(sizes)):
-        share = max(TIGHTEST, min(1.0, 0.5 * step / 10.0))
-        expected.append(min(1000 - context, largest_chunk(0.125 * share, context, 512 - 10 - step)))
+        floor = min(1.0, 0.5 * step / 10.0)
+        starts_short = step % 2 == 0
+        share = (1.0 if floor >= 1.0 else 0.0) if starts_short else max(TIGHTEST, floor)
+        limit = 512 - 10 - step // 2 if starts_short else 512 - (step + 1) // 2
+        expected.append(min(1000 - context, largest_chunk(0.125 * share, context, limit)))
         context += expected[-1]
     assert sizes == expected
+    assert sizes[0] == 0 and sizes[1] > 0  # nothing beside the first short, TIGHTEST after it
     assert long.num_computed_tokens == 1000 and len(sizes) < 60
 
 
