@@ -121,5 +121,7 @@ class SchedulingPolicy:
             return 0
         if not self.cost.ready:  # nothing learned yet: a small chunk, and learn from it
             return min(limit, UNTRAINED_LONG_CHUNK)
-        return self.cost.tokens_within(allowance_s, context, limit)
+        # Deep in a long context one token may cost more than the whole allowance (or the
+        # fit may say so): one token all the same, or that prefill would never finish.
+        return min(limit, max(1, self.cost.tokens_within(allowance_s, context, limit)))
 

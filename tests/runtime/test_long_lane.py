@@ -140,6 +140,18 @@ def test_chunks_follow_the_learned_cost_as_the_context_grows():
     assert long.num_computed_tokens == 1500
 
 
+def test_a_token_that_costs_more_than_the_whole_allowance_is_still_taken():
+    # Deep enough in a context, one token costs more than the allowance (1e-6 s a pair:
+    # 0.2 s at 200,000 keys against 0.125 s). One token all the same, or it never finishes.
+    s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, short_ttft_target_s=0.5)
+    teach(s.policy.cost)
+    policy = s.policy
+    assert policy.cost.tokens_within(0.125, 200_000, 512) == 0
+    assert policy.long_chunk(200_000, 0.125, 512) == 1
+    assert policy.long_chunk(200_000, 0.0, 512) == 0  # no allowance at all: nothing
+    assert policy.long_chunk(0, 0.125, 512) == largest_chunk(0.125, 0, 512) == 60
+
+
 def test_without_a_learned_cost_long_chunks_start_small():
     s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000)
     long = create_request(prompt=100, size_class="long", max_tokens=2)
