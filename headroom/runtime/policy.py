@@ -87,10 +87,10 @@ class SchedulingPolicy:
 
         A short request meets at most two steps before its first token: the one running
         when it arrives and its own. Its own step carries no long chunk, unless the long
-        request has waited long_ttft_target_s. The one it arrives during may carry a quarter of the short class's TTFT
-        target, or a quarter of what the step costs without it (base_s) where a step is
-        already slower than the target, whichever is more. The
-        head-of-line loop scales that down while the short class still suffers; the
+        request has waited long_ttft_target_s. The one it arrives during may carry a
+        quarter of the short class's TTFT target, or a quarter of what the step costs
+        without it (base_s) where a step is already slower than the target, whichever is
+        more. The head-of-line loop scales that down while the short class still suffers; the
         floor keeps the long class moving even then: it grows with the oldest prefilling
         long request's wait and is the whole allowance at long_ttft_target_s.
 
