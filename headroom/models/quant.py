@@ -149,13 +149,16 @@ class QuantLinear(nn.Module):
         else:
             self.large = LargeBatchMatmul(weight, large_dtype)
 
+    def large_batch(self, flat: torch.Tensor) -> torch.Tensor:
+        """The path for (M, K) batches over small_batch: tiled integer, else the float matmul."""
+        if self.tiles is not None:
+            return self.kernels.qgemm_linear(flat, *self.tiles)
+        return self.large(flat).to(flat.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         if flat.shape[0] > self.small_batch:
-            if self.tiles is not None:
-                y = self.kernels.qgemm_linear(flat, *self.tiles)
-            else:
-                y = self.large(flat).to(x.dtype)
+            y = self.large_batch(flat)
         elif self.qdot:
             y = self.kernels.qdot_linear(flat, self.qweight, self.scales, self.mins, self.bits)
         elif self.bits == 4:
@@ -220,9 +223,7 @@ def measure_crossover(in_features: int, out_features: int, bits: int, large_dtyp
     packed = [QuantLinear(w, None, bits, small_batch=max(BATCH_SIZES), large_dtype=large_dtype) for w in weights]
     matmuls = [LargeBatchMatmul(w, large_dtype) for w in weights]
     floats = [lambda x, matmul=matmul: matmul(x).float() for matmul in matmuls]
-    # The same layers with every batch above small_batch: tiled where they have tiles.
-    larges = [lambda x, layer=layer: layer.kernels.qgemm_linear(x, *layer.tiles) if layer.tiles else layer.large(x)
-              for layer in packed]
+    larges = [layer.large_batch for layer in packed]  # the same layers, every batch on the large path
     float_s, packed_s, large_s = {}, {}, {}
     with torch.inference_mode():
         for m in BATCH_SIZES:
