@@ -10,6 +10,9 @@ Long-class requests run in a lane with its own concurrency and KV share; their p
 chunks are sized by the engine's measured step cost so that a step grows by at most a
 quarter of the short class's TTFT target, and a step that starts a shorter request
 carries none until the long one has waited long_ttft_target_s (see long_prefill_allowance).
+Such a step also leaves out long decodes, each at most every other step
+(long_decodes_sit_out): a runaway the length probe moved to the long lane stops
+taxing the first token of every short request that arrives while it runs.
 """
 
 from __future__ import annotations
@@ -114,6 +117,18 @@ class SchedulingPolicy:
             # costs ~20 ms for attention's gather however few its tokens (2-core EPYC).
             return full if floor >= 1.0 else 0.0
         return full * max(floor, self.long_lane_factor)
+
+    def long_decodes_sit_out(self, running: list[Request], waiting: list[Request]) -> bool:
+        """Do long-class decodes that ran in the previous step sit out this one?
+
+        They do where the step starts a shorter request: its first token comes at the
+        step's end, and each long decode adds its attention over a long context to the
+        step. On a 2-core EPYC, 40 runaways decoding at 0.3-2k contexts made every step
+        ~0.2 s, where a short's own prefill (its prefix cached) took a few ms, so the
+        short paid for them twice (bench/runaways.py). Never two steps running, so a long
+        decode keeps at least half its pace however often shorter requests arrive."""
+        return (self.config.long_lane and len(running) < self.config.max_num_seqs
+                and any(r.size_class != LONG for r in waiting))
 
     def long_chunk(self, context: int, allowance_s: float, limit: int) -> int:
         """Prefill tokens a long request at `context` may take within allowance_s."""

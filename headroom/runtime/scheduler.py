@@ -52,6 +52,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._order = 0
+        self._sat_out: set[str] = set()  # long decodes left out of the last step
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -87,6 +88,8 @@ class Scheduler:
         preempted: list[Request] = []
         now = self.clock()
         long_left = self.long_prefill_allowance(now)
+        sit_out = self.policy.long_decodes_sit_out(self.running, self.waiting)
+        sat_out: set[str] = set()
 
         def chunk(request: Request, remaining: int, context: int) -> int:
             nonlocal long_left
@@ -118,6 +121,10 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if budget == 0:
                 break
+            if (sit_out and request.size_class == LONG and request.num_tokens - request.num_computed_tokens == 1
+                    and request.request_id not in self._sat_out):
+                sat_out.add(request.request_id)
+                continue
             num_tokens = chunk(request, request.num_tokens - request.num_computed_tokens, request.num_computed_tokens)
             if num_tokens == 0:
                 continue
@@ -127,6 +134,8 @@ class Scheduler:
                 continue
             scheduled[request.request_id] = num_tokens
             budget -= num_tokens
+
+        self._sat_out = sat_out
 
         # Then waiting requests in policy order, while budget and seats last. Not in a step
         # that had to preempt: the cache is full, and admitting now would thrash.

@@ -194,6 +194,53 @@ def test_the_tightest_loop_cannot_starve_a_long_prefill():
     assert long.num_computed_tokens == 1000 and len(sizes) < 60
 
 
+def scheduled(out) -> dict[str, int]:
+    return {r.request_id: n for r, n in zip(out.requests, out.num_scheduled_tokens, strict=True)}
+
+
+def test_a_step_that_starts_a_shorter_request_leaves_long_decodes_out_never_twice_running():
+    clock = Clock()
+    s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock)
+    long = create_request(prompt=8, size_class="long", max_tokens=100, arrival=clock.t)
+    medium = create_request(prompt=20, size_class="medium", max_tokens=100, arrival=clock.t)
+    s.add_request(long)
+    assert scheduled(run_step(s)[0]) == {long.request_id: 8}
+    s.add_request(medium)
+    # The step that starts the medium request: the long decode sits out.
+    assert scheduled(run_step(s)[0]) == {medium.request_id: 20}
+    assert scheduled(run_step(s)[0]) == {long.request_id: 1, medium.request_id: 1}  # plain decodes
+
+    first = create_request(prompt=10, size_class="short", max_tokens=50, arrival=clock.t)
+    s.add_request(first)
+    # The step that starts `first`: the medium decode runs, the long one sits out.
+    assert scheduled(run_step(s)[0]) == {medium.request_id: 1, first.request_id: 10}
+    second = create_request(prompt=10, size_class="short", max_tokens=50, arrival=clock.t)
+    s.add_request(second)
+    # Another short starts at once, but the long decode sat out the step before: it runs.
+    assert scheduled(run_step(s)[0]) == {long.request_id: 1, medium.request_id: 1, first.request_id: 1,
+                                        second.request_id: 10}
+    third = create_request(prompt=10, size_class="short", max_tokens=50, arrival=clock.t)
+    s.add_request(third)
+    assert long.request_id not in scheduled(run_step(s)[0])
+    # Nothing shorter waiting: every decode runs.
+    assert scheduled(run_step(s)[0]) == {r.request_id: 1 for r in (long, medium, first, second, third)}
+    assert long.num_output_tokens == 4 and medium.num_output_tokens == 6
+
+
+def test_long_decodes_run_where_the_short_cannot_start_or_the_lane_is_off():
+    for seats, lane in ((2, True), (8, False)):
+        s = create_scheduler(max_num_seqs=seats, max_num_batched_tokens=512, num_blocks=2000, long_lane=lane)
+        long = create_request(prompt=8, size_class="long", max_tokens=100)
+        medium = create_request(prompt=20, size_class="medium", max_tokens=100)
+        s.add_request(long)
+        run_step(s)
+        s.add_request(medium)
+        assert long.request_id in scheduled(run_step(s)[0]) or lane
+        run_step(s)
+        s.add_request(create_request(prompt=10, size_class="short", max_tokens=50))
+        assert long.request_id in scheduled(run_step(s)[0])  # no seat for it, or no lane
+
+
 def test_the_head_of_line_loop_tightens_the_scheduler_and_relaxes_it():
     clock = Clock()
     s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock,
