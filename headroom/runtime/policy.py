@@ -118,7 +118,8 @@ class SchedulingPolicy:
             return full if floor >= 1.0 else 0.0
         return full * max(floor, self.long_lane_factor)
 
-    def long_decodes_sit_out(self, running: list[Request], waiting: list[Request]) -> bool:
+    def long_decodes_sit_out(self, running: list[Request], waiting: list[Request],
+                             block_manager: BlockManager) -> bool:
         """Do long-class decodes that ran in the previous step sit out this one?
 
         They do where the step starts a shorter request: its first token comes at the
@@ -126,9 +127,13 @@ class SchedulingPolicy:
         step. On a 2-core EPYC, 40 runaways decoding at 0.3-2k contexts made every step
         ~0.2 s, where a short's own prefill (its prefix cached) took a few ms, so the
         short paid for them twice (bench/runaways.py). Never two steps running, so a long
-        decode keeps at least half its pace however often shorter requests arrive."""
-        return (self.config.long_lane and len(running) < self.config.max_num_seqs
-                and any(r.size_class != LONG for r in waiting))
+        decode keeps at least half its pace however often shorter requests arrive. Not
+        where the shorter request has no seat or no room in the cache: it would not start,
+        and the long decodes would slow for nothing."""
+        if not self.config.long_lane or len(running) >= self.config.max_num_seqs:
+            return False
+        free = block_manager.num_free_blocks
+        return any(r.size_class != LONG and block_manager.blocks_needed(r.num_tokens) <= free for r in waiting)
 
     def long_chunk(self, context: int, allowance_s: float, limit: int) -> int:
         """Prefill tokens a long request at `context` may take within allowance_s."""

@@ -228,8 +228,10 @@ def test_a_step_that_starts_a_shorter_request_leaves_long_decodes_out_never_twic
 
 
 def test_long_decodes_run_where_the_short_cannot_start_or_the_lane_is_off():
-    for seats, lane in ((2, True), (8, False)):
-        s = create_scheduler(max_num_seqs=seats, max_num_batched_tokens=512, num_blocks=2000, long_lane=lane)
+    # No seat for the short; the lane off; no room in the cache for it (9 blocks of 4: the
+    # long request holds 3 and the medium one 6 once both decode, and the short needs 3).
+    for seats, blocks, lane in ((2, 2000, True), (8, 2000, False), (8, 9, True)):
+        s = create_scheduler(max_num_seqs=seats, max_num_batched_tokens=512, num_blocks=blocks, long_lane=lane)
         long = create_request(prompt=8, size_class="long", max_tokens=100)
         medium = create_request(prompt=20, size_class="medium", max_tokens=100)
         s.add_request(long)
@@ -237,8 +239,11 @@ def test_long_decodes_run_where_the_short_cannot_start_or_the_lane_is_off():
         s.add_request(medium)
         assert long.request_id in scheduled(run_step(s)[0]) or lane
         run_step(s)
-        s.add_request(create_request(prompt=10, size_class="short", max_tokens=50))
-        assert long.request_id in scheduled(run_step(s)[0])  # no seat for it, or no lane
+        short = create_request(prompt=10, size_class="short", max_tokens=50)
+        s.add_request(short)
+        out = scheduled(run_step(s)[0])
+        assert long.request_id in out and medium.request_id in out
+        assert (short.request_id in out) == (not lane)  # only the lane-off case had seat and room
 
 
 def test_the_head_of_line_loop_tightens_the_scheduler_and_relaxes_it():
