@@ -119,7 +119,7 @@ class SchedulingPolicy:
         return full * max(floor, self.long_lane_factor)
 
     def long_decodes_sit_out(self, running: list[Request], waiting: list[Request],
-                             block_manager: BlockManager) -> bool:
+                             block_manager: BlockManager, now: float) -> bool:
         """Do long-class decodes that ran in the previous step sit out this one?
 
         They do where the step starts a shorter request: its first token comes at the
@@ -127,13 +127,21 @@ class SchedulingPolicy:
         step. On a 2-core EPYC, 40 runaways decoding at 0.3-2k contexts made every step
         ~0.2 s, where a short's own prefill (its prefix cached) took a few ms, so the
         short paid for them twice (bench/runaways.py). Never two steps running, so a long
-        decode keeps at least half its pace however often shorter requests arrive. Not
-        where the shorter request has no seat or no room in the cache: it would not start,
-        and the long decodes would slow for nothing."""
-        if not self.config.long_lane or len(running) >= self.config.max_num_seqs:
+        decode keeps at least half its pace however often shorter requests arrive.
+
+        Only where the request admission takes first is the shorter one and it has a seat
+        and room in the cache, with a block kept for each long decode, which may need one
+        in the next step: else it would not start, or would start only to have the long
+        decode it displaced preempted next step, and the long decodes would slow for
+        nothing (the blocks the queue waits for are theirs to free)."""
+        longs = sum(1 for r in running if r.size_class == LONG)
+        if not longs or not self.config.long_lane or len(running) >= self.config.max_num_seqs:
             return False
-        free = block_manager.num_free_blocks
-        return any(r.size_class != LONG and block_manager.blocks_needed(r.num_tokens) <= free for r in waiting)
+        admissible = [r for r in waiting if self.lane_admits(r, running, block_manager)]
+        if not admissible:
+            return False
+        head = min(admissible, key=lambda r: self.order_key(r, now))
+        return head.size_class != LONG and block_manager.blocks_needed(head.num_tokens) + longs <= block_manager.num_free_blocks
 
     def long_chunk(self, context: int, allowance_s: float, limit: int) -> int:
         """Prefill tokens a long request at `context` may take within allowance_s."""

@@ -88,7 +88,7 @@ class Scheduler:
         preempted: list[Request] = []
         now = self.clock()
         long_left = self.long_prefill_allowance(now)
-        sit_out = self.policy.long_decodes_sit_out(self.running, self.waiting, self.block_manager)
+        sit_out = self.policy.long_decodes_sit_out(self.running, self.waiting, self.block_manager, now)
         sat_out: set[str] = set()
 
         def chunk(request: Request, remaining: int, context: int) -> int:

@@ -246,6 +246,36 @@ def test_long_decodes_run_where_the_short_cannot_start_or_the_lane_is_off():
         assert (short.request_id in out) == (not lane)  # only the lane-off case had seat and room
 
 
+def test_a_long_decode_does_not_sit_out_for_a_short_that_would_take_its_next_block():
+    # 9 blocks of 4. The long request holds 2 and its next decode needs a third; the short
+    # one needs 7, all that is free. Were the long decode to sit out, the short would take
+    # them and the long one would be preempted a step later. It decodes, and the short waits.
+    s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=9)
+    long = create_request(prompt=8, size_class="long", max_tokens=100)
+    s.add_request(long)
+    run_step(s)
+    short = create_request(prompt=28, size_class="short", max_tokens=50)
+    s.add_request(short)
+    out, _ = run_step(s)
+    assert scheduled(out) == {long.request_id: 1} and out.preempted == []
+    assert short in s.waiting and long.num_preemptions == 0
+
+
+def test_a_long_decode_does_not_sit_out_for_a_short_queued_behind_one_that_cannot_start():
+    # The medium request arrived first and needs 10 of the 10 free blocks (the long decode
+    # will want one): admission stops at it, so the short behind it does not start either.
+    s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=12)
+    long = create_request(prompt=8, size_class="long", max_tokens=100, arrival=0.0)
+    s.add_request(long)
+    run_step(s)
+    medium = create_request(prompt=40, size_class="medium", max_tokens=50, arrival=1.0)
+    short = create_request(prompt=4, size_class="short", max_tokens=50, arrival=2.0)
+    s.add_request(medium)
+    s.add_request(short)
+    for _ in range(3):
+        assert scheduled(run_step(s)[0]) == {long.request_id: 1}
+
+
 def test_the_head_of_line_loop_tightens_the_scheduler_and_relaxes_it():
     clock = Clock()
     s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock,
