@@ -10,9 +10,13 @@ import threading
 import uvloop
 from aiohttp import web
 
-from headroom.app.server import create_app, make_runner
+from headroom.app.server import create_app, drain, make_runner
 from headroom.config import Config
 from headroom.runtime.engine import Engine
+
+# How long stop() waits for handlers after aborting their sequences: a handler still
+# open then (one waiting in admission, say) is cancelled.
+SHUTDOWN_TIMEOUT_S = 5.0
 
 
 class BackgroundServer:
@@ -30,7 +34,7 @@ class BackgroundServer:
         return self
 
     async def _start(self) -> None:
-        self.runner = make_runner(self.app)
+        self.runner = make_runner(self.app, shutdown_timeout_s=SHUTDOWN_TIMEOUT_S)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", 0).start()
         self.port = self.runner.addresses[0][1]
@@ -44,8 +48,17 @@ class BackgroundServer:
         return f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
+        """Abort every live stream, shut the app down, and stop the engine even where the
+        shutdown itself fails or times out: a server that is stopped leaves nothing
+        running (a leaked engine would go on decoding whatever it held)."""
         assert self.runner is not None
-        self.call(self.runner.cleanup())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
+        try:
+            self.call(drain(self.app, 0.0), timeout=SHUTDOWN_TIMEOUT_S)
+            self.call(self.runner.cleanup(), timeout=4 * SHUTDOWN_TIMEOUT_S)
+        finally:
+            if self.engine.running:
+                self.engine.stop()
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            if not self.thread.is_alive():
+                self.loop.close()

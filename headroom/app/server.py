@@ -186,10 +186,10 @@ async def drain(app: web.Application, timeout_s: float) -> None:
             await asyncio.sleep(0.02)
 
 
-def make_runner(app: web.Application) -> web.AppRunner:
+def make_runner(app: web.Application, shutdown_timeout_s: float = 60.0) -> web.AppRunner:
     # handler_cancellation: a client that disconnects cancels its handler, whose finally
-    # aborts the sequence.
-    return Runner(app, handler_cancellation=True, access_log=None)
+    # aborts the sequence. shutdown_timeout_s: how long cleanup waits for open handlers.
+    return Runner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s)
 
 
 async def serve(config: Config, engine: Engine) -> None:

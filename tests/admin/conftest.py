@@ -98,7 +98,7 @@ def start_stream(server, body: dict, request_id: str | None = None, api_key: str
             stream.started.set()
             stream.done.set()
 
-    stream.thread = threading.Thread(target=run, daemon=True)
+    stream.thread = threading.Thread(target=run, name="headroom-test-stream", daemon=True)
     stream.thread.start()
     assert stream.started.wait(60)
     return stream

@@ -38,7 +38,8 @@ class Stream:
         self.first_token_at: float | None = None
         self.chunks: list[dict] = []
         self.error: Exception | None = None
-        self.thread = threading.Thread(target=self._run, args=(server, body), daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(server, body), name="headroom-test-stream",
+                                       daemon=True)
         self.thread.start()
 
     def _run(self, server, body: dict) -> None:
