@@ -98,6 +98,9 @@ class SchedulerConfig:
     # token 2.0-2.9x later than under FCFS. 0.1 s stretched the long prefill to 9-15 s.
     short_ttft_target_s: float = 0.15
     long_ttft_target_s: float = 10.0
+    # With no shorter request running or waiting, and none arrived for this long, long
+    # chunks take the whole token budget: there is nobody to protect.
+    long_lane_quiet_s: float = 10.0
     # At most this many long-class sequences running (None: no cap), holding at most this
     # share of the KV blocks.
     long_max_running: int | None = None
@@ -117,7 +120,7 @@ class SchedulerConfig:
             raise ConfigError(f"long_max_running must be >= 1, got {self.long_max_running}")
         if not 0 < self.long_kv_share <= 1:
             raise ConfigError(f"long_kv_share must be in (0, 1], got {self.long_kv_share}")
-        for name in ("short_ttft_target_s", "long_ttft_target_s"):
+        for name in ("short_ttft_target_s", "long_ttft_target_s", "long_lane_quiet_s"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
@@ -158,7 +161,9 @@ class TenantConfig:
     rate_tokens_per_s: float = 2000.0
     burst_tokens: int = 16000
     # Reserved tokens of admitted, unfinished requests; a bigger request can never run.
-    max_in_flight_tokens: int = 16000
+    # None: the engine's KV cache in tokens, all that could ever be in flight at once. A
+    # lower default would queue requests in admission that the engine had room to run.
+    max_in_flight_tokens: int | None = None
     max_queue: int = 64
     max_wait_s: float = 30.0
     # Per-tenant caps on a request's max_tokens and total length (None: the server's).
@@ -180,7 +185,7 @@ class TenantConfig:
             raise ConfigError(f"{where}: rate_tokens_per_s must be > 0, got {self.rate_tokens_per_s}")
         if self.burst_tokens < 1:
             raise ConfigError(f"{where}: burst_tokens must be >= 1, got {self.burst_tokens}")
-        if self.max_in_flight_tokens < 1:
+        if self.max_in_flight_tokens is not None and self.max_in_flight_tokens < 1:
             raise ConfigError(f"{where}: max_in_flight_tokens must be >= 1, got {self.max_in_flight_tokens}")
         if self.max_queue < 0:
             raise ConfigError(f"{where}: max_queue must be >= 0, got {self.max_queue}")
@@ -209,6 +214,10 @@ class AdmissionConfig:
     auth: bool = False
     # Admitted, unfinished requests across all tenants (None: decided from the engine's max_num_seqs).
     global_max_in_flight_seqs: int | None = None
+    # A queued request that does not fit its tenant's limits yet is passed by later ones
+    # that do (a short request never waits behind a long one) for this long; after that
+    # nobody of its tenant passes it, so it cannot starve.
+    backfill_max_wait_s: float = 10.0
     # None: the predictor shipped in the package (or the max_tokens fallback without one).
     predictor_path: str | None = None
     # Size classes: short when prompt and predicted output are both under the short
@@ -287,6 +296,8 @@ class AdmissionConfig:
                               f"({', '.join(sorted(seen))})")
         if self.auth and not key_owner:
             raise ConfigError("admission.auth is on but no tenant has api_keys: every request would be refused")
+        if not self.backfill_max_wait_s >= 0:
+            raise ConfigError(f"admission.backfill_max_wait_s must be >= 0, got {self.backfill_max_wait_s}")
         if self.global_max_in_flight_seqs is not None and self.global_max_in_flight_seqs < 1:
             raise ConfigError(f"admission.global_max_in_flight_seqs must be >= 1, got {self.global_max_in_flight_seqs}")
         if self.max_wall_s is not None and not self.max_wall_s > 0:

@@ -114,10 +114,10 @@ class Admission:
             raise ValueError(f"need 0 <= prompt_tokens <= cost, got {prompt_tokens} and {cost}")
         if self._closed:
             raise self._reject(Rejected("server is shutting down", None, "shutting_down"))
-        if cost > tenant.config.max_in_flight_tokens:
+        if cost > tenant.max_in_flight_tokens:
             raise self._reject(Rejected(
                 f"request needs {cost} tokens but tenant {tenant.name!r} may have at most "
-                f"{tenant.config.max_in_flight_tokens} in flight; it can never be admitted", None, "too_large"))
+                f"{tenant.max_in_flight_tokens} in flight; it can never be admitted", None, "too_large"))
         if self.max_in_flight_seqs is not None and seqs > self.max_in_flight_seqs:
             raise self._reject(Rejected(f"request needs {seqs} sequences but at most {self.max_in_flight_seqs} "
                                         "may run at once; it can never be admitted", None, "too_large"))
@@ -130,8 +130,9 @@ class Admission:
         direct = False
         if not tenant.queue:
             self.fair.lift(tenant, self.registry)
-            # After pump, a free slot means no waiter of any tenant can use it now, so
-            # taking it jumps nobody.
+        if tenant.may_pass_queue():
+            # After pump, a free slot means no waiter of any tenant can use it now (what
+            # its own tenant has queued does not fit), so taking it delays nobody.
             if self._slot_free(seqs) and tenant.head_free() and tenant.bucket.can_admit(cost):
                 if not self._shared():
                     self.decisions["admit"] += 1
@@ -188,9 +189,10 @@ class Admission:
             self._prune(tenant, None)
         while self._slot_free():
             tenant = self.fair.next_tenant(self.registry)
-            if tenant is None or not self._slot_free(tenant.queue[0].seqs):
+            waiter = tenant.next_waiter() if tenant is not None else None
+            if waiter is None or not self._slot_free(waiter.seqs):
                 break
-            waiter = tenant.queue.popleft()
+            tenant.queue.remove(waiter)
             if self._shared():
                 self._confirm(tenant, waiter)
                 continue

@@ -44,11 +44,12 @@ class FairQueue:
         self._last_drained = tenant
 
     def next_tenant(self, candidates: Iterable[Tenant]) -> Tenant | None:
-        """The tenant to admit from next: smallest counter among those whose queue head
-        its own bucket would admit now (ties by name). Tenants held back by their own
-        limits are skipped, so spare capacity still goes to someone (work-conserving)."""
+        """The tenant to admit from next: smallest counter among those with a queued
+        request its own bucket would admit now (Tenant.next_waiter; ties by name). Tenants
+        held back by their own limits are skipped, so spare capacity still goes to someone
+        (work-conserving)."""
         best: Tenant | None = None
         for t in candidates:
-            if t.head_admissible() and (best is None or (t.vtc, t.name) < (best.vtc, best.name)):
+            if t.next_waiter() is not None and (best is None or (t.vtc, t.name) < (best.vtc, best.name)):
                 best = t
         return best

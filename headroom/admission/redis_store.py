@@ -197,7 +197,7 @@ class RedisStore:
         self.pending.add(lease)
         try:
             granted, wait_ms, _ = await self._call(self._reserve, tenant.name, cost, c.rate_tokens_per_s,
-                                                   c.burst_tokens, c.max_in_flight_tokens, lease, self.lease_ttl_ms)
+                                                   c.burst_tokens, tenant.max_in_flight_tokens, lease, self.lease_ttl_ms)
             if granted:
                 self.live[lease] = Lease(tenant.name, cost)
                 return lease

@@ -22,6 +22,8 @@ from headroom.config import AdmissionConfig, TenantConfig
 # Retry hint when a request is held back by something other than the refill rate
 # (the tenant's in-flight cap, the global limit): that frees up as requests finish.
 BUSY_RETRY_AFTER_S = 1.0
+# A tenant's in-flight cap where neither its config nor the engine's capacity sets one.
+UNCAPPED = 2**62
 
 
 def _digest(api_key: str) -> bytes:
@@ -120,6 +122,10 @@ class Tenant:
     config: TenantConfig
     bucket: TenantBucket
     priority: int
+    # The whole in-flight cap, before a fleet replica's share (the bucket holds the share).
+    max_in_flight_tokens: int = UNCAPPED
+    # How long a queued request that does not fit may be passed by ones that do.
+    backfill_max_wait_s: float = 0.0
     # Virtual token counter: weighted service received (see fair_queue.py).
     vtc: float = 0.0
     queue: deque[Waiter] = field(default_factory=deque)
@@ -136,24 +142,47 @@ class Tenant:
         """Nothing of this tenant's is being reserved fleet-wide, nor held back by a refusal."""
         return not self.confirming and self.bucket.now() >= self.hold_until
 
-    def head_admissible(self) -> bool:
-        return bool(self.queue) and self.head_free() and self.bucket.can_admit(self.queue[0].cost)
+    def next_waiter(self) -> Waiter | None:
+        """The queued request to admit next, if any can go now: the first one that fits,
+        where every one before it that does not has waited less than backfill_max_wait_s
+        (one that has waited longer is passed by nobody, so it cannot starve)."""
+        if not self.head_free():
+            return None
+        now = self.bucket.now()
+        for waiter in self.queue:
+            if self.bucket.can_admit(waiter.cost):
+                return waiter
+            if now - waiter.enqueued_at >= self.backfill_max_wait_s:
+                return None
+        return None
+
+    def may_pass_queue(self) -> bool:
+        """May a new request that fits go ahead of everything queued? Only where none of
+        it has waited backfill_max_wait_s (what is queued does not fit, or it would have
+        been admitted)."""
+        now = self.bucket.now()
+        return all(now - w.enqueued_at < self.backfill_max_wait_s for w in self.queue)
 
 
 class TenantRegistry:
     """The live tenants. Built from AdmissionConfig; after that, updates made here are the
     truth (the frozen config keeps the start-up values)."""
 
-    def __init__(self, config: AdmissionConfig, now: Callable[[], float] = time.monotonic):
+    def __init__(self, config: AdmissionConfig, now: Callable[[], float] = time.monotonic,
+                 capacity_tokens: int | None = None):
+        """capacity_tokens: what the engine's KV cache holds, the in-flight cap of a
+        tenant whose config sets none (None: uncapped)."""
         self.config = config
+        self.capacity_tokens = capacity_tokens if capacity_tokens is not None else UNCAPPED
         # The fraction of every configured budget this replica may use on its own (a
         # fleet without its shared store falls back to 1 / fleet_size).
         self.share = 1.0
         self._tenants: dict[str, Tenant] = {}
         self._keys: list[tuple[bytes, Tenant]] = []
         for tc in config.tenants:
-            bucket = TenantBucket(tc.rate_tokens_per_s, tc.burst_tokens, tc.max_in_flight_tokens, now)
-            tenant = Tenant(tc, bucket, config.priority(tc.tier))
+            cap = self._cap(tc)
+            bucket = TenantBucket(tc.rate_tokens_per_s, tc.burst_tokens, cap, now)
+            tenant = Tenant(tc, bucket, config.priority(tc.tier), cap, config.backfill_max_wait_s)
             self._tenants[tc.name] = tenant
             self._keys.extend((_digest(key), tenant) for key in tc.api_keys)
 
@@ -209,8 +238,12 @@ class TenantRegistry:
         for tenant in self:
             self._configure(tenant)
 
+    def _cap(self, config: TenantConfig) -> int:
+        return config.max_in_flight_tokens if config.max_in_flight_tokens is not None else self.capacity_tokens
+
     def _configure(self, tenant: Tenant) -> None:
         c, share = tenant.config, self.share
+        tenant.max_in_flight_tokens = self._cap(c)
         tenant.bucket.configure(c.rate_tokens_per_s * share, max(1, int(c.burst_tokens * share)),
-                                max(1, int(c.max_in_flight_tokens * share)))
+                                max(1, int(tenant.max_in_flight_tokens * share)))
 

@@ -44,10 +44,11 @@ class Admitted:
 
 
 class AdmissionGate:
-    def __init__(self, config: Config, max_in_flight_seqs: int):
+    def __init__(self, config: Config, max_in_flight_seqs: int, capacity_tokens: int | None = None):
+        """capacity_tokens: the engine's KV cache in tokens (a tenant's default in-flight cap)."""
         self.config = config.admission
         self.long_pool_url = config.pools.long.url
-        self.registry = TenantRegistry(self.config)
+        self.registry = TenantRegistry(self.config, capacity_tokens=capacity_tokens)
         self.enabled = self.config.enabled
         self.store = _store(config, self.registry) if self.enabled else None
         self.admission = Admission(self.config, self.registry, max_in_flight_seqs=max_in_flight_seqs,

@@ -74,7 +74,8 @@ def create_app(config: Config, engine: Engine) -> web.Application:
     # Admission holds back what the engine cannot seat soon, so that fairness across
     # tenants decides who goes next rather than arrival order in the engine's queue.
     admission_seats = config.admission.global_max_in_flight_seqs or config.scheduler.max_num_seqs + 8
-    app[keys.GATE] = AdmissionGate(config, admission_seats)
+    app[keys.GATE] = AdmissionGate(config, admission_seats,
+                                   engine.block_manager.num_blocks * engine.block_manager.block_size)
     if config.admission.enabled and config.admission.inflight and engine.inflight is None:
         _use_inflight(config, engine)
     app[keys.LIFECYCLE] = keys.Lifecycle()

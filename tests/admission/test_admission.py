@@ -14,8 +14,8 @@ def tenant_config(name: str, **kw) -> TenantConfig:
     return TenantConfig(name, **(limits | kw))
 
 
-def make(clock, *tenants: TenantConfig, seqs: int | None = None, tick_s: float = 0.05) -> Admission:
-    config = AdmissionConfig(tenants=tenants, default_tenant=tenants[0].name)
+def make(clock, *tenants: TenantConfig, seqs: int | None = None, tick_s: float = 0.05, **kw) -> Admission:
+    config = AdmissionConfig(tenants=tenants, default_tenant=tenants[0].name, **kw)
     return Admission(config, max_in_flight_seqs=seqs, now=clock, tick_s=tick_s)
 
 
@@ -151,30 +151,45 @@ async def test_idle_time_banks_no_credit(clock):
 
 
 @pytest.mark.asyncio
-async def test_fifo_within_a_tenant_even_when_a_smaller_request_would_fit(clock):
+async def test_a_request_that_fits_passes_a_queued_one_that_does_not(clock):
     adm = make(clock, tenant_config("a", rate_tokens_per_s=1000.0, burst_tokens=1000))
     a = adm.registry.get("a")
     await adm.acquire(a, 1000)
     big, small = waiter(adm, a, 750), waiter(adm, a, 100)
     await spin()
+    assert not big.done() and not small.done()
     clock.advance(0.25)  # 250 tokens: enough for small, not for big
     adm.pump()
     await spin()
-    assert not big.done() and not small.done()
-    late = waiter(adm, a, 50)  # nobody jumps the queue on arrival either
-    await spin()
-    assert not late.done()
-    clock.advance(0.5)
+    assert not big.done() and small.done() and a.bucket.level == 150
+    assert (await small).decision == "wait" and (await small).queued_s == 0.25
+    late = await adm.acquire(a, 50)  # fits on arrival: it does not queue behind big either
+    assert late.decision == "admit" and a.bucket.level == 100 and not big.done()
+    clock.advance(0.75)
     adm.pump()
     await spin()
-    assert big.done() and not small.done() and a.bucket.level == 0
-    clock.advance(0.125)
-    adm.pump()
+    assert big.done() and a.bucket.level == pytest.approx(100) and (await big).queued_s == pytest.approx(1.0)
+
+
+@pytest.mark.asyncio
+async def test_nobody_passes_a_request_that_has_waited_backfill_max_wait_s(clock):
+    config = AdmissionConfig(tenants=(tenant_config("a", max_in_flight_tokens=1000),), default_tenant="a",
+                             backfill_max_wait_s=1.0)
+    adm = Admission(config, now=clock)
+    a = adm.registry.get("a")
+    hold = await adm.acquire(a, 900)
+    big = waiter(adm, a, 500)  # 900 + 500 > 1000: waits for hold
     await spin()
-    assert small.done() and not late.done() and a.bucket.level == 25
-    clock.advance(0.03125)
-    adm.pump()
-    assert (await late).decision == "wait"
+    passed = await adm.acquire(a, 50)  # big has waited 0 s: 50 fits and goes first
+    assert passed.decision == "admit" and not big.done()
+    clock.advance(1.0)
+    blocked = waiter(adm, a, 50)  # 950 + 50 fits, but big has now waited the bound
+    await spin()
+    assert not blocked.done() and list(a.queue) and a.queue[0].cost == 500
+    adm.settle(hold, 900, 0)
+    await spin()
+    assert (await big).queued_s == 1.0 and (await blocked).decision == "wait"
+    assert a.bucket.in_flight == 50 + 500 + 50
 
 
 @pytest.mark.asyncio
@@ -291,7 +306,8 @@ async def test_cancel_landing_just_after_admission_returns_the_reservation(clock
 
 @pytest.mark.asyncio
 async def test_cancelling_a_blocking_head_lets_the_next_in(clock):
-    adm = make(clock, tenant_config("a", rate_tokens_per_s=1000.0, burst_tokens=1000))
+    # backfill_max_wait_s 0: strict FIFO, so the head blocks the request behind it at once.
+    adm = make(clock, tenant_config("a", rate_tokens_per_s=1000.0, burst_tokens=1000), backfill_max_wait_s=0.0)
     a = adm.registry.get("a")
     await adm.acquire(a, 900)
     head, behind = waiter(adm, a, 500), waiter(adm, a, 100)
