@@ -101,6 +101,12 @@ class SchedulerConfig:
     # With no shorter request running or waiting, and none arrived for this long, long
     # chunks take the whole token budget: there is nobody to protect.
     long_lane_quiet_s: float = 10.0
+    # While shorter requests decode, long-class decode rows may add at most this fraction
+    # of what the step costs without them (the shorter requests' time per output token is
+    # an objective like their first token); the rest take turns, each sitting out at most
+    # long_decode_max_skip steps in a row, so a long decode keeps 1 / (1 + that) of its pace.
+    short_tpot_stretch: float = 0.5
+    long_decode_max_skip: int = 1
     # At most this many long-class sequences running (None: no cap), holding at most this
     # share of the KV blocks.
     long_max_running: int | None = None
@@ -118,6 +124,10 @@ class SchedulerConfig:
             raise ConfigError(f"ageing_tokens_per_s must be >= 0, got {self.ageing_tokens_per_s}")
         if self.long_max_running is not None and self.long_max_running < 1:
             raise ConfigError(f"long_max_running must be >= 1, got {self.long_max_running}")
+        if not self.short_tpot_stretch >= 0:
+            raise ConfigError(f"short_tpot_stretch must be >= 0, got {self.short_tpot_stretch}")
+        if self.long_decode_max_skip < 0:
+            raise ConfigError(f"long_decode_max_skip must be >= 0, got {self.long_decode_max_skip}")
         if not 0 < self.long_kv_share <= 1:
             raise ConfigError(f"long_kv_share must be in (0, 1], got {self.long_kv_share}")
         for name in ("short_ttft_target_s", "long_ttft_target_s", "long_lane_quiet_s"):

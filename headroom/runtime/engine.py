@@ -41,6 +41,7 @@ from headroom.runtime.outputs import (
 from headroom.runtime.request import Request, RequestStatus, SamplingParams
 from headroom.runtime.sampler import Sampler, TokenLogprob
 from headroom.runtime.scheduler import Scheduler, SchedulerOutput
+from headroom.runtime.warmup import measure_step_cost
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,11 @@ class Engine:
         self.runner = ModelRunner(self.loaded.model, self.backend, num_blocks, self.block_size, self.device,
                                   self.kv_dtype, graph_sizes=graph_sizes, max_model_len=self.max_model_len)
         self.cuda_graphs = self.runner.capture_graphs() or self.cuda_graphs
+        if config.scheduler.long_lane:
+            samples = measure_step_cost(self.runner, self.block_manager)
+            self.scheduler.policy.cost.prime(samples)
+            log.info("step cost at start: %s", ", ".join(
+                f"{s.num_tokens} tokens/{s.pairs} pairs {s.seconds * 1e3:.1f} ms" for s in samples))
         self.stats = EngineStats()
         log.info(
             "engine ready: model=%s device=%s dtype=%s quantization=%s (%s) kv_cache_dtype=%s (%s) backend=%s "

@@ -22,11 +22,12 @@ from collections import Counter
 from headroom.config import SchedulerConfig
 from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.request import Request
-from headroom.runtime.step_cost import MIN_PREFILL_TOKENS, StepCostModel
+from headroom.runtime.step_cost import MIN_PREFILL_TOKENS, StepCostModel, attention_pairs
 
 LONG = "long"
 # Before the step-cost model has seen any prefill: a chunk big enough to teach it.
 UNTRAINED_LONG_CHUNK = 2 * MIN_PREFILL_TOKENS
+MIN_LONG_CHUNK = MIN_PREFILL_TOKENS  # the fewest tokens a long chunk takes when it takes any
 LONG_STEP_STRETCH = 0.25  # a long chunk may make a step this much longer than it is without
 
 
@@ -38,6 +39,11 @@ class SchedulingPolicy:
         self.long_lane_factor = 1.0
         # Decisions the in-flight length estimate changed: order, victim, long_lane.
         self.inflight_decisions: Counter[str] = Counter()
+        self.last_short_arrival = float("-inf")  # when a request not of the long class last arrived
+
+    def note_arrival(self, request: Request, now: float) -> None:
+        if request.size_class != LONG:
+            self.last_short_arrival = now
 
     def order_key(self, request: Request, now: float, in_flight: bool = True) -> tuple:
         waited = now - request.arrival_time
@@ -100,13 +106,17 @@ class SchedulingPolicy:
         With no shorter request present the chunk is bounded all the same (by the full
         allowance, without the loop's scaling): one arriving during the step waits for all
         of it. Unbounded, a 512-token chunk at a 2k context took ~0.5 s on a 2-core EPYC
-        and alone set the short class's p99 TTFT (bench/RESULTS.md, 2026-11-24)."""
+        and alone set the short class's p99 TTFT (bench/RESULTS.md, 2026-11-24). Only where
+        no shorter request has arrived for long_lane_quiet_s is nothing protected: a load
+        of long work alone then runs as fast as without the lane."""
         config = self.config
         if not config.long_lane:
             return None
         full = max(config.short_ttft_target_s / 4, LONG_STEP_STRETCH * base_s)
         if not any(r.size_class != LONG for r in (*running, *waiting)):
-            return full
+            # Nobody to protect now; one may arrive during the step, unless none has for
+            # long_lane_quiet_s: then long work runs at the step's full token budget.
+            return None if now - self.last_short_arrival >= config.long_lane_quiet_s else full
         waited = max((now - r.arrival_time for r in (*running, *waiting)
                       if r.size_class == LONG and r.num_tokens - r.num_computed_tokens > 1), default=0.0)
         floor = min(1.0, waited / config.long_ttft_target_s)
@@ -118,9 +128,29 @@ class SchedulingPolicy:
             return full if floor >= 1.0 else 0.0
         return full * max(floor, self.long_lane_factor)
 
+    def long_decode_allowance(self, running: list[Request], waiting: list[Request],
+                              block_manager: BlockManager, now: float) -> float | None:
+        """Seconds that long-class decode rows may add to this step (None: no limit).
+
+        None in a step that starts a shorter request (long_decodes_sit_out). Else, while
+        shorter requests decode, short_tpot_stretch of what the step is predicted to cost
+        without the long rows: their attention over long contexts would otherwise set
+        every shorter request's time per output token. The scheduler lets long decodes
+        take turns within it (longest sat out first), and lets none sit out more than
+        long_decode_max_skip steps in a row."""
+        if not self.config.long_lane or not any(r.size_class == LONG for r in running):
+            return None
+        if self.long_decodes_sit_out(running, waiting, block_manager, now):
+            return 0.0
+        shorts = [r for r in running if r.size_class != LONG and r.num_tokens - r.num_computed_tokens == 1]
+        if not shorts or not self.cost.ready:
+            return None
+        base_s = self.cost.predict(len(shorts), sum(attention_pairs(1, r.num_computed_tokens) for r in shorts))
+        return self.config.short_tpot_stretch * base_s
+
     def long_decodes_sit_out(self, running: list[Request], waiting: list[Request],
                              block_manager: BlockManager, now: float) -> bool:
-        """Do long-class decodes that ran in the previous step sit out this one?
+        """Do long-class decodes sit out this step (up to long_decode_max_skip in a row)?
 
         They do where the step starts a shorter request: its first token comes at the
         step's end, and each long decode adds its attention over a long context to the
@@ -150,6 +180,9 @@ class SchedulingPolicy:
         if not self.cost.ready:  # nothing learned yet: a small chunk, and learn from it
             return min(limit, UNTRAINED_LONG_CHUNK)
         # Deep in a long context one token may cost more than the whole allowance (or the
-        # fit may say so): one token all the same, or that prefill would never finish.
-        return min(limit, max(1, self.cost.tokens_within(allowance_s, context, limit)))
+        # fit may say so, wrongly, after a few slow steps): a chunk of MIN_LONG_CHUNK all
+        # the same. Fewer tokens would pay a chunk's fixed cost (attention's gather of the
+        # whole context) for almost nothing, and the prefill then crawled; with the floor it
+        # finishes within ceil(prompt / MIN_LONG_CHUNK) steps that allow it anything.
+        return min(limit, max(MIN_LONG_CHUNK, self.cost.tokens_within(allowance_s, context, limit)))
 

@@ -52,7 +52,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._order = 0
-        self._sat_out: set[str] = set()  # long decodes left out of the last step
+        self._sat_out: dict[str, int] = {}  # long decodes left out of the last steps: how many in a row
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -60,6 +60,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         request.submit_order = self._order
         self._order += 1
+        self.policy.note_arrival(request, self.clock())
         self.waiting.append(request)
 
     @property
@@ -88,8 +89,8 @@ class Scheduler:
         preempted: list[Request] = []
         now = self.clock()
         long_left = self.long_prefill_allowance(now)
-        sit_out = self.policy.long_decodes_sit_out(self.running, self.waiting, self.block_manager, now)
-        sat_out: set[str] = set()
+        decode_left = self.policy.long_decode_allowance(self.running, self.waiting, self.block_manager, now)
+        sat_out: dict[str, int] = {}
 
         def chunk(request: Request, remaining: int, context: int) -> int:
             nonlocal long_left
@@ -113,18 +114,23 @@ class Scheduler:
                 preempted.append(victim)
             return True
 
-        # Running requests: decodes first, each in policy order.
+        # Running requests: decodes first, each in policy order, except that long decodes
+        # that sat out most go first, so that they take turns.
         running = sorted(self.running, key=lambda r: self.policy.order_key(r, now))
-        running.sort(key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        running.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, -self._sat_out.get(r.request_id, 0)))
         for request in running:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if budget == 0:
                 break
-            if (sit_out and request.size_class == LONG and request.num_tokens - request.num_computed_tokens == 1
-                    and request.request_id not in self._sat_out):
-                sat_out.add(request.request_id)
-                continue
+            if (decode_left is not None and request.size_class == LONG
+                    and request.num_tokens - request.num_computed_tokens == 1):
+                row_s = self.policy.cost.chunk_seconds(1, request.num_computed_tokens)
+                skipped = self._sat_out.get(request.request_id, 0)
+                if (decode_left <= 0 or row_s > decode_left) and skipped < self.config.long_decode_max_skip:
+                    sat_out[request.request_id] = skipped + 1
+                    continue
+                decode_left -= row_s
             num_tokens = chunk(request, request.num_tokens - request.num_computed_tokens, request.num_computed_tokens)
             if num_tokens == 0:
                 continue

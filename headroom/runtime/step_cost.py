@@ -2,10 +2,24 @@
 
 A step's wall time is modelled as base + per_token * tokens + per_pair * pairs, where
 `pairs` counts the (query, key) pairs attention computes: n * (context + n) for a
-request given n tokens on top of `context` computed ones. The fit is a non-negative
-least squares over recent steps, kept per shape bin (by the size of tokens and of
-pairs) so that a long run of decode-only steps never pushes out what the last prefill
-chunks taught. The scheduler asks it how many prefill tokens fit in a time allowance.
+request given n tokens on top of `context` computed ones (a decode row at a long context
+is priced by its context this way). The fit is a weighted non-negative least squares
+over recent steps of every size, decodes and small chunks included:
+
+- rows are kept per shape bin (by the size of tokens and of pairs), so that a long run of
+  decode-only steps never pushes out what the last prefill chunks taught;
+- each row's weight halves every HALF_LIFE_STEPS steps observed after it, down to
+  STALE_WEIGHT, so that a price learned from a few slow steps (a cold start, a busy
+  host) is outvoted by the steps that follow it instead of being locked in until its
+  own shape recurs;
+- the engine seeds it with a few steps it times at start-up (`prime`), which are never
+  forgotten but weigh little, so the first long prompt is sized from this machine's warm
+  cost rather than from its own first, cold chunks;
+- it never hands out a chunk more than EXTRAPOLATION times the largest step it holds: a
+  few slow steps may first be read as a large fixed cost (and so a cheap token), and a
+  chunk sized from that would be far past anything measured.
+
+The scheduler asks it how many prefill tokens fit in a time allowance.
 """
 
 from __future__ import annotations
@@ -19,6 +33,10 @@ from scipy.optimize import nnls
 ROWS_PER_BIN = 8
 PAIRS_SCALE = 1024.0  # pairs are fitted in units of 1024 so the three columns are of like size
 MIN_PREFILL_TOKENS = 16  # a step with fewer tokens says little about the per-token cost
+HALF_LIFE_STEPS = 16
+STALE_WEIGHT = 1e-2  # what a row weighs once it is old: it still pins what fresh rows leave free
+PRIOR_WEIGHT = 0.1  # a start-up row against a fresh observed one
+EXTRAPOLATION = 2
 
 
 def attention_pairs(num_tokens: int, context: int) -> int:
@@ -33,13 +51,32 @@ class StepCost:
     per_pair_s: float  # per (query, key) pair
 
 
+@dataclass(frozen=True)
+class StepSample:
+    """One timed step: its tokens, its attention pairs and its wall time."""
+
+    num_tokens: int
+    pairs: int
+    seconds: float
+
+
 class StepCostModel:
     def __init__(self) -> None:
-        self._bins: dict[tuple[int, int], deque[tuple[float, float, float]]] = {}
+        # bin -> rows of (tokens, pairs / PAIRS_SCALE, seconds, step index when observed)
+        self._bins: dict[tuple[int, int], deque[tuple[float, float, float, int]]] = {}
+        self._prior: list[tuple[float, float, float]] = []
         self._fit: StepCost | None = None
         self._dirty = False
         self.num_steps = 0
         self._prefill_steps = 0
+        self._largest: int | None = None  # tokens of the largest step held, cached
+
+    def prime(self, samples: list[StepSample]) -> None:
+        """Seed the fit with steps timed at start-up (replacing any earlier seed)."""
+        self._prior = [(float(s.num_tokens), s.pairs / PAIRS_SCALE, s.seconds)
+                       for s in samples if s.num_tokens > 0 and s.seconds > 0]
+        self._dirty = True
+        self._largest = None
 
     def observe(self, num_tokens: int, pairs: int, seconds: float) -> None:
         if num_tokens <= 0 or not seconds > 0:
@@ -48,26 +85,43 @@ class StepCostModel:
         rows = self._bins.get(key)
         if rows is None:
             rows = self._bins[key] = deque(maxlen=ROWS_PER_BIN)
-        rows.append((float(num_tokens), pairs / PAIRS_SCALE, seconds))
+        rows.append((float(num_tokens), pairs / PAIRS_SCALE, seconds, self.num_steps))
         self.num_steps += 1
+        self._largest = None
         self._prefill_steps += num_tokens >= MIN_PREFILL_TOKENS
         self._dirty = True
 
     @property
     def ready(self) -> bool:
-        """Has it seen enough prefill to say what a token costs?"""
-        return self._prefill_steps >= 2
+        """Has it a start-up seed, or seen enough prefill, to say what a token costs?"""
+        return len(self._prior) >= 2 or self._prefill_steps >= 2
+
+    def weight(self, observed_at: int) -> float:
+        """What a row observed at step `observed_at` weighs now."""
+        return max(STALE_WEIGHT, 0.5 ** ((self.num_steps - 1 - observed_at) / HALF_LIFE_STEPS))
 
     def cost(self) -> StepCost | None:
         if not self.ready:
             return None
         if self._dirty or self._fit is None:
-            data = np.array([row for rows in self._bins.values() for row in rows])
-            a = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
-            w, _ = nnls(a, data[:, 2])
+            rows = [(*row[:3], self.weight(row[3])) for rows in self._bins.values() for row in rows]
+            rows += [(*row, PRIOR_WEIGHT) for row in self._prior]
+            data = np.array(rows)
+            # Relative errors: a step's time varies by a factor (a busy core, a cold cache),
+            # so a slow step must not outweigh many fast ones by its size alone.
+            root = np.sqrt(data[:, 3]) / data[:, 2]
+            a = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]]) * root[:, None]
+            w, _ = nnls(a, data[:, 2] * root)
             self._fit = StepCost(float(w[0]), float(w[1]), float(w[2]) / PAIRS_SCALE)
             self._dirty = False
         return self._fit
+
+    def largest_step(self) -> int:
+        """Tokens of the largest step among the rows held (start-up ones included)."""
+        if self._largest is None:
+            rows = [row[0] for rows in self._bins.values() for row in rows] + [row[0] for row in self._prior]
+            self._largest = int(max(rows, default=0))
+        return self._largest
 
     def predict(self, num_tokens: int, pairs: int) -> float:
         """A step's predicted wall time (0 before anything is learned)."""
@@ -89,15 +143,14 @@ class StepCostModel:
         fit = self.cost()
         if fit is None or seconds <= 0 or limit <= 0:
             return 0
-        # per_pair * n^2 + (per_token + per_pair * context) * n - seconds <= 0
+        limit = min(limit, EXTRAPOLATION * self.largest_step())
+        # per_pair * n^2 + (per_token + per_pair * context) * n - seconds <= 0, whose root
+        # is written as 2c / (b + sqrt(b^2 + 4ac)): the textbook form cancels to 0 when
+        # per_pair is tiny beside per_token.
         a, b = fit.per_pair_s, fit.per_token_s + fit.per_pair_s * context
-        if a > 0:
-            n = (-b + (b * b + 4 * a * seconds) ** 0.5) / (2 * a)
-        elif b > 0:
-            n = seconds / b
-        else:
+        if a <= 0 and b <= 0:
             return limit
-        n = min(limit, int(n))
+        n = min(limit, int(2 * seconds / (b + (b * b + 4 * a * seconds) ** 0.5)))
         # The square root rounds; never hand out a chunk the model says is over.
         while n > 0 and self.chunk_seconds(n, context) > seconds:
             n -= 1

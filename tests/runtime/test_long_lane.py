@@ -8,7 +8,7 @@ import pytest
 
 from headroom.config import ObservabilityConfig
 from headroom.observability.hol import TIGHTEST, HolFeedback, HolState
-from headroom.runtime.policy import UNTRAINED_LONG_CHUNK
+from headroom.runtime.policy import MIN_LONG_CHUNK, UNTRAINED_LONG_CHUNK
 from headroom.runtime.step_cost import StepCostModel, attention_pairs
 from tests.runtime.factories import create_request, create_scheduler, run_step
 
@@ -33,6 +33,12 @@ def largest_chunk(seconds: float, context: int, limit: int) -> int:
     while n < limit and PER_TOKEN * (n + 1) + PER_PAIR * attention_pairs(n + 1, context) <= seconds:
         n += 1
     return n
+
+
+def long_chunk(seconds: float, context: int, limit: int) -> int:
+    """The oracle for a long chunk: nothing without an allowance, else the largest that
+    fits, but never fewer than MIN_LONG_CHUNK tokens."""
+    return 0 if seconds <= 0 else min(limit, max(MIN_LONG_CHUNK, largest_chunk(seconds, context, limit)))
 
 
 class Clock:
@@ -76,8 +82,13 @@ def test_allowance_is_a_quarter_of_the_short_target_and_the_floor_grows_with_the
     long = create_request(prompt=3000, size_class="long", arrival=clock.t)
     short_running = create_request(prompt=10, size_class="short", arrival=clock.t)
     short_waiting = create_request(prompt=10, size_class="short", arrival=clock.t)
-    # Nobody to protect yet, but one may arrive during the step: bounded all the same.
+    # Nobody to protect, and nobody shorter has arrived: nothing to bound.
+    assert policy.long_prefill_allowance([long], [], clock.t) is None
+    # Nobody to protect now, but one arrived lately and another may arrive during the
+    # step: bounded all the same, until long_lane_quiet_s has passed without one.
+    policy.note_arrival(short_running, clock.t - 1.0)
     assert policy.long_prefill_allowance([long], [], clock.t) == 0.125
+    assert policy.long_prefill_allowance([long], [], clock.t - 1.0 + s.config.long_lane_quiet_s) is None
     assert policy.long_prefill_allowance([long, short_running], [], clock.t) == 0.125
     # A step that starts a shorter request carries nothing until the long one has waited
     # long_ttft_target_s, then the whole allowance ...
@@ -140,14 +151,14 @@ def test_chunks_follow_the_learned_cost_as_the_context_grows():
     assert long.num_computed_tokens == 1500
 
 
-def test_a_token_that_costs_more_than_the_whole_allowance_is_still_taken():
+def test_a_long_chunk_takes_its_minimum_even_where_one_token_costs_more_than_the_allowance():
     # Deep enough in a context, one token costs more than the allowance (1e-6 s a pair:
-    # 0.2 s at 200,000 keys against 0.125 s). One token all the same, or it never finishes.
+    # 0.2 s at 200,000 keys against 0.125 s). MIN_LONG_CHUNK all the same, or it crawls.
     s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, short_ttft_target_s=0.5)
     teach(s.policy.cost)
     policy = s.policy
     assert policy.cost.tokens_within(0.125, 200_000, 512) == 0
-    assert policy.long_chunk(200_000, 0.125, 512) == 1
+    assert policy.long_chunk(200_000, 0.125, 512) == MIN_LONG_CHUNK
     assert policy.long_chunk(200_000, 0.0, 512) == 0  # no allowance at all: nothing
     assert policy.long_chunk(0, 0.125, 512) == largest_chunk(0.125, 0, 512) == 60
 
@@ -187,7 +198,7 @@ def test_the_tightest_loop_cannot_starve_a_long_prefill():
         starts_short = step % 2 == 0
         share = (1.0 if floor >= 1.0 else 0.0) if starts_short else max(TIGHTEST, floor)
         limit = 512 - 10 - step // 2 if starts_short else 512 - (step + 1) // 2
-        expected.append(min(1000 - context, largest_chunk(0.125 * share, context, limit)))
+        expected.append(min(1000 - context, long_chunk(0.125 * share, context, limit)))
         context += expected[-1]
     assert sizes == expected
     assert sizes[0] == 0 and sizes[1] > 0  # nothing beside the first short, TIGHTEST after it
@@ -302,7 +313,7 @@ def test_the_head_of_line_loop_tightens_the_scheduler_and_relaxes_it():
     feedback.update(coupled)
     assert s.policy.long_lane_factor == 0.25
     context = long.num_computed_tokens
-    assert chunks(s, long.request_id, 1) == [largest_chunk(0.125 * 0.25, context, 511)]
+    assert chunks(s, long.request_id, 1) == [long_chunk(0.125 * 0.25, context, 511)]
     for _ in range(10):
         feedback.update(coupled)
     assert s.policy.long_lane_factor == TIGHTEST

@@ -1,0 +1,108 @@
+"""The step-cost model learns from every step, forgets what is stale, and starts from costs
+timed at start-up; while shorter requests decode, long decodes take turns within what the
+step may grow by. Scripted costs and a fake clock make every number exact."""
+
+from __future__ import annotations
+
+import pytest
+
+from headroom.runtime.step_cost import HALF_LIFE_STEPS, StepCostModel, StepSample, attention_pairs
+from tests.runtime.factories import create_request, create_scheduler, run_step
+from tests.runtime.test_long_lane import BASE, PER_PAIR, PER_TOKEN, Clock, scripted_cost, teach
+
+
+def test_a_primed_model_is_ready_and_fits_the_start_up_steps_exactly():
+    model = StepCostModel()
+    model.prime(start_up_samples())
+    assert model.ready and model.num_steps == 0
+    fit = model.cost()
+    assert (fit.base_s, fit.per_token_s, fit.per_pair_s) == pytest.approx((BASE, PER_TOKEN, PER_PAIR), rel=1e-6)
+
+
+def start_up_samples() -> list[StepSample]:
+    return [StepSample(t, attention_pairs(t, c), scripted_cost(t, attention_pairs(t, c)))
+            for t, c in ((64, 0), (1, 64), (64, 960))]
+
+
+def test_a_few_slow_first_steps_are_forgotten_not_locked_in():
+    # Two cold 32-token steps at 2.6 s each (a busy host) come first. The steps after
+    # them take the chunks the model hands out (at least 16 tokens, beside three decodes)
+    # and cost what the scripted cost says. Under it 60 tokens fit in 0.125 s at context 0.
+    model = StepCostModel()
+    model.prime(start_up_samples())
+    assert model.tokens_within(0.125, 0, 512) == 60
+    for _ in range(2):
+        model.observe(32, attention_pairs(32, 0), 2.6)
+    # Read as a large fixed cost, the cold steps would allow any chunk: never more than
+    # twice the largest step held.
+    assert model.tokens_within(0.125, 0, 512) <= 2 * 64
+    context, sizes = 0, []
+    for _ in range(2 * HALF_LIFE_STEPS):
+        tokens = max(16, model.tokens_within(0.125, context, 512))
+        pairs = attention_pairs(tokens, context) + 3 * attention_pairs(1, 40)
+        model.observe(tokens + 3, pairs, scripted_cost(tokens + 3, pairs))
+        sizes.append(tokens)
+        context = (context + tokens) % 3000
+    assert model.cost().per_token_s == pytest.approx(PER_TOKEN, rel=0.05)
+    assert model.tokens_within(0.125, 0, 512) == pytest.approx(60, abs=3)
+    assert max(sizes) <= 2 * 64 * 2  # the trust region grows only as larger steps are measured
+
+
+def test_learning_from_every_step_does_not_let_decodes_wash_out_a_prefill_price():
+    model = StepCostModel()
+    teach(model)
+    for _ in range(5000):  # a long stretch of nothing but 8-sequence decodes
+        pairs = attention_pairs(1, 700) * 8
+        model.observe(8, pairs, scripted_cost(8, pairs))
+    assert model.cost().per_token_s == pytest.approx(PER_TOKEN, rel=1e-6)
+
+
+def decoding(s, requests) -> None:
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in requests):
+        run_step(s)
+
+
+def test_long_decodes_take_turns_within_the_shorter_requests_time_per_token():
+    # Two short decodes cost base 0.010 + 2 x 0.002 = 0.014 s; long rows may add half of
+    # that, 0.007 s. A long decode at a 3,000-token context costs 0.002 + 3e-3 = 0.005 s:
+    # one fits a step, and the others, having sat out one step (long_decode_max_skip 1),
+    # run in the next one whatever it costs.
+    clock = Clock()
+    s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=4000, clock=clock,
+                         long_lane_quiet_s=1e9)
+    teach(s.policy.cost)
+    longs = [create_request(prompt=3000, size_class="long", max_tokens=500) for _ in range(3)]
+    for r in longs:
+        s.add_request(r)
+    decoding(s, longs)
+    shorts = [create_request(prompt=10, size_class="short", max_tokens=100) for _ in range(2)]
+    for r in shorts:
+        s.add_request(r)
+    out, _ = run_step(s)  # the step that starts them: long decodes sit out
+    assert {r.request_id for r in out.requests} == {r.request_id for r in shorts}
+    first, second, third = (r.request_id for r in longs)
+    ran = []
+    for _ in range(6):
+        out, _ = run_step(s)
+        ids = {r.request_id for r in out.requests}
+        assert {r.request_id for r in shorts} <= ids  # every short decode, every step
+        ran.append(sorted(ids - {r.request_id for r in shorts}))
+    # All three sat out the shorts' first step, so all run; then the one that fits runs
+    # alone, and the two it left out run together, in turns.
+    assert ran[0] == sorted([first, second, third])
+    assert [len(r) for r in ran[1:]] == [1, 2, 1, 2, 1]
+    for a, b in zip(ran, ran[1:]):
+        assert set(a) | set(b) == {first, second, third}  # none sits out two steps in a row
+
+
+def test_long_decodes_run_every_step_where_nothing_shorter_decodes():
+    clock = Clock()
+    s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=4000, clock=clock)
+    teach(s.policy.cost)
+    longs = [create_request(prompt=3000, size_class="long", max_tokens=500) for _ in range(3)]
+    for r in longs:
+        s.add_request(r)
+    decoding(s, longs)
+    for _ in range(3):
+        out, _ = run_step(s)
+        assert out.num_scheduled_tokens == [1, 1, 1]
