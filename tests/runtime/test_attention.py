@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from headroom.runtime.attention import AttentionMetadata, available_backends, select_backend
 from headroom.runtime.attention.torch_ref import TorchAttention
+from tests.gpu import gpu_backend_unusable, gpu_package
 
 CPU = torch.device("cpu")
 HEAD_DIM = 64
@@ -388,13 +389,13 @@ GPU_HEADS = pytest.mark.parametrize(
 def test_flash_attn_matches_torch(
     kind: str, num_heads: int, num_kv_heads: int, dtype: torch.dtype
 ) -> None:
-    pytest.importorskip("flash_attn")
+    gpu_package("flash_attn")
     from headroom.runtime.attention.flash_attn import FlashAttention
 
     try:
         FlashAttention.check_available(torch.device("cuda"))
     except (ImportError, RuntimeError) as exc:
-        pytest.skip(f"flash_attn unusable here: {exc}")
+        gpu_backend_unusable(exc)
     check_gpu_backend(FlashAttention(), kind, dtype, num_heads, num_kv_heads)
 
 
@@ -406,13 +407,13 @@ def test_flash_attn_matches_torch(
 def test_xformers_matches_torch(
     kind: str, num_heads: int, num_kv_heads: int, dtype: torch.dtype
 ) -> None:
-    pytest.importorskip("xformers")
+    gpu_package("xformers")
     from headroom.runtime.attention.xformers import XFormersAttention
 
     try:
         XFormersAttention.check_available(torch.device("cuda"))
     except (ImportError, RuntimeError) as exc:
-        pytest.skip(f"xformers unusable here: {exc}")
+        gpu_backend_unusable(exc)
     check_gpu_backend(XFormersAttention(), kind, dtype, num_heads, num_kv_heads)
 
 

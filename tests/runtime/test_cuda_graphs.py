@@ -23,6 +23,7 @@ from headroom.runtime.attention import (
 )
 from headroom.runtime.cuda_graphs import DecodeGraphs, capture_sizes, padded_size, supports_graphs
 from headroom.runtime.engine import Engine
+from tests.gpu import gpu_package
 from headroom.runtime.request import SamplingParams
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -207,7 +208,7 @@ def test_a_replayed_graph_computes_what_the_same_forward_computes_eagerly():
 @pytest.mark.parametrize("backend", ["triton", "flash_attn"])
 def test_graphed_decode_follows_the_eager_tokens(backend):
     if backend == "flash_attn":
-        pytest.importorskip("flash_attn")
+        gpu_package("flash_attn")
     from headroom.config import CacheConfig, SchedulerConfig
 
     outputs, engines = {}, {}
