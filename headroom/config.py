@@ -246,6 +246,9 @@ class AdmissionConfig:
     # Virtual token counter charge per prompt and per output token (fair sharing across tenants).
     prompt_weight: float = 1.0
     output_weight: float = 2.0
+    # What a finished request is charged to its tenant's fair share: "device", its engine
+    # seconds (in weighted tokens at the engine's own rate), or "tokens", its tokens alone.
+    fair_share: str = "device"
     # Length estimates in flight (runtime/inflight.py): after prefill and every
     # inflight_every generated tokens, from the served model's own hidden state. The
     # probe at inflight_probe_path, else the one shipped for the default model (none for
@@ -306,6 +309,8 @@ class AdmissionConfig:
                               f"({', '.join(sorted(seen))})")
         if self.auth and not key_owner:
             raise ConfigError("admission.auth is on but no tenant has api_keys: every request would be refused")
+        if self.fair_share not in ("device", "tokens"):
+            raise ConfigError(f"admission.fair_share must be 'device' or 'tokens', got {self.fair_share!r}")
         if not self.backfill_max_wait_s >= 0:
             raise ConfigError(f"admission.backfill_max_wait_s must be >= 0, got {self.backfill_max_wait_s}")
         if self.global_max_in_flight_seqs is not None and self.global_max_in_flight_seqs < 1:

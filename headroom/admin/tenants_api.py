@@ -26,7 +26,7 @@ def tenant_json(tenant: Tenant) -> dict:
         "max_in_flight_tokens": bucket.max_in_flight_tokens, "max_queue": c.max_queue, "max_wait_s": c.max_wait_s,
         "max_tokens": c.max_tokens, "max_model_len": c.max_model_len,
         "bucket_level": bucket.level, "in_flight_tokens": bucket.in_flight, "waiting": len(tenant.queue),
-        "virtual_tokens": tenant.vtc,
+        "virtual_tokens": tenant.vtc, "engine_seconds": tenant.device_s,
     }
 
 

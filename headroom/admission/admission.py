@@ -74,6 +74,7 @@ class AdmissionStats:
     waiting: dict[str, int]  # per tenant
     in_flight_tokens: dict[str, int]  # reserved, per tenant
     in_flight_seqs: int
+    virtual_tokens: dict[str, float]  # the fair-share counters, per tenant
 
 
 class Admission:
@@ -85,7 +86,7 @@ class Admission:
         budgets shared with other replicas (None: this process's buckets are the truth)."""
         self.config = config
         self.registry = registry if registry is not None else TenantRegistry(config, now)
-        self.fair = FairQueue(config.prompt_weight, config.output_weight)
+        self.fair = FairQueue(config.prompt_weight, config.output_weight, config.fair_share == "device")
         if max_in_flight_seqs is None:
             max_in_flight_seqs = config.global_max_in_flight_seqs
         self.max_in_flight_seqs = max_in_flight_seqs
@@ -163,17 +164,18 @@ class Admission:
             self._abandon(tenant, waiter)
             raise
 
-    def settle(self, ticket: Ticket, prompt_tokens: int, output_tokens: int) -> None:
+    def settle(self, ticket: Ticket, prompt_tokens: int, output_tokens: int, device_s: float = 0.0) -> None:
         """Return the reservation, charge what was really used, free the slot, admit
-        waiters. Idempotent. For an abort, pass the tokens actually processed so far."""
+        waiters. Idempotent. For an abort, pass the tokens actually processed so far.
+        device_s: the engine seconds the request took (0: unknown)."""
         if ticket.settled:
             return
         ticket.settled = True
         tenant = self.registry.get(ticket.tenant)
         assert tenant is not None, ticket.tenant
         tenant.bucket.settle(ticket.cost, prompt_tokens + output_tokens)
-        self.fair.charge(tenant, prompt_tokens - ticket.prompt_tokens,
-                         output_tokens - (ticket.cost - ticket.prompt_tokens))
+        self.fair.settle(tenant, (ticket.prompt_tokens, ticket.cost - ticket.prompt_tokens),
+                         (prompt_tokens, output_tokens), device_s)
         self.in_flight_seqs -= ticket.seqs
         if self.store is not None and ticket.lease is not None:
             self._spawn(self.store.settle(ticket.lease, ticket.cost, prompt_tokens + output_tokens, ticket.charged),
@@ -245,7 +247,7 @@ class Admission:
             decisions=dict(self.decisions), rejections=dict(self.rejections),
             waiting={t.name: len(t.queue) for t in self.registry},
             in_flight_tokens={t.name: t.bucket.in_flight for t in self.registry},
-            in_flight_seqs=self.in_flight_seqs)
+            in_flight_seqs=self.in_flight_seqs, virtual_tokens={t.name: t.vtc for t in self.registry})
 
     # --- internals ----------------------------------------------------------------
 

@@ -128,6 +128,7 @@ class Tenant:
     backfill_max_wait_s: float = 0.0
     # Virtual token counter: weighted service received (see fair_queue.py).
     vtc: float = 0.0
+    device_s: float = 0.0  # engine seconds its settled requests took
     queue: deque[Waiter] = field(default_factory=deque)
     # With a shared store: the head is being reserved fleet-wide now, or was refused
     # there and may be asked again only from hold_until on.

@@ -128,11 +128,13 @@ class AdmissionGate:
     def settle(self, admitted: Admitted, engine_requests: list[Request], finish_reason: str | None) -> None:
         """Return the reservation with the tokens actually processed; safe to call twice."""
         prompt = output = 0
+        device_s = 0.0
         for r in engine_requests:
             if r.first_scheduled_time is not None:  # ran
                 prompt, output = prompt + r.num_prompt_tokens, output + r.num_output_tokens
+                device_s += r.device_time_s
         if admitted.ticket is not None and self.admission is not None:
-            self.admission.settle(admitted.ticket, prompt, output)
+            self.admission.settle(admitted.ticket, prompt, output, device_s)
         if self.records is not None and admitted.features is not None and finish_reason in ("stop", "length"):
             for r in engine_requests:
                 if r.status.finish_reason in ("stop", "length"):

@@ -182,6 +182,9 @@ class EngineCollector(Collector):
                      admission.in_flight_tokens, "tenant")
         yield _gauge("headroom:tenant_requests_waiting", "Requests waiting in admission.", admission.waiting,
                      "tenant")
+        yield _gauge("headroom:tenant_fair_share_counter", "Each tenant's virtual counter: the weighted service "
+                     "it has received (engine seconds in token units with fair_share = device); admission "
+                     "serves the backlogged tenant with the smallest first.", admission.virtual_tokens, "tenant")
         if self.admission.store is None:
             return
         store = self.admission.store.stats()

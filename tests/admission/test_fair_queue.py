@@ -30,6 +30,28 @@ def test_charge_is_weighted(clock):
     assert a.vtc == 160
 
 
+def test_settle_charges_engine_seconds_at_the_engines_rate(clock):
+    # Both tenants' requests had 100 prompt and 100 output tokens (300 weighted), estimated
+    # at admission as 100 prompt and 150 output tokens (400 weighted). Chat's took 1 engine second; reasoning's, deep in long contexts,
+    # 3 each. The first settle teaches the rate (300 weighted tokens an engine second);
+    # after that a request is charged its engine seconds at that rate.
+    reg = tenants(clock, "chat", "reasoning")
+    fq = FairQueue(prompt_weight=1.0, output_weight=2.0)
+    chat, reasoning = reg.get("chat"), reg.get("reasoning")
+    for t in (chat, reasoning):
+        fq.charge(t, 100, 150)
+    fq.settle(chat, (100, 150), (100, 100), 1.0)
+    assert chat.vtc == 300 and fq.tokens_per_device_s == 300 and chat.device_s == 1.0
+    fq.settle(reasoning, (100, 150), (100, 100), 3.0)
+    assert reasoning.vtc == 900 and reasoning.device_s == 3.0
+    assert fq.tokens_per_device_s == pytest.approx(300 + 0.05 * (100 - 300))  # its own rate, 100, folded in
+    tokens_only = FairQueue(prompt_weight=1.0, output_weight=2.0, device=False)
+    t = reg.get("chat")
+    t.vtc = 0.0
+    tokens_only.settle(t, (100, 150), (100, 100), 3.0)
+    assert t.vtc == 300 - 400 and tokens_only.tokens_per_device_s is None  # the tokens' correction alone
+
+
 @pytest.mark.asyncio
 async def test_next_tenant_is_the_smallest_counter_with_an_admissible_head(clock):
     reg = tenants(clock, "a", "b", "c")
