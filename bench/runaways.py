@@ -8,11 +8,11 @@ fresh `headroom serve` on 127.0.0.1.
   in-flight+policy   also [admin] max_runaway_probability = 0.9 (deprioritize)
 
 Tenants with the default limits: `chat` sends the shorts, --batch-tenants others (batch-0,
-batch-1, ...) the runaways. With one tenant, its in-flight token cap (16,000) holds the runaways back
-in admission and the shorts queue behind them there (FIFO within a tenant, by design),
-so the engine never has to choose. Each tenant's cap admits about 7 runaways at once;
-the default 16-bit KV cache (1 GiB, ~46k tokens) fills while the shorts still come with
-6 batch tenants and 42 runaways (`--batch-tenants 6 --runaways 42 --duration 150`).
+batch-1, ...) the runaways. (Until 2026-11-25 a tenant's in-flight cap was a fixed 16,000
+tokens, about 7 runaways at once, and requests queued FIFO within a tenant; figures from
+then used 6 batch tenants and 42 runaways, `--batch-tenants 6 --runaways 42 --duration
+150`, to fill the default 16-bit KV cache, 1 GiB or ~46k tokens. The cap is now the KV
+cache itself, and a request that fits passes one that does not.)
 
 Runaways are the held-out (test split) prompts of data/calibration/sharegpt_prompts.jsonl
 that ran to their 512-token cap at temperature 0 in calibration, sent with max_tokens
