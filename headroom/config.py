@@ -222,6 +222,12 @@ class AdmissionConfig:
     # Who a request without a (known) api key belongs to when auth is off.
     default_tenant: str = "default"
     auth: bool = False
+    # With auth off: a request whose API key, X-Tenant or x-gateway-inference-fairness-id
+    # names no configured tenant gets a tenant of its own, with the default tenant's limits
+    # (at most MAX_AUTO_TENANTS; an API key is named by its hash). None: on when the
+    # config names no tenants, so that with no config one user's requests never share a
+    # queue and a fair share with another's.
+    auto_tenants: bool | None = None
     # Admitted, unfinished requests across all tenants (None: decided from the engine's max_num_seqs).
     global_max_in_flight_seqs: int | None = None
     # A queued request that does not fit its tenant's limits yet is passed by later ones

@@ -24,6 +24,7 @@ from headroom.config import AdmissionConfig, TenantConfig
 BUSY_RETRY_AFTER_S = 1.0
 # A tenant's in-flight cap where neither its config nor the engine's capacity sets one.
 UNCAPPED = 2**62
+MAX_AUTO_TENANTS = 1024  # tenants made on first sight, beyond which the default tenant serves
 
 
 def _digest(api_key: str) -> bytes:
@@ -175,6 +176,8 @@ class TenantRegistry:
         tenant whose config sets none (None: uncapped)."""
         self.config = config
         self.capacity_tokens = capacity_tokens if capacity_tokens is not None else UNCAPPED
+        self._now = now
+        self._auto_made = 0
         # The fraction of every configured budget this replica may use on its own (a
         # fleet without its shared store falls back to 1 / fleet_size).
         self.share = 1.0
@@ -195,6 +198,31 @@ class TenantRegistry:
 
     def get(self, name: str) -> Tenant | None:
         return self._tenants.get(name)
+
+    @property
+    def auto(self) -> bool:
+        """Are unknown identities given tenants of their own (AdmissionConfig.auto_tenants)?"""
+        c = self.config
+        if c.auth:
+            return False
+        return c.auto_tenants if c.auto_tenants is not None else [t.name for t in c.tenants] == ["default"]
+
+    def get_or_add(self, name: str) -> Tenant:
+        """The tenant called `name`, made on first sight with the default tenant's limits
+        (the default tenant itself once MAX_AUTO_TENANTS have been made)."""
+        tenant = self._tenants.get(name)
+        if tenant is not None:
+            return tenant
+        if self._auto_made >= MAX_AUTO_TENANTS:
+            return self.default
+        self._auto_made += 1
+        config = dataclasses.replace(self.default.config, name=name, api_keys=())
+        cap = self._cap(config)
+        bucket = TenantBucket(config.rate_tokens_per_s, config.burst_tokens, cap, self._now)
+        tenant = self._tenants[name] = Tenant(config, bucket, self.config.priority(config.tier), cap,
+                                               self.config.backfill_max_wait_s)
+        self._configure(tenant)  # a fleet replica's share applies to it too
+        return tenant
 
     @property
     def default(self) -> Tenant:

@@ -4,6 +4,7 @@ the tenant is resolved and the request goes straight to the engine (plain FCFS).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import socket
@@ -26,6 +27,8 @@ from headroom.runtime.request import Request
 
 # Tier priority dominates; the request's own vLLM-style priority orders within a tier.
 TIER_STRIDE = 1000
+FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+MAX_TENANT_NAME = 128
 
 
 class Unauthorized(APIError):
@@ -69,12 +72,22 @@ class AdmissionGate:
             if tenant is None:
                 raise Unauthorized("Incorrect API key provided.", code="invalid_api_key")
             return tenant
-        tenant = self.registry.by_api_key(key) if key else None
+        registry = self.registry
+        for header in ("X-Tenant", FAIRNESS_HEADER):
+            if len(request.headers.get(header, "")) > MAX_TENANT_NAME:
+                raise BadRequest(f"{header} is longer than {MAX_TENANT_NAME} characters", param=header,
+                                 code="invalid_tenant")
+        tenant = registry.by_api_key(key) if key else None
         if tenant is None and (name := request.headers.get("X-Tenant")):
-            tenant = self.registry.get(name)
+            tenant = registry.get_or_add(name) if registry.auto else registry.get(name)
             if tenant is None:
                 raise BadRequest(f"unknown tenant {name!r}", param="X-Tenant", code="unknown_tenant")
-        return tenant or self.registry.default
+        if tenant is None and (name := request.headers.get(FAIRNESS_HEADER)):
+            # The Gateway API Inference Extension's flow control names the tenant here.
+            tenant = registry.get_or_add(name) if registry.auto else registry.get(name)
+        if tenant is None and key and registry.auto:
+            tenant = registry.get_or_add("key-" + hashlib.sha256(key.encode()).hexdigest()[:12])
+        return tenant or registry.default
 
     async def admit(self, tenant: Tenant, engine_requests: list[Request], messages: list[dict]) -> Admitted:
         """Predict, classify and wait for admission; sets the requests' admission fields.

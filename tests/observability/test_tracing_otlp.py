@@ -4,6 +4,7 @@ TraceService (grpcio + opentelemetry-proto) and an OTLP/HTTP endpoint."""
 from __future__ import annotations
 
 import gzip
+import hashlib
 import itertools
 import socket
 import threading
@@ -160,7 +161,9 @@ def test_one_span_per_sequence_with_phases_and_attributes(monkeypatch, default_m
         assert attrs["gen_ai.usage.output_tokens"] == usage.completion_tokens == sent["max_tokens"]
         assert attrs["gen_ai.response.finish_reasons"] == sent["finish"] == ["length"]
         assert attrs["http.response.status_code"] == 200
-        assert attrs["headroom.tenant"] == "default" and attrs["headroom.tier"] == "standard"
+        # No tenant config: the client's API key is its identity (named by its hash).
+        assert attrs["headroom.tenant"] == "key-" + hashlib.sha256(b"unused").hexdigest()[:12]
+        assert attrs["headroom.tier"] == "standard"
         assert attrs["headroom.size_class"] in ("short", "medium", "long")
         assert attrs["headroom.admission.decision"] == "admit"
         assert attrs["headroom.predicted_output_tokens"] > 0

@@ -1,0 +1,58 @@
+"""Who a request belongs to with no tenant config: each API key, X-Tenant or gateway
+fairness id gets a tenant of its own, with the default tenant's limits, so that one
+user's requests never share a queue and a fair share with another's."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from aiohttp.test_utils import make_mocked_request
+
+from headroom.admission.tenants import MAX_AUTO_TENANTS
+from headroom.app.admission_gate import FAIRNESS_HEADER, AdmissionGate
+from headroom.app.errors import BadRequest
+from headroom.config import AdmissionConfig, Config, TenantConfig
+
+
+def gate(**admission) -> AdmissionGate:
+    return AdmissionGate(Config(admission=AdmissionConfig(enabled=False, **admission)), 8, 40_000)
+
+
+def owner(g: AdmissionGate, headers: dict) -> str:
+    return g.tenant(make_mocked_request("POST", "/v1/chat/completions", headers=headers)).name
+
+
+def test_with_no_config_each_identity_gets_its_own_tenant_with_the_default_limits():
+    g = gate()
+    key_tenant = "key-" + hashlib.sha256(b"sk-alice").hexdigest()[:12]
+    assert owner(g, {"Authorization": "Bearer sk-alice"}) == key_tenant  # the key itself is never a name
+    assert owner(g, {"Authorization": "Bearer sk-bob"}) != key_tenant
+    assert owner(g, {"X-Tenant": "web"}) == "web"
+    assert owner(g, {FAIRNESS_HEADER: "team-a"}) == "team-a"
+    assert owner(g, {"X-Tenant": "web", FAIRNESS_HEADER: "team-a"}) == "web"  # X-Tenant first
+    assert owner(g, {}) == "default"
+    default, web = g.registry.default, g.registry.get("web")
+    assert web.config == TenantConfig("web", **{k: v for k, v in vars(default.config).items()
+                                                if k not in ("name", "api_keys")})
+    assert web.max_in_flight_tokens == default.max_in_flight_tokens == 40_000
+    assert sorted(t.name for t in g.registry) == sorted(["default", key_tenant, owner(g, {"Authorization": "Bearer sk-bob"}),
+                                                         "web", "team-a"])
+
+
+def test_auto_tenants_stop_at_their_bound_and_never_with_configured_tenants_or_auth():
+    g = gate()
+    for i in range(MAX_AUTO_TENANTS):
+        assert owner(g, {"X-Tenant": f"t{i}"}) == f"t{i}"
+    assert owner(g, {"X-Tenant": "one-too-many"}) == "default"
+    assert len(g.registry) == MAX_AUTO_TENANTS + 1
+    configured = gate(tenants=(TenantConfig("web"),), default_tenant="web")
+    with pytest.raises(BadRequest) as caught:
+        owner(configured, {"X-Tenant": "nobody"})
+    assert (caught.value.status, caught.value.code) == (400, "unknown_tenant")
+    assert owner(configured, {FAIRNESS_HEADER: "nobody", "Authorization": "Bearer sk-x"}) == "web"
+    assert owner(gate(auto_tenants=True, tenants=(TenantConfig("web"),), default_tenant="web"),
+                 {FAIRNESS_HEADER: "team-b"}) == "team-b"
+    with pytest.raises(BadRequest) as caught:
+        owner(g, {"X-Tenant": "x" * 129})
+    assert (caught.value.status, caught.value.param) == (400, "X-Tenant")
