@@ -96,27 +96,66 @@ def test_the_policy_loop_aborts_a_runaway_on_the_real_server(default_model):
         server.stop()
 
 
+class RecordedProbe:
+    """The in-flight probe as the engine calls it, keeping every estimate it gives."""
+
+    def __init__(self, probe):
+        self.probe, self.layer, self.last_point = probe, probe.layer, probe.last_point
+        self.estimates: dict[str, list[tuple[int, float, float]]] = {}  # id -> (at tokens, remaining, p)
+
+    def predict(self, requests, states):
+        remaining, p_cap = self.probe.predict(requests, states)
+        for request, left, p in zip(requests, remaining.tolist(), p_cap.tolist(), strict=True):
+            self.estimates.setdefault(request.request_id, []).append((request.num_output_tokens, left, p))
+        return remaining, p_cap
+
+
 @pytest.mark.slow
-def test_the_runaway_policy_moves_a_certain_runaway_to_the_long_lane(default_model):
-    """ignore_eos and a 4,000-token cap: the in-flight estimate is certain after prefill,
-    and the policy deprioritizes it into the long lane, once, and says why."""
+def test_the_runaway_policy_moves_a_probed_runaway_to_the_long_lane(default_model):
+    """No ignore_eos: only the in-flight probe says this loop runs to its 4,000-token cap.
+    Its probe is trained on rows where running to the cap is written in the loop signal, so
+    it sees nothing at prefill and the loop from 16 tokens on; the policy acts on its
+    estimate, once, and says why."""
+    from headroom.admission.inflight_model import InflightProbe
     from headroom.app.background import BackgroundServer
     from headroom.runtime.engine import Engine
-    from tests.admin.conftest import admin, admin_config, plant_runaway, wait_until
+    from tests.admin.conftest import admin, admin_config, start_stream, wait_until
+    from tests.runtime.test_inflight_engine import LAYER, loop_rows
 
     config = admin_config(max_runaway_probability=0.95, policy_interval_s=0.1)
-    server = BackgroundServer(config, Engine(config, loaded=default_model)).start()
+    engine = Engine(config, loaded=default_model)
+    probe = RecordedProbe(InflightProbe.train(loop_rows(300, default_model.args.hidden_size), LAYER))
+    a = config.admission
+    engine.use_inflight(probe, a.inflight_every, a.runaway_threshold, a.long_min_output_tokens)
+    server = BackgroundServer(config, engine).start()  # it keeps the engine's probe
     try:
-        runaway = plant_runaway(server, "loops")
+        the = engine.tokenizer.encode(" the")[-1]
+        runaway = start_stream(server, {"prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0,
+                                        "logit_bias": {str(the): 100}}, request_id="loops")
         rid = "cmpl-loops"
-        assert wait_until(lambda: admin(server, "GET", f"/sequences/{rid}").json().get("deprioritized"))
-        seq = admin(server, "GET", f"/sequences/{rid}").json()
+
+        def sequence() -> dict:
+            return admin(server, "GET", f"/sequences/{rid}").json()
+
+        assert wait_until(lambda: sequence().get("deprioritized"), timeout=120)
+        # Past the probe's last point its estimate no longer changes: read it from there on.
+        assert wait_until(lambda: sequence()["output_tokens"] > probe.last_point, timeout=120)
+        seq = sequence()
+        estimates = probe.estimates[rid]
+        assert [at for at, _, _ in estimates] == list(range(0, probe.last_point + 1, a.inflight_every))
+        assert estimates[0][2] < a.runaway_threshold <= estimates[1][2]  # no loop at prefill, one at 16
+        at, remaining, p = estimates[-1]
         assert (seq["size_class"], seq["priority"], seq["runaway_probability"], seq["runaway_flagged_at"]) == \
-            ("long", -(2**31), 1.0, 0)
-        assert seq["predicted_remaining_tokens"] == 4000 - seq["output_tokens"]
+            ("long", -(2**31), p, 16)
+        assert seq["predicted_remaining_tokens"] == pytest.approx(
+            min(remaining - (seq["output_tokens"] - at), 4000 - seq["output_tokens"]), rel=1e-9)
         [action] = seq["admin_actions"]
-        assert re.fullmatch(r"deprioritize by policy to the long lane: predicted to run to its 4000-token cap "
-                            r"\(p=1\.00 at \d+ tokens\)", action), action
+        acted = re.fullmatch(r"deprioritize by policy to the long lane: predicted to run to its 4000-token cap "
+                             r"\(p=(\d\.\d\d) at (\d+) tokens\)", action)
+        assert acted, action
+        # The estimate in force when the policy read it: the last made before that token count.
+        in_force = [q for made_at, _, q in estimates if made_at < int(acted[2])][-1]
+        assert in_force >= 0.95 and acted[1] == f"{in_force:.2f}"
         metrics = httpx.get(server.url + "/metrics", timeout=10).text
         assert 'headroom:inflight_decisions_total{decision="policy"} 1.0' in metrics
         assert admin(server, "POST", f"/sequences/{rid}/abort").status_code == 200

@@ -33,26 +33,40 @@ def engine(default_model):
                   loaded=default_model)
 
 
+class RecordingSampler:
+    """Stands in for one engine's sampler: keeps the logits of each step it samples, so
+    no other engine's steps are seen."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+        self.logits: list[torch.Tensor] = []
+
+    def __call__(self, logits, requests):
+        self.logits.append(logits.clone())
+        return self.sampler(logits, requests)
+
+    def __getattr__(self, name):
+        return getattr(self.sampler, name)
+
+
 def test_probe_of_the_last_layer_gives_the_steps_logits(engine):
     model = engine.loaded.model
     last = model.args.num_layers - 1
     seen = []
     engine.runner.probe_layers = frozenset({3, last})
     engine.probe_hook = lambda requests, probes: seen.append((len(requests), probes))
-    captured_logits = []
     sampler = engine.sampler
-    original = type(sampler).__call__
+    engine.sampler = recording = RecordingSampler(sampler)
     try:
-        type(sampler).__call__ = lambda self, logits, reqs: (captured_logits.append(logits.clone()),
-                                                             original(self, logits, reqs))[1]
         ids = engine.tokenizer.encode("The capital of France is")
         engine.generate([ids, ids[:3]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     finally:
-        type(sampler).__call__ = original
+        engine.sampler = sampler
         engine.runner.probe_layers = frozenset()
         engine.probe_hook = None
-    assert len(seen) == len(captured_logits) >= 3
-    for (rows, probes), logits in zip(seen, captured_logits, strict=True):
+    # One prefill step and two decode steps, each sampling both sequences.
+    assert [rows for rows, _ in seen] == [2, 2, 2] and len(recording.logits) == 3
+    for (rows, probes), logits in zip(seen, recording.logits, strict=True):
         assert set(probes) == {3, last}
         assert probes[3].shape == probes[last].shape == (rows, model.args.hidden_size)
         with torch.inference_mode():

@@ -6,8 +6,8 @@ import random
 import re
 import subprocess
 import sys
-import time
 import zlib
+from dataclasses import astuple
 
 import numpy as np
 import pytest
@@ -20,6 +20,7 @@ from headroom.admission.predictor import (
     FallbackPredictor,
     LengthPredictor,
     Prediction,
+    combine,
     load_predictor,
 )
 from headroom.admission.train import evaluate, train
@@ -265,17 +266,23 @@ def test_stale_feature_version_is_refused(trained, tmp_path, monkeypatch):
     assert isinstance(load_predictor(None), FallbackPredictor)
 
 
-def test_predict_latency_is_measured(trained, records):
-    """Reported, not asserted: timing targets live in bench/admission_cost.py."""
+def test_predict_scores_every_request_on_the_single_row_path(trained, records):
+    """What keeps admission's predict cheap: no Booster.predict per request (its Python
+    overhead is most of the cost), and the same answer as Booster.predict. The timings
+    themselves live in bench/admission_cost.py."""
     predictor = LengthPredictor.load(trained[1])
     features = [RequestFeatures.from_record(r) for r in records[:200]]
-    times = []
-    for f in features:
-        start = time.perf_counter()
-        predictor.predict(f)
-        times.append(time.perf_counter() - start)
-    p50, p99 = np.percentile(times, [50, 99]) * 1e6
-    print(f"featurize+predict: p50 {p50:.0f} us, p99 {p99:.0f} us")
+    x = np.stack([featurize(f) for f in features])
+    raw = {name: booster.predict(x, num_threads=1) for name, booster in predictor.boosters.items()}
+    calls = []
+    for name, booster in predictor.boosters.items():
+        booster.predict = lambda *args, name=name, slow=booster.predict, **kwargs: (calls.append(name),
+                                                                                    slow(*args, **kwargs))[1]
+    got = [predictor.predict(f) for f in features]
+    assert calls == []
+    for i, (f, prediction) in enumerate(zip(features, got, strict=True)):
+        expected = combine(raw["p50"][i], raw["p90"][i], raw["cap"][i], f.max_tokens)
+        assert astuple(prediction) == pytest.approx(astuple(expected), rel=1e-12)
 
 
 def test_cross_validation_refits_per_fold_and_beats_max_tokens_alone(records, tmp_path, capsys):

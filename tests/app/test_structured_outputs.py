@@ -233,10 +233,17 @@ def test_n_choices_share_one_prefill_and_come_back_indexed(client, server):
                 finishes[choice.index] = choice.finish_reason
     assert streamed == {c.index: c.text for c in res.choices} and finishes == {0: "length", 1: "length", 2: "length"}
 
+    # Every choice under the grammar: a schema of enums ends well inside max_tokens, so each
+    # choice must stop with a valid object (one left unconstrained would not).
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "London", "Tokyo"]},
+                                               "likes_tea": {"type": "boolean"}},
+              "required": ["city", "likes_tea"], "additionalProperties": False}
     chat = client.chat.completions.create(model=client.model_name, n=2, max_tokens=60, temperature=0.9, seed=1,
                                           messages=[{"role": "user", "content": "A person, as JSON."}],
-                                          response_format={"type": "json_object"})
+                                          response_format={"type": "json_schema",
+                                                           "json_schema": {"name": "person", "schema": schema}})
     assert [c.index for c in chat.choices] == [0, 1]
+    validator = jsonschema_rs.validator_for(schema)
     for choice in chat.choices:
-        if choice.finish_reason == "stop":
-            json.loads(choice.message.content)
+        assert choice.finish_reason == "stop", choice.message.content
+        assert validator.is_valid(json.loads(choice.message.content)), choice.message.content

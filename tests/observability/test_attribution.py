@@ -1,9 +1,11 @@
-"""The live cost snapshot, read from another thread while the engine runs: per-sequence
-device time adds up to the engine's busy time and block counts to the pool's."""
+"""The live cost snapshot, read from another thread while the engine runs: each sequence's
+device time is its token share of every step it was in, the step running included, and
+block counts add up to the pool's."""
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import pytest
 
@@ -21,6 +23,19 @@ def test_snapshot_adds_up_to_the_engine_and_the_block_manager(default_model):
     sampling = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     # Distinct prompts of different lengths: no block is shared, prefills take 1-3 steps.
     requests = [engine.new_request([1000 + 97 * i + j for j in range(30 + 40 * i)], sampling) for i in range(4)]
+    # The oracle's record, taken on the engine thread: each step's tokens per sequence and
+    # the engine's busy seconds before it (so a step's time is the next one's less its own).
+    steps: list[tuple[float, dict[str, int]]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        if not out.is_empty:
+            steps.append((engine.stats.step_time_s,
+                          {r.request_id: n for r, n in zip(out.requests, out.num_scheduled_tokens, strict=True)}))
+        return out
+
+    engine.scheduler.schedule = recording_schedule
     engine.start()
     try:
         for request in requests:
@@ -32,10 +47,30 @@ def test_snapshot_adds_up_to_the_engine_and_the_block_manager(default_model):
             time.sleep(0.01)
     finally:
         engine.stop()
-    # Snapshots of all four running: every busy second so far went to one of them.
+    starts = [busy for busy, _ in steps] + [engine.stats.step_time_s]
+    assert len(steps) == engine.stats.steps
+
+    def token_shares(completed: int, busy: float) -> Counter[str]:
+        """Each sequence's share of the first `completed` steps, and of the one running
+        after them as far as `busy` has got."""
+        shares = Counter()
+        for k, (start, tokens) in enumerate(steps[:completed + 1]):
+            elapsed = (starts[k + 1] if k < completed else busy) - start
+            for rid, n in tokens.items():
+                shares[rid] += elapsed * n / sum(tokens.values())
+        return shares
+
+    final = token_shares(len(steps), engine.stats.step_time_s)
+    assert set(final) == {r.request_id for r in requests}
+    for request in requests:
+        assert request.device_time_s == pytest.approx(final[request.request_id], rel=1e-9)
+    # Snapshots of all four running: every busy second so far went to one of them, by tokens.
     full = [s for s in snapshots if len(s.sequences) == 4 and s.steps > 0]
     assert len(full) >= 5
     for snap in full:
+        shares = token_shares(snap.steps, snap.busy_s)
+        for seq in snap.sequences:
+            assert seq.device_time_s == pytest.approx(shares[seq.request_id], rel=1e-9, abs=1e-12)
         assert sum(s.device_time_s for s in snap.sequences) == pytest.approx(snap.busy_s, rel=1e-6)
         assert sum(s.device_share for s in snap.sequences) == pytest.approx(1.0, rel=1e-6)
         assert sum(s.blocks_held for s in snap.sequences) == snap.used_blocks

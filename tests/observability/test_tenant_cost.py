@@ -12,6 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from headroom.app import keys
 from headroom.app.background import BackgroundServer
 from headroom.config import (
     AdminConfig,
@@ -69,6 +70,10 @@ def test_tenant_costs_add_up_over_a_scripted_run(default_model, tmp_path):
     ledger = tmp_path / "usage.sqlite"
     config = dataclasses.replace(CONFIG, observability=ObservabilityConfig(usage_ledger_path=str(ledger)))
     server = BackgroundServer(config, Engine(config, loaded=default_model)).start()
+    # Each request the engine ran, once it is done with it: the facts its cost comes from.
+    closed = []
+    charge = server.app[keys.ENGINE].on_closed
+    server.app[keys.ENGINE].on_closed = lambda request: (closed.append(request), charge(request))
     try:
         fixed = {"max_tokens": 8, "ignore_eos": True, "temperature": 0}
         assert complete(server, "key-alpha", {"prompt": prompt(40, 1), **fixed}).status_code == 200
@@ -110,9 +115,14 @@ def test_tenant_costs_add_up_over_a_scripted_run(default_model, tmp_path):
     busy = value("headroom:engine_busy_seconds_total")
     device = sum(value("headroom:tenant_device_seconds_total", tenant=t) for t in ("alpha", "beta"))
     assert busy > 0 and abs(device - busy) <= 0.02 * busy
+    assert sorted(r.tenant for r in closed) == ["alpha"] * 3 + ["beta"]  # the refused one never ran
     for tenant in ("alpha", "beta"):
         assert value("headroom:tenant_kv_block_seconds_total", tenant=tenant) > 0
-        assert value("headroom:tenant_admission_wait_seconds_total", tenant=tenant) >= 0
+        # Arrival to admission of each request that ran; the refused one was never admitted.
+        waits = [r.admitted_time - r.arrival_time for r in closed if r.tenant == tenant]
+        assert min(waits) > 0
+        assert value("headroom:tenant_admission_wait_seconds_total", tenant=tenant) == pytest.approx(sum(waits),
+                                                                                                   rel=1e-9)
 
     # The ledger's totals are the counters' (and survive a restart).
     assert [t["tenant"] for t in billed["tenants"]] == ["alpha", "beta"]
