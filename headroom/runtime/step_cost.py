@@ -13,8 +13,8 @@ over recent steps of every size, decodes and small chunks included:
   host) is outvoted by the steps that follow it instead of being locked in until its
   own shape recurs;
 - the engine seeds it with a few steps it times at start-up (`prime`), which are never
-  forgotten but weigh little, so the first long prompt is sized from this machine's warm
-  cost rather than from its own first, cold chunks;
+  forgotten and weigh as one step each, so the first long prompt is sized from this
+  machine's warm cost rather than from its own first, cold chunks;
 - it never hands out a chunk more than EXTRAPOLATION times the largest step it holds: a
   few slow steps may first be read as a large fixed cost (and so a cheap token), and a
   chunk sized from that would be far past anything measured.
@@ -35,7 +35,7 @@ PAIRS_SCALE = 1024.0  # pairs are fitted in units of 1024 so the three columns a
 MIN_PREFILL_TOKENS = 16  # a step with fewer tokens says little about the per-token cost
 HALF_LIFE_STEPS = 16
 STALE_WEIGHT = 1e-2  # what a row weighs once it is old: it still pins what fresh rows leave free
-PRIOR_WEIGHT = 0.1  # a start-up row against a fresh observed one
+PRIOR_WEIGHT = 1.0  # a start-up row weighs as a fresh step: it pins what the steps since leave open
 EXTRAPOLATION = 2
 
 
