@@ -1,4 +1,6 @@
-"""OpenAI-compatible handlers: /v1/completions, /v1/chat/completions, /v1/models."""
+"""OpenAI-compatible handlers: /v1/completions, /v1/chat/completions, /v1/models.
+(/v1/responses, in responses.py, is translated into a chat request and served by
+prepare_chat and respond here.)"""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -34,17 +38,18 @@ from headroom.runtime.sampler import TokenLogprob
 log = logging.getLogger("headroom.api")
 
 def request_id(request: web.Request, prefix: str, tenant: Tenant) -> str:
-    """As vLLM: the client's X-Request-Id, when given, becomes the response id's base.
+    """As vLLM: the client's X-Request-Id, when given, becomes the response id's base
+    (after `prefix`, which ends with its separator: "chatcmpl-", "resp_").
     An id another tenant has in flight is replaced by a fresh one, so that no tenant can
     learn of, or block, another's requests by guessing ids; a tenant's own duplicate is
     a 409 in build_request."""
     given = request.headers.get("X-Request-Id")
     if given:
-        rid = f"{prefix}-{given}"
+        rid = f"{prefix}{given}"
         other = request.app[keys.ENGINE].in_flight.get(rid)
         if other is None or other.tenant == tenant.name:
             return rid
-    return f"{prefix}-{uuid.uuid4().hex}"
+    return f"{prefix}{uuid.uuid4().hex}"
 
 
 def check_accepting(request: web.Request) -> None:
@@ -135,7 +140,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     model = check_model(request, body.model)
     tokenizer = request.app[keys.ENGINE].engine.tokenizer
     prompt_ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-    rid = request_id(request, "cmpl", tenant)
+    rid = request_id(request, "cmpl-", tenant)
     note(request, request_id=rid)
     engine_requests = build_requests(request, rid, body, prompt_ids, body.max_tokens, body.logprobs, tenant)
     await constrain(request, engine_requests, grammar_spec(body), constraint_param(body))
@@ -149,6 +154,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     note(request, tenant=tenant.name, tier=tenant.config.tier)
     check_accepting(request)
     body = ChatCompletionRequest.model_validate_json(await request.read())
+    engine_requests, fmt, messages = await prepare_chat(request, body, tenant, "chatcmpl-")
+    return await respond(request, engine_requests, fmt, body.stream, tenant, messages)
+
+
+async def prepare_chat(request: web.Request, body: ChatCompletionRequest, tenant: Tenant,
+                       id_prefix: str) -> tuple[list[Request], ChatFormat, list[dict]]:
+    """A chat request up to admission: its engine requests (tokenised through the chat
+    template, constrained by its grammar), its format and its messages."""
     model = check_model(request, body.model)
     tokenizer = request.app[keys.ENGINE].engine.tokenizer
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
@@ -161,14 +174,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                                    tools=tools.tools if tools is not None and takes_tools else None)
     except ValueError as exc:
         raise BadRequest(f"messages: {exc}", param="messages") from None
-    rid = request_id(request, "chatcmpl", tenant)
+    rid = request_id(request, id_prefix, tenant)
     note(request, request_id=rid)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     engine_requests = build_requests(request, rid, body, prompt_ids, body.requested_max_tokens, logprobs, tenant)
     spec = tool_grammar or grammar_spec(body)
     await constrain(request, engine_requests, spec, "tool_choice" if tool_grammar else constraint_param(body))
     fmt = ChatFormat(rid, int(time.time()), model, _token_text(tokenizer), body.include_usage, tools=tools)
-    return await respond(request, engine_requests, fmt, body.stream, tenant, messages)
+    return engine_requests, fmt, messages
 
 
 async def constrain(request: web.Request, engine_requests: list[Request], spec: GrammarSpec | None,
@@ -193,14 +206,18 @@ def _token_text(tokenizer):
     return lambda token_id: tokenizer.decode([token_id])
 
 
-def _usage(requests: list[Request]) -> Usage:
+def usage_of(requests: list[Request]) -> Usage:
     # The prompt is counted once, as OpenAI counts it for n choices.
     return Usage(requests[0].num_prompt_tokens, sum(r.num_output_tokens for r in requests),
                  max(r.num_cached_tokens for r in requests))
 
 
-async def respond(request: web.Request, engine_requests: list[Request], fmt: ResponseFormat, stream: bool,
-                  tenant: Tenant, messages: list[dict]) -> web.StreamResponse:
+# What writes a response once admitted: _run for completions and chat, another for /v1/responses.
+Run = Callable[[web.Request, list[Request], Any, bool], Awaitable[web.StreamResponse]]
+
+
+async def respond(request: web.Request, engine_requests: list[Request], fmt: Any, stream: bool,
+                  tenant: Tenant, messages: list[dict], run: Run | None = None) -> web.StreamResponse:
     gate = request.app[keys.GATE]
     note(request, engine_request=engine_requests[0],
          prompt=messages if request.app[keys.CONFIG].observability.log_prompts else None)
@@ -213,14 +230,14 @@ async def respond(request: web.Request, engine_requests: list[Request], fmt: Res
             # Gone before it ran: never runs. Handler cancellation normally gets there first
             # (acquire abandons the wait); this is the backstop when it has not landed yet.
             raise web.HTTPBadRequest(reason="Client Closed Request")
-        response = await _run(request, engine_requests, fmt, stream)
+        response = await (run or _run)(request, engine_requests, fmt, stream)
         done = True
         return response
     finally:
         gate.settle(admitted, engine_requests, engine_requests[0].status.finish_reason if done else None)
 
 
-async def _outputs(client, requests: list[Request]):
+async def outputs_of(client, requests: list[Request]):
     """(choice index, output) of every request as they come. With n > 1 the others start
     once the first has its first token, so its prompt is in the prefix cache and they
     prefill only the last, partial block: one prefill for all."""
@@ -266,7 +283,7 @@ async def _run(request: web.Request, engine_requests: list[Request], fmt: Respon
     client = request.app[keys.ENGINE]
     headers = {"X-Request-Id": engine_requests[0].request_id}
     n = len(engine_requests)
-    outputs = _outputs(client, engine_requests)
+    outputs = outputs_of(client, engine_requests)
     if not stream:
         text: list[list[str]] = [[] for _ in range(n)]
         wants_logprobs = engine_requests[0].sampling.logprobs is not None
@@ -283,7 +300,7 @@ async def _run(request: web.Request, engine_requests: list[Request], fmt: Respon
                 raise APIError(out.error, code="engine_error")
         choices = [fmt.choice("".join(text[i]), logprobs[i] if wants_logprobs else None, last[i].finish_reason,
                               last[i].stop_reason, i) for i in range(n)]
-        return web.json_response(fmt.full(choices, _usage(engine_requests)), headers=headers)
+        return web.json_response(fmt.full(choices, usage_of(engine_requests)), headers=headers)
 
     response = await open_stream(request, headers)
     held: list[list[str]] = [[] for _ in range(n)]
@@ -307,7 +324,7 @@ async def _run(request: web.Request, engine_requests: list[Request], fmt: Respon
                                             out.stop_reason if out.finished else None, index)
                     await response.write(encode_event(chunk))
         if fmt.include_usage:
-            await response.write(encode_event(fmt.usage_chunk(_usage(engine_requests))))
+            await response.write(encode_event(fmt.usage_chunk(usage_of(engine_requests))))
         await response.write(DONE)
         await response.write_eof()
     except ConnectionResetError:  # the client left; aclosing has already aborted the sequences

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from headroom.admin.api import SORT_KEYS
 from headroom.admin.schemas import AbortBody, CapBody, DeprioritizeBody, ReloadBody, TenantPatch
+from headroom.app.responses_schemas import ResponsesRequest
 from headroom.app.schemas import ChatCompletionRequest, CompletionRequest
 
 _ERROR = {
@@ -87,7 +88,7 @@ def _admin_paths() -> dict:
 
 def build_openapi(version: str, admin: bool = False) -> dict:
     schemas: dict = {"Error": _ERROR}
-    models = [CompletionRequest, ChatCompletionRequest]
+    models = [CompletionRequest, ChatCompletionRequest, ResponsesRequest]
     if admin:
         models += [AbortBody, DeprioritizeBody, CapBody, TenantPatch, ReloadBody]
     for model in models:
@@ -101,6 +102,7 @@ def build_openapi(version: str, admin: bool = False) -> dict:
         "paths": {
             "/v1/completions": _generation("Text completion", "CompletionRequest"),
             "/v1/chat/completions": _generation("Chat completion", "ChatCompletionRequest"),
+            "/v1/responses": _generation("Response (OpenAI's Responses API, stateless)", "ResponsesRequest"),
             "/v1/models": {"get": {"summary": "Served models",
                                    "responses": {"200": {"description": "model list",
                                                          "content": {"application/json": {"schema": {"type": "object"}}}}}}},

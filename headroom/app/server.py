@@ -20,6 +20,7 @@ from headroom.app.errors import error_body, error_middleware
 from headroom.app.observe import metrics, observe_middleware
 from headroom.app.openai_api import chat_completions, completions, list_models
 from headroom.app.openapi import build_openapi
+from headroom.app.responses import responses
 from headroom.app.runner import Runner
 from headroom.config import Config
 from headroom.observability.observer import Observability, package_version
@@ -56,6 +57,7 @@ async def openapi(request: web.Request) -> web.Response:
 def setup_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/openapi.json", openapi)

@@ -1,4 +1,6 @@
-"""The one Server-Sent Events encoder: `data: <json>\\n\\n` per event, `data: [DONE]` last."""
+"""The one Server-Sent Events encoder: `data: <json>\\n\\n` per event, after an
+`event: <name>` line where the API names its events (the Responses API), and
+`data: [DONE]` last where the API ends so (completions, chat)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,9 @@ import json
 from aiohttp import web
 
 
-def encode_event(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+def encode_event(payload: dict, event: str | None = None) -> bytes:
+    data = b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return data if event is None else b"event: " + event.encode() + b"\n" + data
 
 
 DONE = b"data: [DONE]\n\n"

@@ -26,7 +26,8 @@ from headroom.runtime.request import Request
 
 log = logging.getLogger("headroom.observability")
 
-OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
+# A Responses request is a chat request under another shape (headroom/app/responses.py).
+OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion", "/v1/responses": "chat"}
 
 
 @dataclass
