@@ -55,6 +55,12 @@ def wait_idle(engine: Engine, timeout: float = 5.0) -> None:
     raise AssertionError(f"engine not idle: {engine.block_manager.num_used_blocks} blocks used")
 
 
+def finished_requests(server: BackgroundServer) -> float:
+    """Requests the server has finished with, by any outcome, run or refused."""
+    [family] = server.app[keys.OBSERVABILITY].metrics.tenant_requests.collect()
+    return sum(s.value for s in family.samples if s.name.endswith("_total"))
+
+
 def chat_ids(engine: Engine, text: str) -> list[int]:
     return engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
 
@@ -340,6 +346,7 @@ def test_disconnect_mid_stream_frees_blocks(server):
     engine = server.engine
     wait_idle(engine)
     idle = engine.block_manager.num_used_blocks
+    aborted = engine.counters().aborts["client_disconnect"]
 
     async def run() -> None:
         async with aiohttp.ClientSession() as session:
@@ -352,7 +359,14 @@ def test_disconnect_mid_stream_frees_blocks(server):
             resp.close()  # drop the connection mid-stream
 
     asyncio.run(run())
-    wait_idle(engine, timeout=3)
+    # The disconnect aborts the sequence, which would otherwise run on to 2000 tokens and
+    # finish as length. The deadline is a safety net only.
+    deadline = time.monotonic() + 60
+    while engine.counters().aborts["client_disconnect"] == aborted:
+        assert time.monotonic() < deadline, "the disconnect did not abort the sequence"
+        time.sleep(0.02)
+    assert engine.counters().aborts["client_disconnect"] == aborted + 1
+    wait_idle(engine, timeout=60)
     assert engine.block_manager.num_used_blocks == idle
     engine.block_manager.check_invariants()
 
@@ -361,6 +375,7 @@ def test_client_gone_mid_body_never_runs(server):
     engine = server.engine
     wait_idle(engine)
     started = engine.stats.requests_started
+    finished = finished_requests(server)
     body = json.dumps({"prompt": "never run me", "max_tokens": 50}).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
@@ -369,6 +384,12 @@ def test_client_gone_mid_body_never_runs(server):
     # while queued in admission: tests/app/test_admission_e2e.py.)
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(head + body[: len(body) // 2])
-    time.sleep(0.5)
+    # Wait until the server is done with the request, whatever the outcome: from then on
+    # it can no longer reach the engine. The deadline is a safety net only.
+    deadline = time.monotonic() + 60
+    while finished_requests(server) == finished:
+        assert time.monotonic() < deadline, "the server never finished the abandoned request"
+        time.sleep(0.02)
     wait_idle(engine)
     assert engine.stats.requests_started == started
+    assert finished_requests(server) == finished + 1

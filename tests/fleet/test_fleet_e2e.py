@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -110,6 +111,14 @@ async def redis_in_flight(client: aioredis.Redis, tenant: str) -> tuple[int, int
     return int(bucket or 0), sum(int(c) for c in costs)
 
 
+async def lease_expiries(client: aioredis.Redis, tenant: str) -> tuple[int, dict[str, int]]:
+    """Redis's clock and when each lease of `tenant` lapses on it, in ms, read in one transaction."""
+    async with client.pipeline(transaction=True) as pipe:
+        (seconds, micros), leases = await pipe.time().zrange(f"headroom:tenant:{tenant}:lease_expiry", 0, -1,
+                                                            withscores=True).execute()
+    return seconds * 1000 + micros // 1000, {lease.decode(): int(expiry) for lease, expiry in leases}
+
+
 async def metric(session: aiohttp.ClientSession, replica: Replica, name: str, **labels: str) -> float:
     async with session.get(replica.url + "/metrics") as r:
         text = await r.text()
@@ -118,6 +127,15 @@ async def metric(session: aiohttp.ClientSession, replica: Replica, name: str, **
             if sample.name in (name, name + "_total") and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return sample.value
     raise AssertionError(f"{name} {labels} missing from /metrics")
+
+
+async def queue_depth(session: aiohttp.ClientSession, replica: Replica) -> tuple[float, float, float]:
+    """(queue depth reported, waiting in admission, waiting in the engine), from one scrape."""
+    async with session.get(replica.url + "/metrics") as r:
+        samples = [s for f in text_string_to_metric_families(await r.text()) for s in f.samples]
+    backlog = sum(s.value for s in samples if s.name == "headroom:tenant_requests_waiting")
+    scalars = {s.name: s.value for s in samples if not s.labels}
+    return scalars["headroom:num_requests_queued"], backlog, scalars["headroom:num_requests_waiting"]
 
 
 async def local_in_flight(session: aiohttp.ClientSession, replica: Replica, tenant: str) -> int:
@@ -155,21 +173,24 @@ async def test_flood_on_every_replica_stays_within_the_tenant_cap(fleet):
     async with aiohttp.ClientSession(timeout=timeout) as session:
         sampler = asyncio.create_task(sample())
         flood = asyncio.gather(*(send(session, r, "flood", 4, flood_statuses) for r in replicas for _ in range(4)))
-        await asyncio.sleep(1.0)  # the flood is at its cap by now
-        # Queue depth for the router and the autoscaler counts admission's backlog too.
-        backlogs = []
-        for replica in replicas:
-            async with session.get(replica.url + "/metrics") as r:
-                scraped = {(s.name, s.labels.get("tenant")): s.value
-                           for f in text_string_to_metric_families(await r.text()) for s in f.samples}
-            backlogs.append(sum(v for (name, _), v in scraped.items() if name == "headroom:tenant_requests_waiting"))
-            assert scraped[("headroom:num_requests_queued", None)] == \
-                scraped[("headroom:num_requests_waiting", None)] + backlogs[-1]
-        assert sum(backlogs) >= 4  # 12 flood clients, about 4 admitted fleet-wide
-        await asyncio.gather(*(send(session, r, "other", 2, other_statuses) for r in replicas))
-        assert not flood.done(), "the other tenant was served only after the flood"
-        await flood
-        done.set()
+        try:
+            # Wait for the flood to reach its cap and queue behind it: 12 flood clients, about
+            # 4 admitted fleet-wide. The deadline is a safety net only.
+            deadline = time.monotonic() + 60
+            while True:
+                depths = [await queue_depth(session, r) for r in replicas]
+                if sum(backlog for _, backlog, _ in depths) >= 4:
+                    break
+                assert time.monotonic() < deadline, f"the flood never queued behind its cap: {depths}"
+                await asyncio.sleep(0.05)
+            # Queue depth for the router and the autoscaler counts admission's backlog too.
+            assert all(queued == waiting + backlog for queued, backlog, waiting in depths), depths
+            await asyncio.gather(*(send(session, r, "other", 2, other_statuses) for r in replicas))
+            assert not flood.done(), "the other tenant was served only after the flood"
+            await flood
+        finally:
+            done.set()  # a failure above must end the sampler and the flood, not leave them running
+            flood.cancel()
         await sampler
         per_replica = [await local_in_flight(session, r, "flood") for r in replicas]
     assert flood_statuses == [200] * 48 and other_statuses == [200] * 6
@@ -264,12 +285,22 @@ async def test_kill_9_mid_stream_returns_reservations_within_the_ttl(fleet):
         held, leased = await redis_in_flight(client, "steady")
         assert held == leased > 0
         victim.proc.kill()
-        killed_at = time.monotonic()
+        killed, expiries = await lease_expiries(client, "steady")
         for r in streams:
             r.close()
-    while await redis_in_flight(client, "steady") != (0, 0):
-        # Reclaimed by the survivors' next script after the TTL (they renew every TTL/3).
-        assert time.monotonic() - killed_at < TTL_S + TTL_S / 3 + 1.0
+    # Timed on Redis's clock, which also decides expiry, so a slow test cannot skew it:
+    # each lease lapses one TTL after its last renewal, which came before the kill.
+    assert expiries and all(lease.startswith(f"{socket.gethostname()}:{victim.port}|") for lease in expiries)
+    assert max(expiries.values()) <= killed + 1000 * TTL_S
+    # The survivors' scripts reclaim them (they renew every TTL/3); the deadline is a
+    # safety net only.
+    deadline = time.monotonic() + 60
+    while True:
+        now, left = await lease_expiries(client, "steady")
+        assert {lease for lease, expiry in expiries.items() if expiry > now} <= left.keys(), \
+            "a lease was given back before it lapsed"
+        if await redis_in_flight(client, "steady") == (0, 0):
+            break
+        assert time.monotonic() < deadline, f"leases never reclaimed: {left}"
         await asyncio.sleep(0.05)
-    assert time.monotonic() - killed_at >= TTL_S - 0.5  # nothing gave them back earlier but expiry
     await client.aclose()

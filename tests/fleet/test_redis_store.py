@@ -62,6 +62,18 @@ def redis_view(redis_server, tenant: str) -> tuple[int, int]:
     return int(bucket.get(b"in_flight", 0)), sum(int(c) for c in costs)
 
 
+def redis_ms(redis_server) -> int:
+    seconds, micros = redis_server.client().time()
+    return seconds * 1000 + micros // 1000
+
+
+def lease_expiry(redis_server, tenant: str, lease: str) -> int:
+    """When `lease` lapses, in milliseconds of Redis's clock."""
+    score = redis_server.client().zscore(f"headroom:tenant:{tenant}:lease_expiry", lease)
+    assert score is not None, f"{lease} is not held"
+    return int(score)
+
+
 async def until(predicate, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -152,15 +164,33 @@ async def test_settle_refunds_what_was_reserved_and_not_used(redis_server):
 async def test_a_dead_replicas_reservations_come_back_within_the_ttl(redis_server):
     dead = await replica(redis_server, "dead", ttl_s=1.0)
     alive = await replica(redis_server, "alive", ttl_s=1.0)
-    await dead.acquire(dead.registry.get("flood"), 700)
+    before = redis_ms(redis_server)
+    held = await dead.acquire(dead.registry.get("flood"), 700)
     assert redis_view(redis_server, "flood") == (700, 700)
     await kill(dead)
-    blocked = asyncio.create_task(alive.acquire(alive.registry.get("flood"), 700))
-    await asyncio.sleep(0.5)
-    assert not blocked.done()
-    started = time.monotonic()
-    ticket = await blocked
-    assert time.monotonic() - started < 1.0  # within the TTL of the lease
+    killed = redis_ms(redis_server)
+    # Timed on Redis's clock, which also decides expiry, so a slow test cannot skew it:
+    # the lease lapses one TTL after its last renewal, which came before the kill.
+    expiry = lease_expiry(redis_server, "flood", held.lease)
+    assert before + 1000 <= expiry <= killed + 1000
+    attempts: list[tuple[int, str | float]] = []  # (Redis time when sent, answer) of each reserve
+    reserve = alive.store.reserve
+
+    async def timed_reserve(tenant, cost):
+        sent = redis_ms(redis_server)
+        answer = await reserve(tenant, cost)
+        attempts.append((sent, answer))
+        return answer
+
+    alive.store.reserve = timed_reserve
+    # Safety net only: the wait is for the expiry itself.
+    ticket = await asyncio.wait_for(alive.acquire(alive.registry.get("flood"), 700), 30)
+    granted = lease_expiry(redis_server, "flood", ticket.lease) - 1000
+    assert ticket.decision == "wait" and granted >= expiry  # held back by the dead lease until it lapsed
+    # ... and no longer: every script reclaims what has lapsed, so no ask sent after the
+    # expiry was refused, however late the waiter got to send it.
+    refused = [sent for sent, answer in attempts if not isinstance(answer, str)]
+    assert refused and max(refused) < expiry and attempts[-1][1] == ticket.lease
     assert redis_view(redis_server, "flood") == (700, 700) and ticket.lease.startswith("alive|")
     alive.settle(ticket, 0, 0)
     await until(lambda: redis_view(redis_server, "flood") == (0, 0))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 import statistics
+import threading
 import time
 
 import aiohttp
@@ -124,14 +125,29 @@ async def overload(url: str, rate: float) -> dict:
     return {"results": results, "health_ms": health_ms, "rss": rss}
 
 
+def sample_idle(engine: Engine, stop: threading.Event, samples: list[tuple[float, bool]]) -> None:
+    """(when, whether the engine had nothing to run), every 10 ms until `stop`."""
+    while not stop.wait(0.01):
+        samples.append((time.monotonic(), not engine.scheduler.has_work()))
+
+
 def test_three_times_the_sustainable_rate_for_a_minute(default_model):
     server = BackgroundServer(CONFIG, Engine(CONFIG, loaded=default_model)).start()
+    stop = threading.Event()
     try:
         rate = asyncio.run(sustainable_rate(server.url))
         stats = server.engine.counters()
+        idle: list[tuple[float, bool]] = []
+        sampler = threading.Thread(target=sample_idle, args=(server.engine, stop, idle), daemon=True)
+        sampler.start()
         started = time.monotonic()
         run = asyncio.run(overload(server.url, 3 * rate))
         wall = time.monotonic() - started
+        stop.set()
+        sampler.join()
+        # From warm-up to the last arrival: the run is overloaded all that time.
+        steady_idle = [empty for t, empty in idle if WARMUP_S <= t - started < DURATION_S]
+        idle_share = sum(steady_idle) / len(steady_idle)
         after = server.engine.counters()
         busy = (after.step_time_s - stats.step_time_s) / wall
         step_ms = 1000 * (after.step_time_s - stats.step_time_s) / max(1, after.steps - stats.steps)
@@ -144,15 +160,17 @@ def test_three_times_the_sustainable_rate_for_a_minute(default_model):
         steady = [mib for t, mib in run["rss"] if t >= WARMUP_S]
         print(f"sustainable {rate:.2f} req/s; offered {len(results)} at {3 * rate:.2f} req/s: {ok} served, "
               f"{len(shed)} shed with 429, {len(other)} other; /health p50 {statistics.median(health):.1f} ms "
-              f"p99 {p99:.1f} ms; engine busy {busy:.0%} of the run, mean step {step_ms:.1f} ms; "
+              f"p99 {p99:.1f} ms; engine busy {busy:.0%} of the run, idle in {idle_share:.1%} of samples, "
+              f"mean step {step_ms:.1f} ms; "
               f"RSS after warm-up {min(steady):.0f}-{max(steady):.0f} MiB")
         assert other == []
         assert shed, "3x the sustainable rate must shed"
         assert all(retry is not None and retry >= 1 for _, retry in shed)
         assert {code for code, _ in shed} <= {"queue_full", "tenant_queue_full", "tenant_timeout"}
-        # It kept serving at its capacity: the engine was stepping nearly all the time
-        # (measured 99% on 2 busy cores; idle gaps would mean shedding emptied its queue).
-        assert busy >= 0.75, f"engine busy only {busy:.0%} under 3x overload"
+        # Shedding did not starve it: its queue never emptied, so the engine always had
+        # work. Sampled rather than timed: a busy machine slows the steps, and
+        # the time between them, but never leaves an overloaded engine without work.
+        assert idle_share <= 0.02, f"engine without work in {idle_share:.1%} of samples under 3x overload"
         # /health is answered between steps, never behind one: even its p99 is below one
         # mean step (measured p99 5.6 ms against steps of ~100 ms).
         assert p99 < step_ms, f"/health p99 {p99:.1f} ms, mean step {step_ms:.1f} ms"
@@ -166,4 +184,5 @@ def test_three_times_the_sustainable_rate_for_a_minute(default_model):
         assert gate.admission.in_flight_seqs == 0
         server.engine.block_manager.check_invariants()
     finally:
+        stop.set()
         server.stop()
