@@ -32,6 +32,10 @@ CONFIG = Config(
     admission=AdmissionConfig(
         auth=True,
         global_max_in_flight_seqs=4,
+        # The flood test below checks VTC's order exactly, with equal costs: tokens, which
+        # every request of it uses alike. Charged by engine seconds (the default), a request's
+        # cost depends on the batches it shared (tests/admission/test_fair_queue.py).
+        fair_share="tokens",
         tenants=(
             TenantConfig("flooder", api_keys=("key-a",), max_in_flight_tokens=A_CAP, max_queue=40,
                          rate_tokens_per_s=1e6, burst_tokens=10**6),
