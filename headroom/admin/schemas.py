@@ -57,6 +57,7 @@ def sequence_json(s: SequenceSnapshot) -> dict:
         "admin_actions": list(s.admin_actions),
         "predicted_remaining_tokens": s.predicted_remaining_tokens, "runaway_probability": s.runaway_probability,
         "runaway_flagged_at": s.runaway_flagged_at,
+        "loop_period": s.loop_period, "loop_detected_at": s.loop_detected_at,
     }
 
 

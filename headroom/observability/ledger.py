@@ -15,7 +15,7 @@ from pathlib import Path
 from headroom.observability.finished import FinishedRequest
 from headroom.runtime.request import Request
 
-OUTCOMES = ("stop", "length", "abort", "rejected", "invalid", "routed", "error")
+OUTCOMES = ("stop", "length", "repetition", "abort", "rejected", "invalid", "routed", "error")
 SUMS = ("prompt_tokens", "cached_prompt_tokens", "output_tokens", "device_seconds", "kv_block_seconds",
         "admission_wait_seconds")
 _SCHEMA = """

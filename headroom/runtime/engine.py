@@ -27,6 +27,7 @@ from headroom.runtime.detokenizer import IncrementalDetokenizer
 from headroom.runtime.device import prepare_model, resolve_kv_dtype
 from headroom.runtime.grammar import Grammars
 from headroom.runtime.inflight import InflightRefiner, LengthProbe
+from headroom.runtime.loops import LoopPolicy
 from headroom.runtime.model_runner import ModelRunner, StepTimer, kv_block_bytes
 from headroom.runtime.outputs import (
     EngineSnapshot,
@@ -75,6 +76,7 @@ class Engine:
         eos = self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos)
         self.sampler = Sampler(eos, seed=config.seed, device=self.device)
+        self.loops = LoopPolicy.of(config.admin)
         graph_sizes, self.cuda_graphs = graph_plan(config, self.device, self.backend)
         self.runner = ModelRunner(self.loaded.model, self.backend, num_blocks, self.block_size, self.device,
                                   self.kv_dtype, graph_sizes=graph_sizes, max_model_len=self.max_model_len)
@@ -269,6 +271,7 @@ class Engine:
                     self.tokenizer.hf, request.prompt_token_ids, request.sampling.stop
                 )
                 request.busy_at_arrival = self.stats.step_time_s
+                self.loops.attach(request)
                 self.scheduler.add_request(request)
                 self.stats.prompt_tokens += request.num_prompt_tokens
             elif kind == "long_lane":
@@ -292,6 +295,8 @@ class Engine:
         by = args.get("by", "admin")
         if args.get("inflight"):
             self.scheduler.policy.inflight_decisions["policy"] += 1
+        if by == "policy":
+            self.stats.policy_actions[action] += 1
         if action == "abort":
             reason = args.get("reason") or "no reason given"
             request.admin_actions.append(f"abort by {by}: {reason}")
@@ -366,6 +371,7 @@ class Engine:
         # those of the requests that finish in it.
         held = [len(self.block_manager.block_table(r.request_id)) for r in out.requests]
         with_token = self.scheduler.update_from_output(out, sampled)
+        self._act_on_loops(with_token)
 
         elapsed = time.perf_counter() - started
         self._account(out, held, elapsed, model_out.timer)
@@ -373,6 +379,28 @@ class Engine:
             if request.first_token_time is None:
                 request.first_token_time = sampled_time
             self._deliver_token(request, logprobs.get(request.request_id))
+
+    def _act_on_loops(self, requests: list[Request]) -> None:
+        for request in requests:
+            finding = None if request.is_finished else self.loops.check(request)
+            if finding is None:
+                continue
+            self.stats.loops[finding.action] += 1
+            rid, action = request.request_id, finding.action
+            if action == "stop":
+                request.admin_actions.append(f"stop by loop detector: {finding.what}")
+                request.stop_reason = "loop_detected"
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_REPETITION)
+            elif action == "cap":
+                cap = request.num_output_tokens + self.loops.cap_tokens
+                request.max_tokens_cap = cap if request.max_tokens_cap is None else min(cap, request.max_tokens_cap)
+                request.admin_actions.append(f"cap by loop detector at {cap} tokens: {finding.what}")
+                if request.num_output_tokens >= request.max_tokens:
+                    self.scheduler.finish_request(rid, RequestStatus.FINISHED_LENGTH)
+            else:
+                request.admin_actions.append(f"flag by loop detector: {finding.what}")
+            log.warning("loop %s on %s: %s", action, rid, finding.what,
+                        extra={"sequence": rid, "action": action})
 
     def _account(self, out, held: list[int], elapsed: float, timer: StepTimer) -> None:
         total = out.total_tokens

@@ -45,11 +45,14 @@ class EngineStats:
     device_time_by_class: Counter[str] = field(default_factory=Counter)  # seconds, by size class
     inflight_estimates: int = 0  # in-flight length estimates made (rows)
     inflight_decisions: Counter[str] = field(default_factory=Counter)  # changed by them: order, victim, long_lane
+    loops: Counter[str] = field(default_factory=Counter)  # found by the server's detector, by action taken
+    policy_actions: Counter[str] = field(default_factory=Counter)  # the automatic policies', by action
 
     def copy(self) -> EngineStats:
         return replace(self, finished=Counter(self.finished), aborts=Counter(self.aborts),
                        device_time_by_class=Counter(self.device_time_by_class),
-                       inflight_decisions=Counter(self.inflight_decisions))
+                       inflight_decisions=Counter(self.inflight_decisions), loops=Counter(self.loops),
+                       policy_actions=Counter(self.policy_actions))
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,10 @@ class SequenceSnapshot:
     predicted_remaining_tokens: float | None = None
     runaway_probability: float | None = None
     runaway_flagged_at: int | None = None  # output tokens when first predicted to run away
+    loop_period: int | None = None  # the repeated pattern's size, when the server's detector fired
+    loop_detected_at: int | None = None  # output tokens then
+    loop_policy: str | None = None  # what the detector does on a loop here (the tenant's, else the server's)
+    ladder: tuple[str, ...] | None = None  # the tenant's remediation ladder (None: the server's)
 
     @classmethod
     def of(cls, request: Request, now: float, busy_s: float, blocks_held: int, num_blocks: int,
@@ -129,6 +136,10 @@ class SequenceSnapshot:
             else None,
             runaway_probability=request.runaway_probability,
             runaway_flagged_at=request.runaway_flagged_at,
+            loop_period=request.loop_period,
+            loop_detected_at=request.loop_detected_at,
+            loop_policy=request.loop_policy,
+            ladder=request.ladder,
         )
 
     @property

@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from headroom.runtime.repetition import LoopTracker, RepetitionDetection
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
@@ -17,6 +19,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_REPETITION = 6  # a loop: vLLM's repetition_detection or the server's loop policy
 
     @property
     def is_finished(self) -> bool:
@@ -31,6 +34,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_REPETITION: "repetition",
 }
 
 
@@ -55,6 +59,8 @@ class SamplingParams:
     # output: positive logits divided by it, negative ones multiplied. 1: off.
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    # vLLM's: finish (reason "repetition") once the output ends in a repeated pattern.
+    repetition_detection: RepetitionDetection | None = None
 
     @property
     def penalized(self) -> bool:
@@ -112,6 +118,13 @@ class Request:
     estimated_at_tokens: int | None = None
     runaway_probability: float | None = None  # that it runs to its max_tokens
     runaway_flagged_at: int | None = None  # output tokens when first predicted to run away
+    # Loops (runtime/repetition.py): the tenant's policy (None: the server's), the tracker
+    # fed with every output token, and the server detector's finding.
+    loop_policy: str | None = None
+    ladder: tuple[str, ...] | None = None  # the tenant's remediation ladder (None: the server's)
+    loop: LoopTracker | None = None
+    loop_period: int | None = None  # the repeated pattern's size, in tokens
+    loop_detected_at: int | None = None  # output tokens when the server's detector fired
 
     status: RequestStatus = RequestStatus.WAITING
     submit_order: int = 0  # set by the scheduler; the last tie-breaker

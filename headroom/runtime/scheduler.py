@@ -214,6 +214,8 @@ class Scheduler:
             if token is None:
                 continue
             request.append_output(token)
+            if request.loop is not None:
+                request.loop.push(request.output_token_ids)
             status = self._check_stop(request, token)
             if status is not None:
                 self.finish_request(request.request_id, status)
@@ -228,6 +230,11 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= request.max_tokens:
             return RequestStatus.FINISHED_LENGTH
+        detection = params.repetition_detection
+        if (detection is not None and request.num_output_tokens >= params.min_tokens
+                and request.loop.period(detection) is not None):
+            request.stop_reason = "repetition_detected"
+            return RequestStatus.FINISHED_REPETITION
         return None
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:

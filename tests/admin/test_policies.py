@@ -63,7 +63,7 @@ def test_deprioritize_acts_once():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"policy_action": "kill"}, "policy_action must be abort or deprioritize, got 'kill'"),
+    ({"policy_action": "kill"}, "policy_action must be one of deprioritize, cap, abort, got 'kill'"),
     ({"max_kv_share": 1.5}, "max_kv_share must be in (0, 1], got 1.5"),
     ({"max_runaway_probability": 0}, "max_runaway_probability must be in (0, 1], got 0"),
     ({"max_wall_s": 0}, "max_wall_s must be > 0, got 0"),
@@ -122,7 +122,8 @@ def test_the_runaway_policy_moves_a_probed_runaway_to_the_long_lane(default_mode
     from tests.admin.conftest import admin, admin_config, start_stream, wait_until
     from tests.runtime.test_inflight_engine import LAYER, loop_rows
 
-    config = admin_config(max_runaway_probability=0.95, policy_interval_s=0.1)
+    # The planted loop is the probe's to catch here, not the loop detector's (it would cap it).
+    config = admin_config(max_runaway_probability=0.95, policy_interval_s=0.1, loop_policy="off")
     engine = Engine(config, loaded=default_model)
     probe = RecordedProbe(InflightProbe.train(loop_rows(300, default_model.args.hidden_size), LAYER))
     a = config.admission

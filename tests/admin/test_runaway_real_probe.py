@@ -34,7 +34,8 @@ def repeats(text: str) -> int:
 
 
 def test_the_probe_catches_a_looping_sequence_and_the_policy_moves_it(default_model):
-    config = admin_config(max_runaway_probability=0.9, policy_interval_s=0.1)
+    # The probe is under test, not the loop detector (which would cap the loop first).
+    config = admin_config(max_runaway_probability=0.9, policy_interval_s=0.1, loop_policy="off")
     assert config.admission.inflight and config.admission.runaway_threshold == 0.8  # the defaults
     server = BackgroundServer(config, Engine(config, loaded=default_model)).start()
     rid = "chatcmpl-loops"

@@ -136,10 +136,11 @@ def test_tenant_costs_add_up_over_a_scripted_run(default_model, tmp_path):
                               ("admission_wait_seconds", "admission_wait_seconds")]:
             assert t[field] == pytest.approx(value(f"headroom:tenant_{metric}_total", tenant=name), rel=1e-9), field
     header, *rows = csv_text.strip().splitlines()
-    assert header == ("tenant,requests_stop,requests_length,requests_abort,requests_rejected,requests_invalid,"
+    assert header == ("tenant,requests_stop,requests_length,requests_repetition,requests_abort,requests_rejected,"
+                      "requests_invalid,"
                       "requests_routed,requests_error,prompt_tokens,cached_prompt_tokens,output_tokens,"
                       "device_seconds,kv_block_seconds,admission_wait_seconds")
-    assert [r.split(",")[:5] for r in rows] == [["alpha", "0", "2", "1", "0"], ["beta", "0", "1", "0", "1"]]
+    assert [r.split(",")[:6] for r in rows] == [["alpha", "0", "2", "0", "1", "0"], ["beta", "0", "1", "0", "0", "1"]]
 
     again = BackgroundServer(config, Engine(config, loaded=default_model)).start()
     try:

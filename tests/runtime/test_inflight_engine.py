@@ -13,7 +13,7 @@ import torch
 
 from headroom.admission.inflight import POINTS
 from headroom.admission.inflight_model import DEFAULT_PATH, InflightProbe, load_inflight_probe
-from headroom.config import CacheConfig, Config, SchedulerConfig
+from headroom.config import AdminConfig, CacheConfig, Config, SchedulerConfig
 from headroom.runtime.engine import Engine
 from headroom.runtime.request import SamplingParams
 
@@ -46,8 +46,10 @@ def probe(default_model):
 
 @pytest.fixture
 def engine(default_model):
-    return Engine(Config(cache=CacheConfig(num_blocks=128, block_size=16), scheduler=SchedulerConfig(max_num_seqs=4)),
-                  loaded=default_model)
+    # The loop detector would cap the planted loop long before the probe's cap matters:
+    # here the probe alone is under test.
+    return Engine(Config(cache=CacheConfig(num_blocks=128, block_size=16), scheduler=SchedulerConfig(max_num_seqs=4),
+                         admin=AdminConfig(loop_policy="off")), loaded=default_model)
 
 
 def test_a_planted_loop_is_flagged_at_its_first_estimate_and_moved_to_the_long_lane(engine, probe, caplog):

@@ -1,0 +1,58 @@
+"""The server's loop policy, applied on the engine thread right after a step's tokens are
+appended: a sequence whose output ends in a repeated pattern (runtime/repetition.py) is
+flagged, capped or stopped, once, by its tenant's policy or the server's ([admin]
+loop_policy). A request that brings its own repetition_detection has asked for exactly
+that test (the scheduler applies it) and one that sets ignore_eos asked for every token,
+so the server's detector leaves both alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from headroom.config import AdminConfig
+from headroom.runtime.repetition import LoopTracker, RepetitionDetection
+from headroom.runtime.request import Request
+
+
+@dataclass(frozen=True)
+class Finding:
+    action: str  # flag | cap | stop
+    what: str  # for the log, the span and /admin/sequences
+
+
+@dataclass(frozen=True)
+class LoopPolicy:
+    policy: str
+    detection: RepetitionDetection
+    cap_tokens: int
+
+    @classmethod
+    def of(cls, config: AdminConfig) -> LoopPolicy:
+        return cls(config.loop_policy, config.loop_detection, config.cap_tokens)
+
+    def watches(self, request: Request) -> bool:
+        params = request.sampling
+        return ((request.loop_policy or self.policy) != "off" and params.repetition_detection is None
+                and not params.ignore_eos)
+
+    def attach(self, request: Request) -> None:
+        """Give request the tracker its detectors need, if any."""
+        own = request.sampling.repetition_detection
+        sizes = [own.max_pattern_size] if own is not None else []
+        if self.watches(request):
+            sizes.append(self.detection.max_pattern_size)
+        if sizes:
+            request.loop = LoopTracker(max(sizes))
+
+    def check(self, request: Request) -> Finding | None:
+        """What to do about request now: the first time its output is found looping."""
+        if (request.loop_detected_at is not None or request.loop is None or not self.watches(request)
+                or request.num_output_tokens < request.sampling.min_tokens):
+            return None
+        period = request.loop.period(self.detection)
+        if period is None:
+            return None
+        request.loop_period, request.loop_detected_at = period, request.num_output_tokens
+        what = (f"a {period}-token pattern repeated {self.detection.min_count} times "
+                f"at {request.num_output_tokens} output tokens")
+        return Finding(request.loop_policy or self.policy, what)
