@@ -219,6 +219,7 @@ async def stats(request: web.Request) -> web.Response:
                         "relax": observability.hol_feedback.actions["relax"]},
         },
         "admission_store": {"kind": "embedded"} if store is None else dataclasses.asdict(store.stats()),
+        "predictor_health": dataclasses.asdict(observability.predictor_health.report()),
     })
 
 

@@ -64,6 +64,7 @@ async def reload_predictor(request: web.Request) -> web.Response:
         raise Unprocessable(f"cannot load a predictor from {path!r}: {exc}", param="path",
                             code="predictor_load_failed") from None
     gate.predictor = predictor  # one reference swap: requests in flight keep the model they used
+    request.config_dict[keys.OBSERVABILITY].predictor_health.clear()  # the old model's predictions
     fallback = isinstance(predictor, FallbackPredictor)
     meta = {} if fallback else predictor.meta
     log.info("admin action", extra={"action": "reload_predictor", "path": path or "packaged default",

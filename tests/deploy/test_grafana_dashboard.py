@@ -53,11 +53,15 @@ def recorded() -> set[str]:
 def test_every_dashboard_query_names_a_real_metric(exported):
     panels = json.loads(DASHBOARD.read_text())["panels"]
     exprs = [t["expr"] for p in panels for t in p["targets"]]
-    assert len(panels) == 9 and len(exprs) == 20
+    assert len(panels) == 13 and len(exprs) == 34
     names = {name for expr in exprs for name in NAME.findall(expr)}
     assert names - exported - recorded() == set()
     assert {"headroom:ttft_seconds:p99_5m:by_class", "headroom:tenant_device_seconds_total",
             "headroom:kv_cache_usage_perc", "headroom:pool_split_ratio"} <= names  # the picture, cost, pool, split
+    # The predictors' health, server-wide and per tenant, beside the floors its alerts use.
+    assert {"headroom:predictor_kendall_tau", "headroom:predictor_cap_auc",
+            "headroom:inflight_flag_precision", "headroom:predictor_mae_tokens",
+            "headroom:tenant_predictor_kendall_tau", "headroom:predictor_cap_auc_floor"} <= names
 
 
 def test_every_rule_reads_a_real_metric(exported):
@@ -68,7 +72,11 @@ def test_every_rule_reads_a_real_metric(exported):
         "headroom:time_to_first_token_seconds_bucket", "headroom:time_per_output_token_seconds_bucket",
         "headroom:request_queue_time_seconds_bucket", "headroom:tenant_device_seconds_total",
         "headroom:engine_busy_seconds_total", "headroom:hol_coupling", "headroom:kv_cache_usage_perc",
-        "headroom:num_preemptions_total", "headroom:pool_split_ratio"}
+        "headroom:num_preemptions_total", "headroom:pool_split_ratio",
+        "headroom:predictor_kendall_tau", "headroom:tenant_predictor_kendall_tau",
+        "headroom:predictor_cap_auc", "headroom:tenant_predictor_cap_auc",
+        "headroom:inflight_flag_precision", "headroom:tenant_inflight_flag_precision",
+        "headroom:predictor_cap_rate", "headroom:tenant_predictor_cap_rate"}
 
 
 def test_a_misspelt_name_would_be_caught(exported):

@@ -24,7 +24,7 @@ def promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_the_rules_are_valid():
     run = promtool("check", "rules", str(RULES), cwd=ROOT)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "SUCCESS: 19 rules found" in run.stdout
+    assert "SUCCESS: 25 rules found" in run.stdout
 
 
 def test_the_alerts_fire_where_they_must_and_nowhere_else():
@@ -50,6 +50,20 @@ def test_the_alerts_fire_where_they_must_and_nowhere_else():
     # Reading the instant value: a 5-minute spike would fire the advice.
     ("min_over_time(headroom:pool_split_ratio{measure=\"tokens\"}[10m]) > 10",
      "headroom:pool_split_ratio{measure=\"tokens\"} > 10", "alertname: HeadroomPoolSplitAdvised"),
+    # Looser floors hide a tau of 0.30 and a probe's AUC of 0.60.
+    ("        expr: vector(0.35)", "        expr: vector(0.25)",
+     "alertname: HeadroomPredictorRankingDrift"),
+    ("        expr: vector(0.65)", "        expr: vector(0.55)",
+     "alertname: HeadroomPredictorCapAUCDrift"),
+    # Server-wide alone: one tenant's traffic the predictor misjudges goes unseen.
+    (("          or\n          headroom:tenant_predictor_cap_auc\n"
+      "            < on(predictor) group_left() headroom:predictor_cap_auc_floor\n"), "",
+     "alertname: HeadroomPredictorCapAUCDrift"),
+    # A short wait fires on a window's chance dip.
+    ("        for: 30m\n", "        for: 5m\n", "alertname: HeadroomPredictorRankingDrift"),
+    # A fixed floor for the flag's precision: right or wrong depending on how many runaways come.
+    ("headroom:inflight_flag_precision <= headroom:predictor_cap_rate",
+     "headroom:inflight_flag_precision <= 0.5", "alertname: HeadroomInflightFlagImprecise"),
 ])
 def test_a_broken_rule_fails_its_test(tmp_path, old, new, broken):
     rules = RULES.read_text(encoding="utf-8")
