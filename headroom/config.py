@@ -6,6 +6,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from headroom.runtime.repetition import RepetitionDetection
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -138,6 +140,9 @@ class SchedulerConfig:
             raise ConfigError(f"preemption_order must be 'priority' or 'newest', got {self.preemption_order!r}")
 
 
+UNKNOWN_FIELDS = ("reject", "accept")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -147,8 +152,18 @@ class ServerConfig:
     max_queue_len: int = 256
     # On SIGTERM: how long running streams may take to finish before they are aborted.
     drain_timeout_s: float = 30.0
+    # A request field no schema knows (a typo such as max_token): "reject" answers 400
+    # naming it, as OpenAI does; "accept" ignores it and logs a warning, as vLLM does,
+    # for clients that send another server's extras.
+    unknown_fields: str = "reject"
+    # A `metrics` object (waits, TTFT, engine seconds ...) on every final response; a
+    # tenant's own request_metrics, where set, decides for its requests.
+    request_metrics: bool = False
 
     def __post_init__(self) -> None:
+        if self.unknown_fields not in UNKNOWN_FIELDS:
+            raise ConfigError(f"unknown_fields must be one of {', '.join(UNKNOWN_FIELDS)}, "
+                              f"got {self.unknown_fields!r}")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1024:
@@ -157,6 +172,20 @@ class ServerConfig:
             raise ConfigError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+
+
+ACTIONS = ("deprioritize", "cap", "abort")
+LOOP_POLICIES = ("off", "flag", "cap", "stop")
+
+
+def check_ladder(ladder: tuple[str, ...], where: str) -> None:
+    if any(step not in ACTIONS for step in ladder):
+        raise ConfigError(f"{where}: every step must be one of {', '.join(ACTIONS)}, got {list(ladder)}")
+
+
+def check_loop_policy(policy: str, where: str) -> None:
+    if policy not in LOOP_POLICIES:
+        raise ConfigError(f"{where} must be one of {', '.join(LOOP_POLICIES)}, got {policy!r}")
 
 
 DEFAULT_TIERS: tuple[tuple[str, int], ...] = (("premium", 2), ("standard", 1), ("batch", 0))
@@ -179,6 +208,11 @@ class TenantConfig:
     # Per-tenant caps on a request's max_tokens and total length (None: the server's).
     max_tokens: int | None = None
     max_model_len: int | None = None
+    # Its own loop policy and remediation ladder (None: the server's, in [admin]).
+    loop_policy: str | None = None
+    ladder: tuple[str, ...] | None = None
+    # The `metrics` object on its responses (None: [server] request_metrics decides).
+    request_metrics: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -205,6 +239,11 @@ class TenantConfig:
             raise ConfigError(f"{where}: max_tokens must be >= 1, got {self.max_tokens}")
         if self.max_model_len is not None and self.max_model_len < 16:
             raise ConfigError(f"{where}: max_model_len must be >= 16, got {self.max_model_len}")
+        if self.loop_policy is not None:
+            check_loop_policy(self.loop_policy, f"{where}: loop_policy")
+        if self.ladder is not None:
+            object.__setattr__(self, "ladder", tuple(self.ladder))
+            check_ladder(self.ladder, f"{where}: ladder")
 
 
 def check_store_url(url: str, where: str) -> None:
@@ -228,6 +267,10 @@ class AdmissionConfig:
     # config names no tenants, so that with no config one user's requests never share a
     # queue and a fair share with another's.
     auto_tenants: bool | None = None
+    # With auth off: the gateway's objective (x-gateway-inference-objective, the name of an
+    # InferenceObjective) -> the tier its requests get instead of their tenant's. No header
+    # carries the objective's priority: the gateway looks it up for its own queues.
+    objectives: tuple[tuple[str, str], ...] = ()
     # Admitted, unfinished requests across all tenants (None: decided from the engine's max_num_seqs).
     global_max_in_flight_seqs: int | None = None
     # A queued request that does not fit its tenant's limits yet is passed by later ones
@@ -283,6 +326,9 @@ class AdmissionConfig:
         tiers = self.tiers.items() if isinstance(self.tiers, Mapping) else self.tiers
         object.__setattr__(self, "tiers", tuple(tuple(pair) for pair in tiers))
         object.__setattr__(self, "tenants", tuple(self._tenant(t) for t in self.tenants))
+        objectives = self.objectives
+        objectives = objectives.items() if isinstance(objectives, Mapping) else objectives
+        object.__setattr__(self, "objectives", tuple(tuple(pair) for pair in objectives))
 
         if not all(len(pair) == 2 for pair in self.tiers):
             raise ConfigError(f"admission.tiers must be (name, priority) pairs, got {self.tiers!r}")
@@ -294,6 +340,10 @@ class AdmissionConfig:
         for name, prio in self.tiers:
             if not isinstance(name, str) or not name or not isinstance(prio, int) or isinstance(prio, bool):
                 raise ConfigError(f"admission.tiers: {name!r} = {prio!r} must map a name to an integer priority")
+        for pair in self.objectives:
+            if len(pair) != 2 or not isinstance(pair[0], str) or not pair[0] or pair[1] not in names:
+                raise ConfigError(f"admission.objectives: {pair!r} must map an objective's name to "
+                                  f"a tier ({', '.join(names)})")
 
         if not self.tenants:
             raise ConfigError("admission.tenants must list at least one tenant")
@@ -353,6 +403,12 @@ class AdmissionConfig:
                 return prio
         raise ConfigError(f"unknown tier {tier!r} (tiers: {', '.join(name for name, _ in self.tiers)})")
 
+    def objective_tier(self, objective: str) -> str | None:
+        for name, tier in self.objectives:
+            if name == objective:
+                return tier
+        return None
+
     def tenant(self, name: str) -> TenantConfig:
         for tenant in self.tenants:
             if tenant.name == name:
@@ -396,6 +452,11 @@ class ObservabilityConfig:
     # text): off unless a path is given; rows older than usage_retention_days are deleted.
     usage_ledger_path: str | None = None
     usage_retention_days: float = 90.0
+    # The predictors' health (observability/predictor_health.py): their quality over the
+    # last predictor_health_window finished requests. A figure whose sample (server-wide
+    # or one tenant's) is under predictor_health_min_requests is left out, not reported noisy.
+    predictor_health_window: int = 500
+    predictor_health_min_requests: int = 50
 
     def __post_init__(self) -> None:
         if self.log_format not in ("auto", "json", "console"):
@@ -408,6 +469,10 @@ class ObservabilityConfig:
             raise ConfigError(f"hol_long_share must be in (0, 1], got {self.hol_long_share}")
         if self.usage_retention_days <= 0:
             raise ConfigError(f"usage_retention_days must be > 0, got {self.usage_retention_days}")
+        if not 2 <= self.predictor_health_min_requests <= self.predictor_health_window:
+            raise ConfigError("predictor_health_min_requests must be in [2, predictor_health_window], "
+                              f"got {self.predictor_health_min_requests} and "
+                              f"{self.predictor_health_window}")
 
 
 @dataclass(frozen=True)
@@ -425,13 +490,40 @@ class AdminConfig:
     # its cap (deprioritize also moves it to the long lane).
     max_runaway_probability: float | None = None
     policy_interval_s: float = 0.5
+    # The remediation ladder (empty: every violation gets policy_action): a sequence's
+    # first violation gets ladder[0], and each one ladder_step_s or more after its last
+    # action the next step, staying on the last. Steps: deprioritize, cap, abort.
+    ladder: tuple[str, ...] = ()
+    ladder_step_s: float = 5.0
+    # A cap (policy or loop) lets a sequence generate at most this many more tokens.
+    cap_tokens: int = 32
+    # Loop detection on the engine thread (runtime/repetition.py), vLLM's
+    # repetition_detection test with these parameters, for every sequence that brings no
+    # repetition_detection of its own and does not set ignore_eos. A loop is then:
+    # off: not looked for; flag: logged, counted, shown on the span and /admin/sequences,
+    # and a violation of the automatic policies; cap: also ended after cap_tokens more;
+    # stop: ended at once (finish_reason "repetition"). A tenant may set its own.
+    # bench/RESULTS.md (loop detection) has the data behind these defaults.
+    loop_policy: str = "cap"
+    loop_max_pattern_size: int = 128
+    loop_min_pattern_size: int = 8
+    loop_min_count: int = 4
 
     def __post_init__(self) -> None:
         if self.token is not None and len(self.token) < 16:
             raise ConfigError("admin token must be at least 16 characters")
-        if self.policy_action not in ("abort", "deprioritize"):
-            raise ConfigError(f"policy_action must be abort or deprioritize, got {self.policy_action!r}")
-        for name in ("max_wall_s", "max_predicted_ratio", "policy_interval_s"):
+        if self.policy_action not in ACTIONS:
+            raise ConfigError(f"policy_action must be one of {', '.join(ACTIONS)}, got {self.policy_action!r}")
+        object.__setattr__(self, "ladder", tuple(self.ladder))  # TOML gives a list
+        check_ladder(self.ladder, "admin.ladder")
+        check_loop_policy(self.loop_policy, "admin.loop_policy")
+        if self.cap_tokens < 0:
+            raise ConfigError(f"cap_tokens must be >= 0, got {self.cap_tokens}")
+        try:
+            RepetitionDetection(self.loop_max_pattern_size, self.loop_min_pattern_size, self.loop_min_count)
+        except ValueError as exc:
+            raise ConfigError(f"admin.loop_*: {exc}") from None
+        for name in ("max_wall_s", "max_predicted_ratio", "policy_interval_s", "ladder_step_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name} must be > 0, got {value}")
@@ -439,6 +531,10 @@ class AdminConfig:
             value = getattr(self, name)
             if value is not None and not 0 < value <= 1:
                 raise ConfigError(f"{name} must be in (0, 1], got {value}")
+
+    @property
+    def loop_detection(self) -> RepetitionDetection:
+        return RepetitionDetection(self.loop_max_pattern_size, self.loop_min_pattern_size, self.loop_min_count)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,13 @@ from headroom.runtime.request import Request
 
 # Tier priority dominates; the request's own vLLM-style priority orders within a tier.
 TIER_STRIDE = 1000
+# The Gateway API Inference Extension's flow control names who a request belongs to and
+# its InferenceObjective in these headers; llm-d's router, which carries its endpoint
+# picker on from v1.6, reads its own names first and these as aliases, and so does headroom.
 FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
+FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", FAIRNESS_HEADER)
+OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", OBJECTIVE_HEADER)
 MAX_TENANT_NAME = 128
 
 
@@ -73,7 +79,7 @@ class AdmissionGate:
                 raise Unauthorized("Incorrect API key provided.", code="invalid_api_key")
             return tenant
         registry = self.registry
-        for header in ("X-Tenant", FAIRNESS_HEADER):
+        for header in ("X-Tenant", *FAIRNESS_HEADERS):
             if len(request.headers.get(header, "")) > MAX_TENANT_NAME:
                 raise BadRequest(f"{header} is longer than {MAX_TENANT_NAME} characters", param=header,
                                  code="invalid_tenant")
@@ -82,22 +88,30 @@ class AdmissionGate:
             tenant = registry.get_or_add(name) if registry.auto else registry.get(name)
             if tenant is None:
                 raise BadRequest(f"unknown tenant {name!r}", param="X-Tenant", code="unknown_tenant")
-        if tenant is None and (name := request.headers.get(FAIRNESS_HEADER)):
-            # The Gateway API Inference Extension's flow control names the tenant here.
+        if tenant is None and (name := _first(request, FAIRNESS_HEADERS)):
             tenant = registry.get_or_add(name) if registry.auto else registry.get(name)
         if tenant is None and key and registry.auto:
             tenant = registry.get_or_add("key-" + hashlib.sha256(key.encode()).hexdigest()[:12])
         return tenant or registry.default
 
-    async def admit(self, tenant: Tenant, engine_requests: list[Request], messages: list[dict]) -> Admitted:
+    def tier(self, request: web.Request, tenant: Tenant) -> str:
+        """The tier a request runs in: its gateway objective's, where the config maps that
+        objective to one (with auth off, as the gateway's fairness id), else its tenant's."""
+        objective = None if self.config.auth else _first(request, OBJECTIVE_HEADERS)
+        return (objective and self.config.objective_tier(objective)) or tenant.config.tier
+
+    async def admit(self, tenant: Tenant, engine_requests: list[Request], messages: list[dict],
+                    tier: str | None = None) -> Admitted:
         """Predict, classify and wait for admission; sets the requests' admission fields.
         The n choices of one request share a prompt and parameters: one prediction, and
         one admission of n sequences at n times the cost (all or none, so that two
-        requests can never each hold part of what both need).
+        requests can never each hold part of what both need). tier: the tier they run in
+        (None: the tenant's).
         Raises an APIError (429 with Retry-After, 400, 503) when they may not run."""
         admitted = Admitted(tenant)
+        tier = tier or tenant.config.tier
         for r in engine_requests:
-            r.tenant, r.tier = tenant.name, tenant.config.tier
+            r.tenant, r.tier = tenant.name, tier
         if self.admission is None or self.predictor is None:
             return admitted
         engine_request = engine_requests[0]
@@ -131,9 +145,10 @@ class AdmissionGate:
                 r.admission_decision = "reject"
             raise _rejection_error(exc) from None
         admitted.ticket = ticket
+        priority = self.config.priority(tier)
         for r in engine_requests:
             r.admission_decision = ticket.decision
-            r.priority += ticket.priority * TIER_STRIDE
+            r.priority += priority * TIER_STRIDE
             if self.config.max_wall_s is not None:
                 r.deadline = r.arrival_time + self.config.max_wall_s
         return admitted
@@ -157,6 +172,10 @@ class AdmissionGate:
         self.decision_times.append(seconds)
         if len(self.decision_times) > 10_000:
             del self.decision_times[:5_000]
+
+
+def _first(request: web.Request, headers: tuple[str, ...]) -> str | None:
+    return next((value for name in headers if (value := request.headers.get(name))), None)
 
 
 STORE_ENV = "HEADROOM_ADMISSION_STORE"

@@ -52,6 +52,8 @@ _FLAGS = {
     "max_body_bytes": ("server", "max_body_bytes"),
     "max_queue_len": ("server", "max_queue_len"),
     "drain_timeout": ("server", "drain_timeout_s"),
+    "unknown_fields": ("server", "unknown_fields"),
+    "request_metrics": ("server", "request_metrics"),
     "attention_backend": (None, "attention_backend"),
     "seed": (None, "seed"),
     "admission": ("admission", "enabled"),
@@ -292,6 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--max-body-bytes", type=int)
     srv.add_argument("--max-queue-len", type=int)
     srv.add_argument("--drain-timeout", type=float, help="seconds streams may run on after SIGTERM")
+    srv.add_argument("--unknown-fields", choices=["reject", "accept"],
+                     help="a request field no schema knows: 400 naming it (reject, as OpenAI) "
+                          "or ignored with a warning (accept, as vLLM)")
+    srv.add_argument("--request-metrics", action=argparse.BooleanOptionalAction, default=None,
+                     help="a metrics object (waits, TTFT, engine seconds ...) on final responses")
     srv.add_argument("--admission", type=_on_off, metavar="on|off", help="per-tenant admission control")
     srv.add_argument("--log-format", choices=["auto", "json", "console"],
                      help="log lines as JSON (default when not a terminal) or for a human")

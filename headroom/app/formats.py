@@ -34,6 +34,7 @@ class ResponseFormat:
     # Text offsets of completions' logprobs, per choice; advanced as chunks are formatted.
     text_offsets: dict[int, int] = field(default_factory=dict, init=False)
     tools: ToolUse | None = None  # chat: the request may get tool calls back
+    report_metrics: bool = False  # a `metrics` object on the response or the stream's last chunk
 
     @property
     def holds_text(self) -> bool:

@@ -25,9 +25,11 @@ from headroom.app.errors import (
     Unavailable,
     error_body,
 )
+from headroom.app.fields import UNRECOGNIZED, parse_body
 from headroom.app.formats import ChatFormat, CompletionFormat, ResponseFormat, Usage
 from headroom.app.observe import note
 from headroom.app.proxy import proxy
+from headroom.app.response_metrics import metrics_of, reports_metrics
 from headroom.app.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from headroom.app.sse import DONE, encode_event, open_stream
 from headroom.app.structured import constraint_param, grammar_spec, template_messages, tool_use
@@ -52,6 +54,14 @@ def request_id(request: web.Request, prefix: str, tenant: Tenant) -> str:
     return f"{prefix}{uuid.uuid4().hex}"
 
 
+def caller(request: web.Request) -> Tenant:
+    """Who is asking; noted on the trace with the tier the request runs in."""
+    gate = request.app[keys.GATE]
+    tenant = gate.tenant(request)
+    note(request, tenant=tenant.name, tier=gate.tier(request, tenant))
+    return tenant
+
+
 def check_accepting(request: web.Request) -> None:
     if request.app[keys.LIFECYCLE].draining:
         raise Unavailable("the server is shutting down; retry on another instance", code="draining",
@@ -74,8 +84,13 @@ def build_requests(request: web.Request, rid: str, body: SamplingFields, prompt_
     # Choice ids get a random part: a client's own X-Request-Id can never name another's choice.
     ids = [rid] + [f"{rid}-{i}-{uuid.uuid4().hex[:8]}" for i in range(1, body.n)]
     seeds = [None if body.seed is None else _wrap_seed(body.seed + i) for i in range(body.n)]
-    return [build_request(request, ids[i], body, prompt_ids, max_tokens, logprobs, tenant, seeds[i])
-            for i in range(body.n)]
+    built = [build_request(request, ids[i], body, prompt_ids, max_tokens, logprobs, tenant,
+                           seeds[i]) for i in range(body.n)]
+    trace = request.get(keys.TRACE)
+    if trace is not None:  # one arrival for the span, the ledger and /admin alike: the handler's
+        for engine_request in built:
+            engine_request.arrival_time = trace.arrival
+    return built
 
 
 def _wrap_seed(seed: int) -> int:
@@ -116,6 +131,7 @@ def build_request(request: web.Request, rid: str, body: SamplingFields, prompt_i
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty,
             logit_bias=body.token_bias,
+            repetition_detection=body.repetition_detection and body.repetition_detection.detection,
         )
     except ValueError as exc:
         raise BadRequest(str(exc)) from None
@@ -127,16 +143,17 @@ def build_request(request: web.Request, rid: str, body: SamplingFields, prompt_i
             param="max_tokens", code="context_length_exceeded")
     try:
         # vLLM's convention: a lower `priority` value is served earlier.
-        return engine.new_request(prompt_ids, sampling, request_id=rid, priority=-body.priority)
+        built = engine.new_request(prompt_ids, sampling, request_id=rid, priority=-body.priority)
     except ValueError as exc:
         raise BadRequest(str(exc), code="invalid_value") from None
+    built.loop_policy, built.ladder = tenant.config.loop_policy, tenant.config.ladder
+    return built
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    tenant = request.app[keys.GATE].tenant(request)
-    note(request, tenant=tenant.name, tier=tenant.config.tier)
+    tenant = caller(request)
     check_accepting(request)
-    body = CompletionRequest.model_validate_json(await request.read())
+    body = await parse_body(request, CompletionRequest, UNRECOGNIZED)
     model = check_model(request, body.model)
     tokenizer = request.app[keys.ENGINE].engine.tokenizer
     prompt_ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
@@ -144,16 +161,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
     note(request, request_id=rid)
     engine_requests = build_requests(request, rid, body, prompt_ids, body.max_tokens, body.logprobs, tenant)
     await constrain(request, engine_requests, grammar_spec(body), constraint_param(body))
-    fmt = CompletionFormat(rid, int(time.time()), model, _token_text(tokenizer), body.include_usage)
+    fmt = CompletionFormat(rid, int(time.time()), model, _token_text(tokenizer), body.include_usage,
+                           report_metrics=reports_metrics(request.app[keys.CONFIG].server, tenant))
     text = body.prompt if isinstance(body.prompt, str) else ""
     return await respond(request, engine_requests, fmt, body.stream, tenant, [{"role": "user", "content": text}])
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    tenant = request.app[keys.GATE].tenant(request)
-    note(request, tenant=tenant.name, tier=tenant.config.tier)
+    tenant = caller(request)
     check_accepting(request)
-    body = ChatCompletionRequest.model_validate_json(await request.read())
+    body = await parse_body(request, ChatCompletionRequest, UNRECOGNIZED)
     engine_requests, fmt, messages = await prepare_chat(request, body, tenant, "chatcmpl-")
     return await respond(request, engine_requests, fmt, body.stream, tenant, messages)
 
@@ -180,7 +197,9 @@ async def prepare_chat(request: web.Request, body: ChatCompletionRequest, tenant
     engine_requests = build_requests(request, rid, body, prompt_ids, body.requested_max_tokens, logprobs, tenant)
     spec = tool_grammar or grammar_spec(body)
     await constrain(request, engine_requests, spec, "tool_choice" if tool_grammar else constraint_param(body))
-    fmt = ChatFormat(rid, int(time.time()), model, _token_text(tokenizer), body.include_usage, tools=tools)
+    report = reports_metrics(request.app[keys.CONFIG].server, tenant)
+    fmt = ChatFormat(rid, int(time.time()), model, _token_text(tokenizer), body.include_usage,
+                     tools=tools, report_metrics=report)
     return engine_requests, fmt, messages
 
 
@@ -221,7 +240,8 @@ async def respond(request: web.Request, engine_requests: list[Request], fmt: Any
     gate = request.app[keys.GATE]
     note(request, engine_request=engine_requests[0],
          prompt=messages if request.app[keys.CONFIG].observability.log_prompts else None)
-    admitted = await gate.admit(tenant, engine_requests, messages)  # n choices: n sequences, at once
+    # n choices: n sequences, admitted at once
+    admitted = await gate.admit(tenant, engine_requests, messages, gate.tier(request, tenant))
     if admitted.route is not None:
         return await proxy(request, admitted.route, request.app[keys.HTTP_CLIENT])
     done = False
@@ -284,6 +304,13 @@ async def _run(request: web.Request, engine_requests: list[Request], fmt: Respon
     headers = {"X-Request-Id": engine_requests[0].request_id}
     n = len(engine_requests)
     outputs = outputs_of(client, engine_requests)
+
+    def closing(payload: dict) -> dict:
+        """The response, or the last chunk of its stream, with its metrics where reported."""
+        if fmt.report_metrics:
+            payload["metrics"] = metrics_of(engine_requests)
+        return payload
+
     if not stream:
         text: list[list[str]] = [[] for _ in range(n)]
         wants_logprobs = engine_requests[0].sampling.logprobs is not None
@@ -300,10 +327,12 @@ async def _run(request: web.Request, engine_requests: list[Request], fmt: Respon
                 raise APIError(out.error, code="engine_error")
         choices = [fmt.choice("".join(text[i]), logprobs[i] if wants_logprobs else None, last[i].finish_reason,
                               last[i].stop_reason, i) for i in range(n)]
-        return web.json_response(fmt.full(choices, usage_of(engine_requests)), headers=headers)
+        body = closing(fmt.full(choices, usage_of(engine_requests)))
+        return web.json_response(body, headers=headers)
 
     response = await open_stream(request, headers)
     held: list[list[str]] = [[] for _ in range(n)]
+    running = n  # choices still running: the last one's final chunk ends the stream (or usage does)
     try:
         async with contextlib.aclosing(outputs):
             for index in range(n):
@@ -313,18 +342,23 @@ async def _run(request: web.Request, engine_requests: list[Request], fmt: Respon
                 if out.error:  # headers are sent: the error travels as an event
                     await response.write(encode_event(error_body(out.error, APIError.type, code="engine_error")))
                     break
+                if out.finished:
+                    running -= 1
+                last = running == 0 and not fmt.include_usage
                 if fmt.holds_text:  # tool calls are known only once the whole text is
                     held[index].append(out.text)
                     if out.finished:
-                        for chunk in fmt.tool_chunks("".join(held[index]), out.finish_reason, out.stop_reason, index):
+                        chunks = fmt.tool_chunks("".join(held[index]), out.finish_reason,
+                                                 out.stop_reason, index)
+                        for chunk in chunks[:-1] + [closing(chunks[-1]) if last else chunks[-1]]:
                             await response.write(encode_event(chunk))
                     continue
                 if out.text or out.finished or out.logprobs:
                     chunk = fmt.delta_chunk(out.text, out.logprobs, out.finish_reason if out.finished else None,
                                             out.stop_reason if out.finished else None, index)
-                    await response.write(encode_event(chunk))
+                    await response.write(encode_event(closing(chunk) if last else chunk))
         if fmt.include_usage:
-            await response.write(encode_event(fmt.usage_chunk(usage_of(engine_requests))))
+            await response.write(encode_event(closing(fmt.usage_chunk(usage_of(engine_requests)))))
         await response.write(DONE)
         await response.write_eof()
     except ConnectionResetError:  # the client left; aclosing has already aborted the sequences

@@ -86,15 +86,19 @@ def _admin_paths() -> dict:
     }
 
 
-def build_openapi(version: str, admin: bool = False) -> dict:
+def build_openapi(version: str, admin: bool = False, unknown_fields: str = "reject") -> dict:
+    """unknown_fields: [server] unknown_fields, which says whether a request body may hold
+    fields beyond those its model declares (app/fields.py)."""
     schemas: dict = {"Error": _ERROR}
-    models = [CompletionRequest, ChatCompletionRequest, ResponsesRequest]
-    if admin:
-        models += [AbortBody, DeprioritizeBody, CapBody, TenantPatch, ReloadBody]
+    generation = [CompletionRequest, ChatCompletionRequest, ResponsesRequest]
+    admin_bodies = [AbortBody, DeprioritizeBody, CapBody, TenantPatch, ReloadBody]
+    models = generation + (admin_bodies if admin else [])
     for model in models:
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
+    for model in generation:
+        schemas[model.__name__]["additionalProperties"] = unknown_fields == "accept"
     spec = {
         "openapi": "3.1.0",
         "info": {"title": "headroom", "version": version,

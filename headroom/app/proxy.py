@@ -9,11 +9,13 @@ import logging
 import aiohttp
 from aiohttp import web
 
+from headroom.app.admission_gate import FAIRNESS_HEADERS, OBJECTIVE_HEADERS
 from headroom.app.errors import APIError
 
 log = logging.getLogger("headroom.proxy")
 
-FORWARDED = ("Authorization", "Content-Type", "X-Request-Id", "X-Tenant", "traceparent", "tracestate")
+FORWARDED = ("Authorization", "Content-Type", "X-Request-Id", "X-Tenant", *FAIRNESS_HEADERS,
+             *OBJECTIVE_HEADERS, "traceparent", "tracestate")
 RETURNED = ("Content-Type", "Cache-Control", "Retry-After", "X-Request-Id")
 
 

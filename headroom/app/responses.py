@@ -14,8 +14,16 @@ from pydantic import ValidationError
 
 from headroom.app import keys
 from headroom.app.errors import APIError, BadRequest, validation_error
-from headroom.app.observe import note
-from headroom.app.openai_api import check_accepting, outputs_of, prepare_chat, respond, usage_of
+from headroom.app.fields import UNKNOWN_PARAMETER, parse_body
+from headroom.app.openai_api import (
+    caller,
+    check_accepting,
+    outputs_of,
+    prepare_chat,
+    respond,
+    usage_of,
+)
+from headroom.app.response_metrics import metrics_of
 from headroom.app.responses_format import ResponseEvents, ResponsesFormat
 from headroom.app.responses_schemas import ResponsesRequest
 from headroom.app.schemas import ChatCompletionRequest
@@ -30,10 +38,9 @@ CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens"
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    tenant = request.app[keys.GATE].tenant(request)
-    note(request, tenant=tenant.name, tier=tenant.config.tier)
+    tenant = caller(request)
     check_accepting(request)
-    body = ResponsesRequest.model_validate_json(await request.read())
+    body = await parse_body(request, ResponsesRequest, UNKNOWN_PARAMETER)
     chat_body = chat_request(body)
     try:
         engine_requests, chat, messages = await prepare_chat(request, chat_body, tenant, "resp_")
@@ -121,6 +128,10 @@ async def _run(request: web.Request, engine_requests: list[Request], fmt: Respon
     outputs = outputs_of(request.app[keys.ENGINE], engine_requests)
     text: list[str] = []
     last = None
+
+    def metrics() -> dict | None:
+        return metrics_of(engine_requests) if fmt.chat.report_metrics else None
+
     if not stream:
         async with contextlib.aclosing(outputs):
             async for _, out in outputs:
@@ -129,7 +140,8 @@ async def _run(request: web.Request, engine_requests: list[Request], fmt: Respon
         if last.error:
             raise APIError(last.error, code="engine_error")
         status, items = fmt.finished("".join(text), last.finish_reason, last.stop_reason)
-        return web.json_response(fmt.response(status, items, usage_of(engine_requests)), headers=headers)
+        body = fmt.response(status, items, usage_of(engine_requests), metrics=metrics())
+        return web.json_response(body, headers=headers)
 
     response = await open_stream(request, headers)
     events = ResponseEvents(fmt)
@@ -150,7 +162,7 @@ async def _run(request: web.Request, engine_requests: list[Request], fmt: Respon
                     await send([events.delta(out.text)])
             else:
                 await send(events.finish("".join(text), last.finish_reason, last.stop_reason,
-                                         usage_of(engine_requests)))
+                                         usage_of(engine_requests), metrics()))
         await response.write_eof()
     except ConnectionResetError:  # the client left; aclosing has already aborted the sequence
         log.info("client disconnected mid-stream: %s", engine_requests[0].request_id)

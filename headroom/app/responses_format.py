@@ -40,12 +40,14 @@ class ResponsesFormat:
         return self.chat.holds_text
 
     def response(self, status: str, output: list[dict], usage: Usage | None = None,
-                 error: dict | None = None) -> dict:
-        return {"id": self.chat.id, "object": "response", "created_at": self.chat.created, "status": status,
-                "error": error,
-                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "model": self.chat.model, "output": output,
-                "usage": usage_dict(usage) if usage is not None else None, **self.echo}
+                 error: dict | None = None, metrics: dict | None = None) -> dict:
+        """metrics: the request's, on a final response where the server reports them."""
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        out = {"id": self.chat.id, "object": "response", "created_at": self.chat.created,
+               "status": status, "error": error, "incomplete_details": incomplete,
+               "model": self.chat.model, "output": output,
+               "usage": usage_dict(usage) if usage is not None else None, **self.echo}
+        return out if metrics is None else {**out, "metrics": metrics}
 
     def message(self, text: str, status: str) -> dict:
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
@@ -88,12 +90,13 @@ class ResponseEvents:
         return self.event("response.output_text.delta", item_id=self.fmt.message_id, output_index=output_index,
                           content_index=0, delta=text, logprobs=[])
 
-    def finish(self, text: str, finish_reason: str | None, stop_reason: str | int | None, usage: Usage) -> list[dict]:
+    def finish(self, text: str, finish_reason: str | None, stop_reason: str | int | None,
+               usage: Usage, metrics: dict | None = None) -> list[dict]:
         status, items = self.fmt.finished(text, finish_reason, stop_reason)
         events = []
         for index, item in enumerate(items):
             events += self._message(index, item) if item["type"] == "message" else self._function_call(index, item)
-        final = self.fmt.response(status, items, usage)
+        final = self.fmt.response(status, items, usage, metrics=metrics)
         return events + [self.event(FINAL_EVENT.get(status, "response.failed"), response=final)]
 
     def failed(self, message: str) -> list[dict]:

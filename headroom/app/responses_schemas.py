@@ -1,7 +1,8 @@
 """The request body of /v1/responses (OpenAI's Responses API), validated by pydantic.
 Text in and out, stateless: what it asks is what a chat request can ask, and responses.py
-translates it into one. Unknown fields are ignored, as OpenAI does; known fields headroom
-does not implement are refused with a 400 naming them (docs/OPENAI_API.md lists them all)."""
+translates it into one. Known fields headroom does not implement are refused with a 400
+naming them (docs/OPENAI_API.md lists them all); a top-level field the model does not
+declare is kept aside for app/fields.py, as in schemas.py."""
 
 from __future__ import annotations
 
@@ -124,7 +125,7 @@ class ResponseStreamOptions(BaseModel):
 
 
 class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     input: Annotated[list[InputItem], BeforeValidator(_user_message, json_schema_input_type=str | list[InputItem]),

@@ -1,5 +1,6 @@
-"""Request bodies of the public API, validated by pydantic. Unknown fields are ignored,
-as OpenAI does; known fields we do not implement are refused rather than ignored."""
+"""Request bodies of the public API, validated by pydantic. Known fields we do not
+implement are refused rather than ignored; a top-level field no model declares is kept
+aside (extra="allow") for app/fields.py to refuse or log, as [server] unknown_fields says."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from headroom.runtime.repetition import MAX_PATTERN_SIZE, RepetitionDetection
+
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16  # n: each choice is a sequence of its own
 # OpenAI fields not implemented: refused with a 400 naming them when set, never ignored
 # (docs/OPENAI_API.md lists every field and what headroom does with it).
 NOT_IMPLEMENTED = ("functions", "function_call", "best_of")
-CHAT_NOT_IMPLEMENTED = ("audio", "prediction", "reasoning_effort", "verbosity", "web_search_options")
+CHAT_NOT_IMPLEMENTED = ("audio", "prediction", "reasoning_effort", "verbosity",
+                        "web_search_options", "moderation", "prompt_cache_options")
 
 
 class JSONSchemaSpec(BaseModel):
@@ -60,6 +64,27 @@ class NamedToolChoice(BaseModel):
     function: FunctionName
 
 
+class RepetitionDetectionSpec(BaseModel):
+    """vLLM's repetition_detection: max_pattern_size 0 (the default) turns it off."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    max_pattern_size: Annotated[int, Field(ge=0, le=MAX_PATTERN_SIZE)] = 0
+    min_pattern_size: Annotated[int, Field(ge=0)] = 0
+    min_count: Annotated[int, Field(ge=0)] = 0
+
+    @model_validator(mode="after")
+    def _valid(self):
+        if self.max_pattern_size:  # RepetitionDetection's ValueError becomes a 400 naming the field
+            RepetitionDetection(self.max_pattern_size, self.min_pattern_size, self.min_count)
+        return self
+
+    @property
+    def detection(self) -> RepetitionDetection | None:
+        if self.max_pattern_size == 0:
+            return None
+        return RepetitionDetection(self.max_pattern_size, self.min_pattern_size, self.min_count)
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
@@ -68,7 +93,7 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] = 1.0
@@ -93,6 +118,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: Annotated[float, Field(gt=0, le=2, allow_inf_nan=False)] = 1.0
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
+    repetition_detection: RepetitionDetectionSpec | None = None
     priority: int = 0
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -231,6 +257,7 @@ class ChatCompletionRequest(SamplingFields):
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     safety_identifier: str | None = None
     store: bool | None = None
     modalities: list[str] | None = None
@@ -240,6 +267,8 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: Any = None
     verbosity: Any = None
     web_search_options: Any = None
+    moderation: Any = None
+    prompt_cache_options: Any = None
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -83,7 +83,8 @@ def create_app(config: Config, engine: Engine) -> web.Application:
     app[keys.LIFECYCLE] = keys.Lifecycle()
     app[keys.OBSERVABILITY] = Observability(config.observability, engine, app[keys.GATE].admission)
     app[keys.ENGINE].on_closed = app[keys.OBSERVABILITY].charge
-    app[keys.OPENAPI] = build_openapi(package_version(), admin=admin_token(config) is not None)
+    app[keys.OPENAPI] = build_openapi(package_version(), admin=admin_token(config) is not None,
+                                      unknown_fields=config.server.unknown_fields)
     app.cleanup_ctx.append(_observability)  # first in, last out: flushes the final spans
     if app[keys.GATE].store is not None:
         app.cleanup_ctx.append(_admission_store)  # out after the engine: its last settles reach Redis
@@ -97,7 +98,7 @@ def create_app(config: Config, engine: Engine) -> web.Application:
         app.add_subapp("/admin/", create_admin_app(token))
     else:
         log.info("admin API off: set [admin] token or HEADROOM_ADMIN_TOKEN to enable /admin/")
-    if policies.enabled(config.admin):
+    if policies.enabled(config.admin, config.admission.tenants):
         app.cleanup_ctx.append(_policies)
     return app
 

@@ -6,11 +6,10 @@ queue_wait_s <= ttft_s <= e2e_s always holds."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
+from headroom.observability.request_metrics import NO_CLASS, RequestMetrics
 from headroom.runtime.request import Request
-
-NO_CLASS = "none"  # the size-class label of requests admission did not classify
 
 
 @dataclass(frozen=True)
@@ -50,6 +49,10 @@ class FinishedRequest:
     admin_actions: tuple[str, ...] = ()
     runaway_probability: float | None = None  # the in-flight probe's last estimate
     runaway_flagged_at: int | None = None  # output tokens when it was first predicted to run away
+    max_tokens_cap: int | None = None  # an operator's or a policy's cap under the requested one
+    ignore_eos: bool = False  # only max_tokens (or a stop string) could end it
+    requested_max_tokens: int | None = None  # the client's, before any cap
+    loop_detected_at: int | None = None  # output tokens when the server's loop detector fired
 
     @classmethod
     def build(cls, *, request_id: str, endpoint: str, model: str, http_status: int, arrival: float, end: float,
@@ -59,24 +62,11 @@ class FinishedRequest:
                   "tenant": tenant, "tier": tier, "error": error, "e2e_s": end - arrival}
         if request is None:
             return cls(size_class=NO_CLASS, ran=False, **common)
-        ran = request.admitted_time is not None
-        finished = request.finished_time if request.finished_time is not None else end
-
-        def since_arrival(t: float | None) -> float | None:
-            return None if t is None else t - arrival
-
-        tpot = None
-        if request.first_token_time is not None and request.num_output_tokens > 1:
-            tpot = (finished - request.first_token_time) / (request.num_output_tokens - 1)
         stop = request.stop_reason
         return cls(
-            # Its latencies belong to the class it was admitted as, also after a move to
-            # the long lane (its device time from the move on is charged as long).
-            size_class=request.admitted_class or request.size_class or NO_CLASS,
-            ran=ran,
+            ran=request.admitted_time is not None,
             prompt_tokens=request.num_prompt_tokens,
             output_tokens=request.num_output_tokens,
-            cached_tokens=request.num_cached_tokens,
             max_tokens=request.max_tokens,
             temperature=request.sampling.temperature,
             top_p=request.sampling.top_p,
@@ -86,11 +76,6 @@ class FinishedRequest:
             admission_decision=request.admission_decision,
             predicted_output_tokens=request.predicted_output_tokens,
             predicted_output_tokens_p90=request.predicted_output_tokens_p90,
-            admission_wait_s=since_arrival(request.admitted_time),
-            queue_wait_s=since_arrival(request.first_scheduled_time if ran else None),
-            ttft_s=since_arrival(request.first_token_time),
-            tpot_s=tpot,
-            device_time_s=request.device_time_s,
             kv_block_seconds=request.kv_block_seconds,
             peak_blocks=request.peak_blocks,
             preemptions=request.num_preemptions,
@@ -99,5 +84,10 @@ class FinishedRequest:
             admin_actions=tuple(request.admin_actions),
             runaway_probability=request.runaway_probability,
             runaway_flagged_at=request.runaway_flagged_at,
+            max_tokens_cap=request.max_tokens_cap,
+            requested_max_tokens=request.sampling.max_tokens,
+            loop_detected_at=request.loop_detected_at,
+            ignore_eos=request.sampling.ignore_eos,
+            **asdict(RequestMetrics.of(request, arrival, end)),
             **common,
         )

@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 from headroom.admission.admission import Admission
 from headroom.observability.finished import FinishedRequest
 from headroom.observability.ledger import Usage
+from headroom.observability.predictor_health import PredictorHealth
 from headroom.runtime.engine import Engine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -28,7 +29,8 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 240
 
 
 class Metrics:
-    def __init__(self, engine: Engine, admission: Admission | None, dropped_spans: Callable[[], int]):
+    def __init__(self, engine: Engine, admission: Admission | None,
+                 dropped_spans: Callable[[], int], health: PredictorHealth):
         # One registry per app, so several servers in one process never share counters.
         self.registry = CollectorRegistry(auto_describe=True)
 
@@ -65,6 +67,7 @@ class Metrics:
                                  "(prompt + output tokens) or engine time: over 10, plan a split; over 50, split.",
                                  ("measure",), registry=self.registry)
         self.registry.register(EngineCollector(engine, admission, dropped_spans))
+        self.registry.register(PredictorHealthCollector(health))
 
         # Cost per tenant, for billing and throttling: one label value per configured tenant
         # (`none` for requests refused before their tenant was known).
@@ -171,6 +174,11 @@ class EngineCollector(Collector):
                        "policy (the runaway policy acted).",
                        {d: stats.inflight_decisions.get(d, 0) for d in ("order", "victim", "long_lane", "policy")},
                        "decision")
+        yield _counter("headroom:loops_detected", "Sequences the server's loop detector found looping, by the "
+                       "action its loop policy took (flag, cap or stop).",
+                       {a: stats.loops.get(a, 0) for a in ("flag", "cap", "stop")}, "action")
+        yield _counter("headroom:policy_actions", "Actions the automatic policies and their ladder took, by action.",
+                       {a: stats.policy_actions.get(a, 0) for a in ("deprioritize", "cap", "abort")}, "action")
         yield _counter("headroom:tracing_spans_dropped", "Spans lost to a full queue or a failed export.",
                        self.dropped_spans())
         if self.admission is None:
@@ -197,6 +205,57 @@ class EngineCollector(Collector):
                        store.errors)
         yield GaugeMetricFamily("headroom:admission_store_leases", "Reservations this replica holds in the "
                                 "shared admission store.", value=store.leases)
+
+
+# The predictors' health figures: (name, meaning, {predictor label: Figures field}), each
+# exported server-wide as headroom:NAME and per tenant as headroom:tenant_NAME{tenant}.
+# A figure whose sample is too small has no sample at all, rather than a noisy one.
+HEALTH = (
+    ("predictor_health_requests",
+     ("Finished requests in the predictors' health window (they ran, ended by stop or "
+      "length, were not cut by a cap and did not ignore EOS)."),
+     {"": "requests"}),
+    ("predictor_cap_rate", "Share of the window's requests that ran to their max_tokens.",
+     {"": "cap_rate"}),
+    ("predictor_kendall_tau",
+     "Kendall tau-b of admission's predicted (p50) against actual output tokens, over the window.",
+     {"": "kendall_tau"}),
+    ("predictor_mae_tokens",
+     "Mean absolute error of admission's predicted (p50) output tokens, over the window.",
+     {"": "mae_tokens"}),
+    ("predictor_cap_auc",
+     ("Run-to-cap AUC over the window, by predictor: admission (its predicted share of "
+      "max_tokens as the score) or inflight (the probe's last runaway probability)."),
+     {"admission": "admission_cap_auc", "inflight": "inflight_cap_auc"}),
+    ("inflight_flag_precision",
+     ("Of the window's requests the in-flight probe flagged as runaways, the share that ran "
+      "to their max_tokens."),
+     {"": "flag_precision"}),
+)
+
+
+class PredictorHealthCollector(Collector):
+    """Computes the health figures at scrape time, once for every family."""
+
+    def __init__(self, health: PredictorHealth):
+        self.health = health
+
+    def collect(self) -> Iterator[Metric]:
+        report = self.health.report()
+        for name, doc, fields in HEALTH:
+            labels = [] if "" in fields else ["predictor"]
+            server = GaugeMetricFamily(f"headroom:{name}", doc, labels=labels)
+            by_tenant = GaugeMetricFamily(f"headroom:tenant_{name}", doc + " By tenant.",
+                                          labels=["tenant", *labels])
+            for predictor, field in fields.items():
+                key = [predictor] if labels else []
+                if (value := getattr(report.server, field)) is not None:
+                    server.add_metric(key, value)
+                for tenant, figures in report.tenants.items():
+                    if (value := getattr(figures, field)) is not None:
+                        by_tenant.add_metric([tenant, *key], value)
+            yield server
+            yield by_tenant
 
 
 def _counter(name: str, doc: str, value: float | dict[str, float], label: str | None = None) -> Metric:

@@ -18,6 +18,7 @@ from headroom.observability.hol import HolFeedback, HolMonitor, HolState
 from headroom.observability.ledger import Usage, UsageLedger
 from headroom.observability.logs import log_finished
 from headroom.observability.metrics import Metrics, refused_outcome
+from headroom.observability.predictor_health import PredictorHealth
 from headroom.observability.split import SplitSignal, SplitState
 from headroom.observability.tracing import Tracing, exporter_from_env
 from headroom.observability.windows import LatencyWindows
@@ -56,7 +57,9 @@ class Observability:
         self.config = config
         self.engine = engine
         self.tracing = tracing if tracing is not None else Tracing(exporter_from_env(), package_version())
-        self.metrics = Metrics(engine, admission, self.tracing.dropped_spans)
+        self.predictor_health = PredictorHealth(config.predictor_health_window,
+                                                config.predictor_health_min_requests)
+        self.metrics = Metrics(engine, admission, self.tracing.dropped_spans, self.predictor_health)
         self.ledger = UsageLedger(config.usage_ledger_path, config.usage_retention_days) \
             if config.usage_ledger_path else None
         self.windows = LatencyWindows()
@@ -79,7 +82,8 @@ class Observability:
             error=error,
         )
         self.metrics.observe(done)
-        if done.ran and done.finish_reason in ("stop", "length"):
+        self.predictor_health.observe(done)
+        if done.ran and done.finish_reason in ("stop", "length", "repetition"):
             self.split.observe(done.prompt_tokens + done.output_tokens, done.device_time_s, done.size_class,
                                done.tenant or "none")
         if not done.ran:  # one that ran is charged when the engine is done with it (charge)

@@ -123,3 +123,23 @@ def test_a_bad_store_url_is_refused_without_echoing_its_password(tmp_path):
     with pytest.raises(ConfigError) as exc:
         load(tmp_path, '[admission]\nstore = "redis:/:hunter2@cache:6379"\n')
     assert "hunter2" not in str(exc.value) and "starting 'redis'" in str(exc.value)
+
+
+def test_gateway_objectives_and_request_metrics_from_toml(tmp_path):
+    config = load(tmp_path, '[server]\nrequest_metrics = true\nunknown_fields = "accept"\n'
+                            '[admission.objectives]\ninteractive = "premium"\n'
+                            '"batch-sheddable" = "batch"\n'
+                            '[[admission.tenants]]\nname = "default"\nrequest_metrics = false\n')
+    assert config.admission.objectives == (("interactive", "premium"), ("batch-sheddable", "batch"))
+    assert config.admission.objective_tier("batch-sheddable") == "batch"
+    assert config.admission.objective_tier("other") is None
+    assert (config.server.request_metrics, config.server.unknown_fields) == (True, "accept")
+    assert config.admission.tenant("default").request_metrics is False
+    hash(config)
+    with pytest.raises(ConfigError, match=r"admission.objectives: \('chat', 'gold'\) must map "
+                                          r"an objective's name to a tier \(premium, standard, "
+                                          r"batch\)"):
+        load(tmp_path, '[admission.objectives]\nchat = "gold"\n')
+    with pytest.raises(ConfigError,
+                       match="unknown_fields must be one of reject, accept, got 'ignore'"):
+        load(tmp_path, '[server]\nunknown_fields = "ignore"\n')

@@ -10,9 +10,10 @@ import pytest
 from aiohttp.test_utils import make_mocked_request
 
 from headroom.admission.tenants import MAX_AUTO_TENANTS
-from headroom.app.admission_gate import FAIRNESS_HEADER, AdmissionGate
+from headroom.app.admission_gate import FAIRNESS_HEADER, OBJECTIVE_HEADER, AdmissionGate
 from headroom.app.errors import BadRequest
 from headroom.config import AdmissionConfig, Config, TenantConfig
+from headroom.runtime.request import Request, SamplingParams
 
 
 def gate(**admission) -> AdmissionGate:
@@ -56,3 +57,45 @@ def test_auto_tenants_stop_at_their_bound_and_never_with_configured_tenants_or_a
     with pytest.raises(BadRequest) as caught:
         owner(g, {"X-Tenant": "x" * 129})
     assert (caught.value.status, caught.value.param) == (400, "X-Tenant")
+
+
+# ---- the gateway's objective: the tier a request runs in -----------------------------------
+
+
+def tier(g: AdmissionGate, headers: dict) -> str:
+    request = make_mocked_request("POST", "/v1/chat/completions", headers=headers)
+    return g.tier(request, g.tenant(request))
+
+
+def test_the_gateway_objective_names_the_tier_the_config_maps_it_to():
+    g = gate(objectives={"interactive": "premium", "batch-sheddable": "batch"})
+    assert tier(g, {FAIRNESS_HEADER: "team-a", OBJECTIVE_HEADER: "interactive"}) == "premium"
+    assert tier(g, {OBJECTIVE_HEADER: "batch-sheddable"}) == "batch"
+    assert tier(g, {OBJECTIVE_HEADER: "no-such-objective"}) == "standard"  # the tenant's own
+    assert tier(g, {}) == "standard"
+    # llm-d's router names both headers its own way first, the Inference Extension's after.
+    both = {"x-llm-d-inference-objective": "batch-sheddable", OBJECTIVE_HEADER: "interactive"}
+    assert tier(g, both) == "batch"
+    llm_d = {"x-llm-d-inference-fairness-id": "team-c", FAIRNESS_HEADER: "team-d"}
+    assert owner(g, llm_d) == "team-c"
+    # With auth on, the API key alone says who is asking and in which tier.
+    keyed = gate(auth=True, tenants=(TenantConfig("acme", api_keys=("sk-acme",)),),
+                 default_tenant="acme", objectives={"interactive": "premium"})
+    key = {"Authorization": "Bearer sk-acme"}
+    assert tier(keyed, {**key, OBJECTIVE_HEADER: "interactive"}) == "standard"
+    assert owner(keyed, {**key, FAIRNESS_HEADER: "team-a"}) == "acme"
+
+
+@pytest.mark.asyncio
+async def test_the_objectives_tier_is_the_priority_the_engine_gets():
+    g = AdmissionGate(Config(admission=AdmissionConfig(objectives={"sheddable": "batch"})), 8,
+                      40_000)
+    cases = (({OBJECTIVE_HEADER: "sheddable"}, ("batch", 0)), ({}, ("standard", 1000)))
+    for headers, expected in cases:
+        request = make_mocked_request("POST", "/v1/completions", headers=headers)
+        tenant = g.tenant(request)
+        engine_request = Request("r", [1, 2, 3], SamplingParams(max_tokens=4))
+        admitted = await g.admit(tenant, [engine_request], [{"role": "user", "content": "hi"}],
+                                 g.tier(request, tenant))
+        assert (engine_request.tier, engine_request.priority) == expected
+        g.settle(admitted, [engine_request], None)

@@ -7,14 +7,24 @@ import socket
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from headroom.app.admission_gate import FAIRNESS_HEADER, OBJECTIVE_HEADER
 from headroom.app.background import BackgroundServer
-from headroom.config import CacheConfig, Config, PoolConfig, PoolsConfig, SchedulerConfig
+from headroom.config import (
+    AdmissionConfig,
+    CacheConfig,
+    Config,
+    PoolConfig,
+    PoolsConfig,
+    SchedulerConfig,
+)
 from headroom.runtime.engine import Engine
 
 pytestmark = pytest.mark.slow
 
-BASE = Config(cache=CacheConfig(num_blocks=256), scheduler=SchedulerConfig(max_num_seqs=4))
+BASE = Config(cache=CacheConfig(num_blocks=256), scheduler=SchedulerConfig(max_num_seqs=4),
+              admission=AdmissionConfig(objectives={"interactive": "premium"}))
 LONG_PROMPT = "lorem ipsum " * 350  # ~1,750 tokens: over long_min_prompt_tokens (1,536)
 
 
@@ -27,7 +37,7 @@ def _unused_port() -> int:
 @pytest.fixture(scope="module")
 def pools(default_model):
     long_pool = BackgroundServer(BASE, Engine(BASE, loaded=default_model)).start()
-    front_config = Config(cache=BASE.cache, scheduler=BASE.scheduler,
+    front_config = Config(cache=BASE.cache, scheduler=BASE.scheduler, admission=BASE.admission,
                           pools=PoolsConfig(long=PoolConfig(url=long_pool.url)))
     front = BackgroundServer(front_config, Engine(front_config, loaded=default_model)).start()
     yield front, long_pool
@@ -46,6 +56,23 @@ def test_long_request_is_served_by_the_long_pool(pools):
     assert front.engine.stats.requests_started == front_started
     direct = httpx.post(long_pool.url + "/v1/completions", json=body, timeout=120).json()
     assert r.json()["choices"][0]["text"] == direct["choices"][0]["text"]
+
+
+def test_the_gateways_identity_goes_with_a_proxied_request(pools):
+    """The long pool admits a proxied request as the tenant and tier the gateway named."""
+    front, long_pool = pools
+    headers = {FAIRNESS_HEADER: "team-long", OBJECTIVE_HEADER: "interactive"}
+    body = {"prompt": LONG_PROMPT, "max_tokens": 2}
+    r = httpx.post(front.url + "/v1/completions", json=body, headers=headers, timeout=120)
+    assert r.status_code == 200 and r.headers["X-Headroom-Pool"] == "long"
+    text = httpx.get(long_pool.url + "/metrics").text
+    samples = {f.name: f.samples for f in text_string_to_metric_families(text)}
+    charged = [(s.labels["tenant"], s.labels["outcome"], s.value)
+               for s in samples["headroom:tenant_requests"] if s.labels["tenant"] == "team-long"]
+    assert charged == [("team-long", "length", 1.0)]
+    tiers = {s.labels["tier"]: s.value for s in samples["headroom:e2e_request_latency_seconds"]
+             if s.name.endswith("_count") and s.value}
+    assert tiers.get("premium") == 1.0
 
 
 def test_streamed_long_request_passes_through_intact(pools):
