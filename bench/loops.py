@@ -15,7 +15,8 @@ ones whose TTFT and TPOT should not suffer. Each variant is a fresh `headroom se
 Prints, per variant: output tokens of the long requests, the engine's busy seconds (its
 /metrics counter), the makespan, the shorts' TTFT p50/p99 and TPOT p50, how many long
 requests the detector acted on, and false stops: requests that ended on their own in the
-`off` run (finish_reason stop) but were ended by a policy here (length, repetition, abort).
+`off` run (finish_reason stop) but were ended here by a policy (length under the cap,
+repetition, abort) with fewer tokens than they had there.
 """
 
 from __future__ import annotations
@@ -124,8 +125,12 @@ def summarize(name: str, results: list[dict], server: dict, baseline: dict | Non
     if baseline is not None:
         base = {r["key"]: r for r in baseline["results"] if r["cls"] == "long"}
         ended = [r for r in longs if base[r["key"]]["finish"] == "stop"]
-        # A policy's doing, not a batch's rounding changing a greedy continuation.
-        out["false_stops"] = sum(1 for r in ended if r["finish"] != "stop")
+        # Ended by a policy before the baseline's own end. Greedy continuations differ between
+        # runs (a batch's composition changes the rounding), so a sequence may also loop here
+        # where it did not there: ended by a policy, but later than the baseline's own end,
+        # is a different continuation, not a cut answer; those are counted apart.
+        out["false_stops"] = sum(1 for r in ended if r["finish"] != "stop" and r["tokens"] < base[r["key"]]["tokens"])
+        out["diverged"] = sum(1 for r in ended if r["finish"] != "stop" and r["tokens"] >= base[r["key"]]["tokens"])
         out["ended_on_their_own"] = len(ended)
         capped = [r for r in longs if base[r["key"]]["finish"] == "length"]
         out["runaways_cut"] = sum(1 for r in capped if r["tokens"] < base[r["key"]]["tokens"])
@@ -176,7 +181,8 @@ def main() -> None:
             off = runs["off"]
             print(f"  vs off: long tokens {s['long_tokens'] / off['long_tokens']:.2f}x, engine busy "
                   f"{s['busy_s'] / off['busy_s']:.2f}x; runaways cut {s['runaways_cut']}/{s['runaways']}, "
-                  f"false stops {s['false_stops']}/{s['ended_on_their_own']}")
+                  f"false stops {s['false_stops']}/{s['ended_on_their_own']} (and {s['diverged']} that ran "
+                  "longer than there, then looped)")
         print(f"  {s['counters']}")
     if args.out:
         Path(args.out).write_text(json.dumps([runs[n] for n in names], indent=1) + "\n", encoding="utf-8")
