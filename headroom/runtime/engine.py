@@ -15,6 +15,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import assert_never
 
 import torch
 
@@ -22,6 +23,7 @@ from headroom.config import Config
 from headroom.models.loader import LoadedModel
 from headroom.runtime.attention import select_backend
 from headroom.runtime.block_manager import BlockManager
+from headroom.runtime.commands import Abort, Add, Command, Control, SetLongLaneFactor
 from headroom.runtime.cuda_graphs import graph_plan
 from headroom.runtime.detokenizer import IncrementalDetokenizer
 from headroom.runtime.device import prepare_model, resolve_kv_dtype
@@ -98,7 +100,7 @@ class Engine:
 
         self._sinks: dict[str, OutputSink] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._inbox: list[tuple[str, object]] = []
+        self._inbox: list[Command] = []
         self._wakeup = threading.Condition()
         self._state_lock = threading.Lock()
         self._finished: OrderedDict[str, str | None] = OrderedDict()  # request id -> finish reason
@@ -153,10 +155,10 @@ class Engine:
 
     def submit(self, request: Request, sink: OutputSink) -> None:
         """Queue a request; sink receives its outputs on the engine thread."""
-        self._command("add", (request, sink))
+        self._command(Add(request, sink))
 
     def abort(self, request_id: str, cause: str = "client_disconnect") -> None:
-        self._command("abort", (request_id, cause))
+        self._command(Abort(request_id, cause))
 
     def control(self, request_id: str, action: str, **args) -> Future[SequenceSnapshot]:
         """An operator's action on a live sequence, applied at the start of the next step:
@@ -165,19 +167,19 @@ class Engine:
         SequenceFinished."""
         if action not in ("abort", "deprioritize", "cap"):
             raise ValueError(f"unknown action {action!r}")
-        future: Future[SequenceSnapshot] = Future()
-        self._command("control", (request_id, action, args, future))
-        return future
+        command = Control(request_id, action, args)
+        self._command(command)
+        return command.future
 
     def set_long_lane_factor(self, factor: float) -> None:
         """Scale the long lane's per-step prefill allowance (the head-of-line loop's lever)."""
         if not 0 < factor <= 1:
             raise ValueError(f"long lane factor must be in (0, 1], got {factor}")
-        self._command("long_lane", factor)
+        self._command(SetLongLaneFactor(factor))
 
-    def _command(self, kind: str, payload: object) -> None:
+    def _command(self, command: Command) -> None:
         with self._wakeup:
-            self._inbox.append((kind, payload))
+            self._inbox.append(command)
             self._wakeup.notify()
 
     @classmethod
@@ -251,40 +253,42 @@ class Engine:
     def _drain_inbox(self) -> None:
         with self._wakeup:
             commands, self._inbox = self._inbox, []
-        for kind, payload in commands:
-            if kind == "add":
-                request, sink = payload  # type: ignore[misc]
-                if request.request_id in self._sinks:
-                    # Never let a duplicate id replace a live request's sink and detokenizer
-                    # (the scheduler would then raise here and end the engine thread).
-                    error = f"request id {request.request_id!r} is already in use"
-                    self._reject(request, sink, error)
-                    continue
-                try:
-                    self.sampler.add(request)
-                except Exception as exc:  # one request the engine cannot take fails alone, at once
-                    log.exception("engine could not take %s", request.request_id)
-                    self._reject(request, sink, f"engine error: {exc}")
-                    continue
-                self._sinks[request.request_id] = sink
-                self._detokenizers[request.request_id] = IncrementalDetokenizer(
-                    self.tokenizer.hf, request.prompt_token_ids, request.sampling.stop
-                )
-                request.busy_at_arrival = self.stats.step_time_s
-                self.loops.attach(request)
-                self.scheduler.add_request(request)
-                self.stats.prompt_tokens += request.num_prompt_tokens
-            elif kind == "long_lane":
-                self.scheduler.policy.long_lane_factor = payload  # type: ignore[assignment]
-            elif kind == "control":
-                request_id, action, args, future = payload  # type: ignore[misc]
-                try:
-                    future.set_result(self._control(request_id, action, **args))
-                except (UnknownSequence, SequenceFinished) as exc:
-                    future.set_exception(exc)
-            else:
-                request_id, cause = payload  # type: ignore[misc]
-                self._abort(request_id, cause)
+        for command in commands:
+            match command:
+                case Add(request, sink):
+                    self._add(request, sink)
+                case Abort(request_id, cause):
+                    self._abort(request_id, cause)
+                case Control(request_id, action, args, future):
+                    try:
+                        future.set_result(self._control(request_id, action, **args))
+                    except (UnknownSequence, SequenceFinished) as exc:
+                        future.set_exception(exc)
+                case SetLongLaneFactor(factor):
+                    self.scheduler.policy.long_lane_factor = factor
+                case _:
+                    assert_never(command)
+
+    def _add(self, request: Request, sink: OutputSink) -> None:
+        if request.request_id in self._sinks:
+            # Never let a duplicate id replace a live request's sink and detokenizer
+            # (the scheduler would then raise here and end the engine thread).
+            self._reject(request, sink, f"request id {request.request_id!r} is already in use")
+            return
+        try:
+            self.sampler.add(request)
+        except Exception as exc:  # one request the engine cannot take fails alone, at once
+            log.exception("engine could not take %s", request.request_id)
+            self._reject(request, sink, f"engine error: {exc}")
+            return
+        self._sinks[request.request_id] = sink
+        self._detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer.hf, request.prompt_token_ids, request.sampling.stop
+        )
+        request.busy_at_arrival = self.stats.step_time_s
+        self.loops.attach(request)
+        self.scheduler.add_request(request)
+        self.stats.prompt_tokens += request.num_prompt_tokens
 
     def _control(self, request_id: str, action: str, **args) -> SequenceSnapshot:
         request = self.scheduler.requests.get(request_id)

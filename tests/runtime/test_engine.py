@@ -491,3 +491,14 @@ def test_wall_clock_budget_finishes_as_length_and_frees_blocks(loaded, prompts):
     assert on_time.num_output_tokens == GREEDY.max_tokens
     assert engine.block_manager.num_used_blocks == 0
     engine.block_manager.check_invariants()
+
+
+def test_a_command_the_engine_does_not_know_fails_loudly_instead_of_acting(loaded, prompts):
+    # The inbox once dispatched on strings and treated anything unknown as an abort.
+    engine = make_engine(loaded)
+    request = engine.new_request(prompts[0], SamplingParams(max_tokens=4, temperature=0.0))
+    engine.submit(request, lambda _: None)
+    engine._command(("abort", (request.request_id, "admin")))  # the old shape: no longer a command
+    with pytest.raises(AssertionError):
+        engine.step()
+    assert request.status is not RequestStatus.FINISHED_ABORTED  # added, never aborted

@@ -1,0 +1,42 @@
+"""What other threads ask of the engine thread: each a small typed message queued in the
+engine's inbox and applied, in order, at the start of the next step."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from headroom.runtime.outputs import OutputSink, SequenceSnapshot
+from headroom.runtime.request import Request
+
+
+@dataclass(frozen=True)
+class Add:
+    request: Request
+    sink: OutputSink
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+    cause: str
+
+
+@dataclass(frozen=True)
+class Control:
+    """An operator's (or a policy's) action on a live sequence; the future gets its
+    snapshot as the action took effect, or UnknownSequence / SequenceFinished."""
+
+    request_id: str
+    action: str  # abort | deprioritize | cap
+    args: dict[str, Any] = field(default_factory=dict)
+    future: Future[SequenceSnapshot] = field(default_factory=Future)
+
+
+@dataclass(frozen=True)
+class SetLongLaneFactor:
+    factor: float
+
+
+Command = Add | Abort | Control | SetLongLaneFactor
