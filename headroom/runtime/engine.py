@@ -21,6 +21,7 @@ import torch
 
 from headroom.config import Config
 from headroom.models.loader import LoadedModel
+from headroom.runtime import actions
 from headroom.runtime.attention import select_backend
 from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.commands import Abort, Add, Command, Control, SetLongLaneFactor
@@ -48,7 +49,6 @@ from headroom.runtime.warmup import measure_step_cost
 
 log = logging.getLogger(__name__)
 
-DEPRIORITIZED = -(2**31)  # below every tier: runs last, preempted first
 RECENTLY_FINISHED = 10_000  # finished ids remembered, so a late action gets 409, not 404
 
 
@@ -302,27 +302,18 @@ class Engine:
         if by == "policy":
             self.stats.policy_actions[action] += 1
         if action == "abort":
-            reason = args.get("reason") or "no reason given"
-            request.admin_actions.append(f"abort by {by}: {reason}")
-            request.stop_reason = f"aborted by {by}: {reason}"
+            actions.abort(request, by, args.get("reason"))
             snapshot = self._sequence_snapshot(request, time.monotonic())
             self._abort(request_id, by)
         elif action == "deprioritize":
-            request.priority = DEPRIORITIZED
-            request.deprioritized = True
-            if args.get("long_lane"):
-                request.size_class = "long"
-            lane = " to the long lane" if args.get("long_lane") else ""
-            reason = f": {args['reason']}" if args.get("reason") else ""
-            request.admin_actions.append(f"deprioritize by {by}{lane}{reason}")
+            actions.deprioritize(request, by, args.get("reason"), bool(args.get("long_lane")))
             snapshot = self._sequence_snapshot(request, time.monotonic())
         else:
-            cap = int(args["max_tokens"])
-            request.max_tokens_cap = cap if request.max_tokens_cap is None else min(cap, request.max_tokens_cap)
-            request.admin_actions.append(f"cap by {by} at {cap} tokens")
+            limit = int(args["max_tokens"])
+            reached = actions.cap(request, limit, f"cap by {by} at {limit} tokens")
             snapshot = self._sequence_snapshot(request, time.monotonic())
-            if request.num_output_tokens >= request.max_tokens:
-                request.stop_reason = f"capped by {by} at {cap} tokens"
+            if reached:
+                request.stop_reason = f"capped by {by} at {limit} tokens"
                 self._finish(request_id, RequestStatus.FINISHED_LENGTH)
         log.info("%s on %s: %s", action, request_id, request.admin_actions[-1])
         return snapshot
@@ -390,21 +381,11 @@ class Engine:
             if finding is None:
                 continue
             self.stats.loops[finding.action] += 1
-            rid, action = request.request_id, finding.action
-            if action == "stop":
-                request.admin_actions.append(f"stop by loop detector: {finding.what}")
-                request.stop_reason = "loop_detected"
-                self.scheduler.finish_request(rid, RequestStatus.FINISHED_REPETITION)
-            elif action == "cap":
-                cap = request.num_output_tokens + self.loops.cap_tokens
-                request.max_tokens_cap = cap if request.max_tokens_cap is None else min(cap, request.max_tokens_cap)
-                request.admin_actions.append(f"cap by loop detector at {cap} tokens: {finding.what}")
-                if request.num_output_tokens >= request.max_tokens:
-                    self.scheduler.finish_request(rid, RequestStatus.FINISHED_LENGTH)
-            else:
-                request.admin_actions.append(f"flag by loop detector: {finding.what}")
-            log.warning("loop %s on %s: %s", action, rid, finding.what,
-                        extra={"sequence": rid, "action": action})
+            status = actions.on_loop(request, finding, self.loops.cap_tokens)
+            if status is not None:
+                self.scheduler.finish_request(request.request_id, status)
+            log.warning("loop %s on %s: %s", finding.action, request.request_id, finding.what,
+                        extra={"sequence": request.request_id, "action": finding.action})
 
     def _account(self, out, held: list[int], elapsed: float, timer: StepTimer) -> None:
         total = out.total_tokens

@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 from headroom.app.background import BackgroundServer
-from headroom.runtime.engine import DEPRIORITIZED, Engine
+from headroom.runtime.actions import DEPRIORITIZED
+from headroom.runtime.engine import Engine
 from tests.admin.conftest import admin, admin_config, wait_until
 
 pytestmark = pytest.mark.slow
