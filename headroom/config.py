@@ -501,7 +501,7 @@ class AdminConfig:
     # repetition_detection test with these parameters, for every sequence that brings no
     # repetition_detection of its own and does not set ignore_eos. A loop is then:
     # off: not looked for; flag: logged, counted, shown on the span and /admin/sequences,
-    # and a violation of the automatic policies; cap: also ended after cap_tokens more;
+    # and, where a ladder is set, a violation it acts on; cap: also ended after cap_tokens more;
     # stop: ended at once (finish_reason "repetition"). A tenant may set its own.
     # bench/RESULTS.md (loop detection) has the data behind these defaults.
     loop_policy: str = "cap"

@@ -17,7 +17,7 @@ from headroom.admission.admission import Admission, Rejected, Ticket
 from headroom.admission.classes import ClassThresholds, SizeClass, classify
 from headroom.admission.features import RequestFeatures
 from headroom.admission.predictor import Prediction, load_predictor
-from headroom.admission.records import RecordLog
+from headroom.admission.records import RecordLog, label
 from headroom.admission.redis_store import RedisStore
 from headroom.admission.tenants import Tenant, TenantRegistry
 from headroom.app.errors import APIError, BadRequest, QueueFull, Unavailable
@@ -163,10 +163,10 @@ class AdmissionGate:
                 device_s += r.device_time_s
         if admitted.ticket is not None and self.admission is not None:
             self.admission.settle(admitted.ticket, prompt, output, device_s)
-        if self.records is not None and admitted.features is not None and finish_reason in ("stop", "length"):
+        if self.records is not None and admitted.features is not None and finish_reason is not None:
             for r in engine_requests:
-                if r.status.finish_reason in ("stop", "length"):
-                    self.records.append(admitted.features, admitted.prediction, r, r.status.finish_reason)
+                if (labelled := label(r)) is not None:
+                    self.records.append(admitted.features, admitted.prediction, r, *labelled)
 
     def _record_decision_time(self, seconds: float) -> None:
         self.decision_times.append(seconds)

@@ -169,8 +169,10 @@ def cmd_predictor_calibrate(ns: argparse.Namespace) -> int:
     if ns.limit:
         rows = rows[: ns.limit]
     config = build_config(ns)
+    # The labels are the model's own ends: no loop policy may cut a run short.
     engine = Engine(dataclasses.replace(
-        config, scheduler=dataclasses.replace(config.scheduler, max_num_seqs=ns.concurrency)))
+        config, scheduler=dataclasses.replace(config.scheduler, max_num_seqs=ns.concurrency),
+        admin=dataclasses.replace(config.admin, loop_policy="off")))
     recorder = None
     if ns.probe_layers:
         from headroom.admission.inflight import InflightRecorder

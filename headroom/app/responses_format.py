@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from headroom.app.formats import ChatFormat, Usage
 
 # A finish reason other than these is "stop": the response is complete.
-STATUS = {"length": "incomplete", "abort": "cancelled"}
+STATUS = {"length": "incomplete", "repetition": "incomplete", "abort": "cancelled"}
+# Why an incomplete response stopped: OpenAI's reason for a cap, headroom's for a loop.
+INCOMPLETE_REASONS = {"length": "max_output_tokens", "repetition": "repetition"}
 FINAL_EVENT = {"completed": "response.completed", "incomplete": "response.incomplete"}  # else response.failed
 
 
@@ -33,6 +35,7 @@ class ResponsesFormat:
     chat: ChatFormat  # the id, model and creation time, and the tool calls in the text
     echo: dict  # the request's settings, which a Response carries back
     message_id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
+    incomplete_reason: str = "max_output_tokens"  # set by finished()
 
     @property
     def holds_text(self) -> bool:
@@ -42,7 +45,7 @@ class ResponsesFormat:
     def response(self, status: str, output: list[dict], usage: Usage | None = None,
                  error: dict | None = None, metrics: dict | None = None) -> dict:
         """metrics: the request's, on a final response where the server reports them."""
-        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        incomplete = {"reason": self.incomplete_reason} if status == "incomplete" else None
         out = {"id": self.chat.id, "object": "response", "created_at": self.chat.created,
                "status": status, "error": error, "incomplete_details": incomplete,
                "model": self.chat.model, "output": output,
@@ -56,6 +59,7 @@ class ResponsesFormat:
     def finished(self, text: str, finish_reason: str | None, stop_reason: str | int | None) -> tuple[str, list[dict]]:
         """The status and output items of a response whose text is all there."""
         status = STATUS.get(finish_reason or "stop", "completed")
+        self.incomplete_reason = INCOMPLETE_REASONS.get(finish_reason or "", "max_output_tokens")
         message = self.chat.choice(text, None, finish_reason, stop_reason)["message"]
         calls = message.get("tool_calls", [])
         items = [self.message(message["content"] or "", "completed" if status == "completed" else "incomplete")] \

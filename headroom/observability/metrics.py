@@ -212,8 +212,9 @@ class EngineCollector(Collector):
 # A figure whose sample is too small has no sample at all, rather than a noisy one.
 HEALTH = (
     ("predictor_health_requests",
-     ("Finished requests in the predictors' health window (they ran, ended by stop or "
-      "length, were not cut by a cap and did not ignore EOS)."),
+     ("Finished requests in the predictors' health window: they ran and their natural end is "
+      "known (ended by stop or length, not cut by a cap or a budget, EOS not ignored), or the "
+      "loop detector ended them (counted as runs to their max_tokens)."),
      {"": "requests"}),
     ("predictor_cap_rate", "Share of the window's requests that ran to their max_tokens.",
      {"": "cap_rate"}),

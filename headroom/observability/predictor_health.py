@@ -50,7 +50,7 @@ class Outcome:
     def of(cls, done: FinishedRequest) -> Outcome | None:
         """None when its natural length is unknown or nothing predicted it: it did not
         run, was aborted, was cut by a cap (an operator's or a policy's: its label would be
-        theirs), or ignored EOS (only max_tokens could end it). A sequence the loop
+        theirs) or a wall-clock budget, or ignored EOS (only max_tokens could end it). A sequence the loop
         detector capped or stopped counts as one that ran to its requested max_tokens:
         loops rarely end on their own (bench/RESULTS.md, loop detection), and leaving
         them out would hide most runaways from the window once the detector acts."""
@@ -59,7 +59,7 @@ class Outcome:
             return cls.of_loop(done)
         if not done.ran or done.finish_reason not in ("stop", "length") or done.max_tokens is None:
             return None
-        if done.max_tokens_cap is not None or done.ignore_eos:
+        if done.max_tokens_cap is not None or done.ignore_eos or done.stop_reason == "wall_clock_budget":
             return None
         if done.predicted_output_tokens is None and done.runaway_probability is None:
             return None

@@ -42,6 +42,7 @@ def on_loop(request: Request, finding: Finding, cap_tokens: int) -> RequestStatu
         return RequestStatus.FINISHED_REPETITION
     if finding.action == "cap":
         limit = request.num_output_tokens + cap_tokens
+        request.stop_reason = "loop_detected"  # what a finish at the cap reports; a stop replaces it
         if cap(request, limit, f"cap by loop detector at {limit} tokens: {finding.what}"):
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -2,8 +2,9 @@
 appended: a sequence whose output ends in a repeated pattern (runtime/repetition.py) is
 flagged, capped or stopped, once, by its tenant's policy or the server's ([admin]
 loop_policy). A request that brings its own repetition_detection has asked for exactly
-that test (the scheduler applies it) and one that sets ignore_eos asked for every token,
-so the server's detector leaves both alone."""
+that test (the scheduler applies it), one that sets ignore_eos asked for every token,
+and one under a grammar ends where the grammar does, so the server's detector leaves
+them alone."""
 
 from __future__ import annotations
 
@@ -32,8 +33,10 @@ class LoopPolicy:
 
     def watches(self, request: Request) -> bool:
         params = request.sampling
+        # A grammar ends a structured output where it must, and a valid one may repeat
+        # itself (a JSON array of equal items): cutting it would leave invalid JSON.
         return ((request.loop_policy or self.policy) != "off" and params.repetition_detection is None
-                and not params.ignore_eos)
+                and not params.ignore_eos and request.grammar is None)
 
     def attach(self, request: Request) -> None:
         """Give request the tracker its detectors need, if any."""

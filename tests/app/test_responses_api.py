@@ -22,7 +22,7 @@ from openai.types.responses import (
 
 from headroom.app import keys
 from headroom.app.background import BackgroundServer
-from headroom.config import CacheConfig, Config, SchedulerConfig
+from headroom.config import AdminConfig, CacheConfig, Config, SchedulerConfig
 from headroom.runtime.engine import Engine
 
 pytestmark = pytest.mark.slow
@@ -171,6 +171,28 @@ def test_max_output_tokens_cuts_the_response_incomplete(client):
     assert events[-1].type == "response.incomplete" and events[-1].response.status == "incomplete"
     assert events[-1].response.incomplete_details.reason == "max_output_tokens"
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == res.output_text
+
+
+LOOPING = "create a multiple choice assessment with scoring based upon the answers"  # loops greedily
+
+
+def test_a_loop_the_server_stops_is_incomplete_for_repetition(default_model):
+    config = Config(cache=CacheConfig(num_blocks=128), scheduler=SchedulerConfig(max_num_seqs=4),
+                    admin=AdminConfig(loop_policy="stop"))
+    srv = BackgroundServer(config, Engine(config, loaded=default_model)).start()
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        model = srv.engine.loaded.name
+        res = client.responses.create(model=model, input=LOOPING, max_output_tokens=512, temperature=0)
+        assert res.status == "incomplete" and res.incomplete_details.reason == "repetition"
+        assert res.usage.output_tokens < 512 and res.output[0].status == "incomplete"
+        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": LOOPING}],
+                                              max_tokens=512, temperature=0)
+        assert chat.choices[0].finish_reason == "repetition"
+        assert chat.choices[0].model_extra["stop_reason"] == "loop_detected"
+        assert chat.usage.completion_tokens == res.usage.output_tokens  # the same greedy loop, found alike
+    finally:
+        srv.stop()
 
 
 # ---- structured output and function calls ----------------------------------------------

@@ -85,6 +85,7 @@ def test_only_requests_whose_natural_length_is_known_count():
         finished("a", 10, 5, "abort", p=0.2),  # cut short: its length says nothing
         finished("a", 10, 30, "repetition", p=0.9),  # ended by the loop detector
         finished("a", 10, 50, "length", p=0.9, max_tokens_cap=50),  # an operator's cap, not its own
+        finished("a", 10, 60, "length", p=0.9, stop_reason="wall_clock_budget"),  # out of time
         finished("a", 10, 100, "length", p=1.0, ignore_eos=True),  # only max_tokens could end it
         finished("a", None, 40),  # neither predictor said anything
         FinishedRequest(request_id="r", endpoint="/v1/completions", model="m", http_status=429,

@@ -20,7 +20,7 @@ from headroom.config import (
 )
 from headroom.runtime.engine import Engine
 from headroom.runtime.repetition import LoopTracker, RepetitionDetection, first_detection
-from headroom.runtime.request import SamplingParams
+from headroom.runtime.request import Request, SamplingParams
 
 
 def vllm_check(tokens: list[int], max_size: int, min_size: int, min_count: int) -> bool:
@@ -133,6 +133,7 @@ def test_the_servers_policy_acts_once_at_the_step_the_detector_fires(default_mod
     expected_action = {"flag": f"flag by loop detector: {what}", "cap": f"cap by loop detector at 9 tokens: {what}",
                        "stop": f"stop by loop detector: {what}"}[policy]
     assert looping.admin_actions == [expected_action]
+    assert looping.stop_reason == (None if policy == "flag" else "loop_detected")
     assert engine.stats.loops == {policy: 1}
     assert [r.getMessage() for r in caplog.records if r.name == "headroom.runtime.engine" and "loop" in r.getMessage()] == \
         [f"loop {policy} on {looping.request_id}: {what}"]
@@ -175,3 +176,13 @@ def test_a_tenants_policy_overrides_the_servers(default_model, prompt, the):
     assert request.output_token_ids == [the] * 4 and request.status.finish_reason == "repetition"
     assert outputs[-1].finish_reason == "repetition" and outputs[-1].stop_reason == "loop_detected"
     assert engine.stats.loops == {"stop": 1}
+
+
+def test_a_request_under_a_grammar_is_left_to_its_grammar(default_model, prompt, the):
+    policy = make_engine(default_model, loop_policy="stop").loops
+    request = Request("g", prompt, SamplingParams(max_tokens=8, temperature=0.0))
+    assert policy.watches(request)
+    request.grammar = object()  # any matcher: a JSON array of equal items is a valid repeat
+    assert not policy.watches(request)
+    policy.attach(request)
+    assert request.loop is None
