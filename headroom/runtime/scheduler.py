@@ -40,6 +40,18 @@ class SchedulerOutput:
         return not self.requests
 
 
+@dataclass
+class _Step:
+    """One schedule() call: what it may still hand out, and what it decided so far."""
+    now: float
+    budget: int  # tokens left in this step
+    long_left: float | None  # seconds long prefill chunks may still add (None: no limit)
+    decode_left: float | None  # seconds long decode rows may still add (None: no limit)
+    scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens, in scheduling order
+    preempted: list[Request] = field(default_factory=list)
+    sat_out: dict[str, int] = field(default_factory=dict)  # long decodes left out: how many steps in a row
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: set[int],
                  clock: Callable[[], float] = time.monotonic):
@@ -84,71 +96,86 @@ class Scheduler:
         return self.policy.long_prefill_allowance(self.running, self.waiting, now, base_s)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, int] = {}
-        preempted: list[Request] = []
         now = self.clock()
-        long_left = self.long_prefill_allowance(now)
-        decode_left = self.policy.long_decode_allowance(self.running, self.waiting, self.block_manager, now)
-        sat_out: dict[str, int] = {}
+        step = _Step(now, self.config.max_num_batched_tokens, self.long_prefill_allowance(now),
+                     self.policy.long_decode_allowance(self.running, self.waiting, self.block_manager, now))
+        self._schedule_running(step)
+        self._schedule_waiting(step)
+        return self._output(step)
 
-        def chunk(request: Request, remaining: int, context: int) -> int:
-            nonlocal long_left
-            n = min(remaining, budget)
-            if long_left is not None and request.size_class == LONG and remaining > 1:
-                n = self.policy.long_chunk(context, long_left, n)
-                long_left -= self.policy.cost.chunk_seconds(n, context)
-            return n
-
-        def make_room(request: Request, num_tokens: int, computed: list[int] | None, victims: list[Request]) -> bool:
-            nonlocal budget
-            while self.block_manager.allocate_slots(request, num_tokens, computed) is None:
-                if not victims:
-                    return False
-                victim = self.policy.choose_victim(victims)
-                if victim is request:
-                    return False
-                victims.remove(victim)
-                budget += scheduled.pop(victim.request_id, 0)
-                self._preempt(victim)
-                preempted.append(victim)
-            return True
-
-        # Running requests: decodes first, each in policy order, except that long decodes
-        # that sat out most go first, so that they take turns.
-        running = sorted(self.running, key=lambda r: self.policy.order_key(r, now))
+    def _schedule_running(self, step: _Step) -> None:
+        """Running requests: decodes first, each in policy order, except that long decodes
+        that sat out most go first, so that they take turns. A request that finds no room
+        is preempted."""
+        running = sorted(self.running, key=lambda r: self.policy.order_key(r, step.now))
         running.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, -self._sat_out.get(r.request_id, 0)))
         for request in running:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if budget == 0:
+            if step.budget == 0:
                 break
-            if (decode_left is not None and request.size_class == LONG
-                    and request.num_tokens - request.num_computed_tokens == 1):
-                row_s = self.policy.cost.chunk_seconds(1, request.num_computed_tokens)
-                skipped = self._sat_out.get(request.request_id, 0)
-                if (decode_left <= 0 or row_s > decode_left) and skipped < self.config.long_decode_max_skip:
-                    sat_out[request.request_id] = skipped + 1
-                    continue
-                decode_left -= row_s
-            num_tokens = chunk(request, request.num_tokens - request.num_computed_tokens, request.num_computed_tokens)
+            if self._sits_out(step, request):
+                continue
+            num_tokens = self._chunk(step, request, request.num_tokens - request.num_computed_tokens,
+                                     request.num_computed_tokens)
             if num_tokens == 0:
                 continue
-            if not make_room(request, num_tokens, None, list(self.running)):
+            if not self._make_room(step, request, num_tokens, None, list(self.running)):
                 self._preempt(request)
-                preempted.append(request)
+                step.preempted.append(request)
                 continue
-            scheduled[request.request_id] = num_tokens
-            budget -= num_tokens
+            step.scheduled[request.request_id] = num_tokens
+            step.budget -= num_tokens
+        self._sat_out = step.sat_out  # the turn order of the next step's long decodes
 
-        self._sat_out = sat_out
+    def _sits_out(self, step: _Step, request: Request) -> bool:
+        """Does a long decode sit this step out? Only when its row does not fit what long
+        decodes may still add, and it has not sat out long_decode_max_skip steps in a row
+        already. A long decode that goes uses its row's seconds up."""
+        if (step.decode_left is None or request.size_class != LONG
+                or request.num_tokens - request.num_computed_tokens != 1):
+            return False
+        row_s = self.policy.cost.chunk_seconds(1, request.num_computed_tokens)
+        skipped = self._sat_out.get(request.request_id, 0)
+        if (step.decode_left <= 0 or row_s > step.decode_left) and skipped < self.config.long_decode_max_skip:
+            step.sat_out[request.request_id] = skipped + 1
+            return True
+        step.decode_left -= row_s
+        return False
 
-        # Then waiting requests in policy order, while budget and seats last. Not in a step
-        # that had to preempt: the cache is full, and admitting now would thrash.
-        self.waiting.sort(key=lambda r: self.policy.order_key(r, now))
+    def _chunk(self, step: _Step, request: Request, remaining: int, context: int) -> int:
+        """Tokens for a request `remaining` behind: what the budget allows, and for a long
+        prefill what the long lane's allowance still covers (which the chunk uses up)."""
+        n = min(remaining, step.budget)
+        if step.long_left is not None and request.size_class == LONG and remaining > 1:
+            n = self.policy.long_chunk(context, step.long_left, n)
+            step.long_left -= self.policy.cost.chunk_seconds(n, context)
+        return n
+
+    def _make_room(self, step: _Step, request: Request, num_tokens: int, computed: list[int] | None,
+                   victims: list[Request]) -> bool:
+        """Allocates the request's slots, preempting the policy's victims until they fit.
+        False when no victim is left or the policy picks the request itself. A victim
+        already scheduled in this step gives its tokens back to the budget."""
+        while self.block_manager.allocate_slots(request, num_tokens, computed) is None:
+            if not victims:
+                return False
+            victim = self.policy.choose_victim(victims)
+            if victim is request:
+                return False
+            victims.remove(victim)
+            step.budget += step.scheduled.pop(victim.request_id, 0)
+            self._preempt(victim)
+            step.preempted.append(victim)
+        return True
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        """Waiting requests in policy order, while budget and seats last. Not in a step that
+        had to preempt: the cache is full, and admitting now would thrash."""
+        self.waiting.sort(key=lambda r: self.policy.order_key(r, step.now))
         candidates = list(self.waiting)
         for request in candidates:
-            if preempted or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if step.preempted or step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if not self.policy.lane_admits(request, self.running, self.block_manager):
                 continue
@@ -156,33 +183,40 @@ class Scheduler:
             num_cached = len(computed) * self.block_manager.block_size
             remaining = request.num_tokens - request.num_computed_tokens - num_cached
             if not self.config.enable_chunked_prefill:
-                if remaining > budget and scheduled:
+                if remaining > step.budget and step.scheduled:
                     break
                 num_tokens = remaining
             else:
-                num_tokens = chunk(request, remaining, request.num_computed_tokens + num_cached)
+                num_tokens = self._chunk(step, request, remaining, request.num_computed_tokens + num_cached)
                 if num_tokens == 0:
                     continue
             # A waiting request may only displace running ones of strictly lower priority.
             victims = [r for r in self.running if r.priority < request.priority]
-            if not make_room(request, num_tokens, computed, victims):
+            if not self._make_room(step, request, num_tokens, computed, victims):
                 break
-            self.waiting.remove(request)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens += num_cached
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = num_cached
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
-            if len(self.waiting) + 1 == len(candidates):
-                self.policy.note_admitted(candidates, request, now)
-            self.running.append(request)
-            scheduled[request.request_id] = num_tokens
-            budget -= num_tokens
+            self._admit(step, request, num_cached, num_tokens, candidates)
 
-        out = SchedulerOutput(preempted=preempted)
+    def _admit(self, step: _Step, request: Request, num_cached: int, num_tokens: int,
+               candidates: list[Request]) -> None:
+        """Moves a waiting request whose slots are allocated to running, with num_cached
+        prompt tokens found in the prefix cache and num_tokens scheduled in this step."""
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens += num_cached
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_cached
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = step.now
+        if len(self.waiting) + 1 == len(candidates):
+            self.policy.note_admitted(candidates, request, step.now)
+        self.running.append(request)
+        step.scheduled[request.request_id] = num_tokens
+        step.budget -= num_tokens
+
+    def _output(self, step: _Step) -> SchedulerOutput:
+        out = SchedulerOutput(preempted=step.preempted)
         by_id = self.requests
-        for rid, n in scheduled.items():
+        for rid, n in step.scheduled.items():
             out.requests.append(by_id[rid])
             out.num_scheduled_tokens.append(n)
             out.attention_pairs += attention_pairs(n, by_id[rid].num_computed_tokens)
