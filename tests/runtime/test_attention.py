@@ -277,6 +277,61 @@ def test_torch_matches_naive_on_random_shapes(shape: dict) -> None:
     check_torch_backend(make_batch(**shape))
 
 
+def rounded_to_cache(batch: Batch, dtype: torch.dtype) -> Batch:
+    """The batch with a `dtype` cache: what the cache holds, and so what attention sees,
+    is each context rounded to it (queries stay float32)."""
+    return replace(
+        batch,
+        k_cache=batch.k_cache.to(dtype),
+        v_cache=batch.v_cache.to(dtype),
+        ctx_k=[x.to(dtype).float() for x in batch.ctx_k],
+        ctx_v=[x.to(dtype).float() for x in batch.ctx_v],
+    )
+
+
+def check_cpu_paged_backend(batch: Batch) -> None:
+    from headroom.runtime.attention.cpu_paged import CpuPagedAttention
+
+    before = clone(batch)
+    out = run(CpuPagedAttention(), batch)
+    torch.testing.assert_close(out, naive_attention(batch), rtol=1e-5, atol=1e-5)
+    assert_cache_written(batch, before)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+def test_cpu_paged_prefill_in_place_matches_naive(cache_dtype: torch.dtype, num_heads: int,
+                                                  num_kv_heads: int) -> None:
+    # Chunks fresh and deep in a context (tiles of 8 tokens, a last partial tile, keys
+    # across block edges) beside decodes, read in place from a scattered cache.
+    q_lens = [1, 1, 3, 8, 9, 40, 17]
+    seq_lens = [5, 300, 3, 8, 200, 640, 47]
+    batch = make_batch(q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=16,
+                       head_dim=64, seed=num_heads)
+    check_cpu_paged_backend(rounded_to_cache(batch, cache_dtype))
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch_shapes(), st.sampled_from([64, 128]), st.sampled_from([torch.float32, torch.float16]))
+def test_cpu_paged_matches_naive_on_random_shapes(shape: dict, head_dim: int, cache_dtype: torch.dtype) -> None:
+    check_cpu_paged_backend(rounded_to_cache(make_batch(**{**shape, "head_dim": head_dim}), cache_dtype))
+
+
+def test_cpu_paged_prefill_reads_only_its_own_context() -> None:
+    # Every slot outside the sequences' contexts holds a huge value: one read of one
+    # would swamp the softmax.
+    batch = make_batch([12, 30], [12, 100], num_heads=6, num_kv_heads=2, block_size=16, head_dim=64, seed=5)
+    used = torch.zeros(batch.k_cache.shape[0], dtype=torch.bool)
+    for row, seq_len in zip(batch.meta.block_tables, batch.meta.seq_lens_cpu):
+        used[row[: -(-seq_len // 16)].long()] = True
+    batch.k_cache[~used] = 1e4
+    batch.v_cache[~used] = 1e4
+    for table, seq_len in zip(batch.meta.block_tables, batch.meta.seq_lens_cpu):
+        last = table[(seq_len - 1) // 16]
+        batch.k_cache[last, (seq_len - 1) % 16 + 1 :] = 1e4  # the last block's unused tail
+    check_cpu_paged_backend(batch)
+
+
 def test_batch_helper_scatters_blocks_and_fills_prefixes() -> None:
     """The helper itself: random non-contiguous tables, and the cache holds each prefix."""
     q_lens, seq_lens = [1, 1, 5, 9], [40, 17, 5, 50]

@@ -33,7 +33,7 @@ def cpu_flags() -> set[str]:
 
 
 SOURCES = ("bindings.cpp", "q4_linear.cpp", "q8_linear.cpp", "qdot_linear.cpp", "paged_attention.cpp",
-           "fused_ops.cpp", "pool.cpp")
+           "paged_tile.cpp", "paged_prefill.cpp", "fused_ops.cpp", "pool.cpp")
 VNNI_FLAGS = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"}
 # One build per checkout: torch's builder writes the sources' absolute paths into its
 # build file, so two checkouts sharing one name rebuild over each other (3 minutes, the

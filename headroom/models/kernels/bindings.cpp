@@ -8,6 +8,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                                      std::optional<torch::Tensor> k_new, std::optional<torch::Tensor> v_new,
                                      std::optional<torch::Tensor> slots);
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
+                                      double scale);
+bool paged_prefill_available(int64_t head_dim);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
@@ -29,6 +33,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one-token-per-sequence attention over a paged KV cache, read in place (this step's K/V written first)", no_gil,
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("k_new") = py::none(), py::arg("v_new") = py::none(), py::arg("slots") = py::none());
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "causal attention of any number of query rows per sequence over a paged KV cache, read in place", no_gil,
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("query_start_loc"), py::arg("scale"));
+  m.def("paged_prefill_available", &paged_prefill_available,
+        "whether this build has the in-place prefill attention for this head_dim");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows", no_gil);
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of x", no_gil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused (M, 2I) gate/up projection", no_gil);

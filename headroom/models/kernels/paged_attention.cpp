@@ -8,6 +8,7 @@
 // group's heads live in registers and the softmax's exp is vectorised.
 #include <torch/extension.h>
 
+#include "paged_tile.h"
 #include "pool.h"
 #include <cmath>
 #include <cstdint>
@@ -146,17 +147,24 @@ void decode(const float* qp, T* kc, T* vc, const int32_t* tp, const int32_t* lp,
         store_row(knp + b * kn_row + h * D, kc + slot * token_stride + h * D, D);
         store_row(vnp + b * vn_row + h * D, vc + slot * token_stride + h * D, D);
       }
-      scores.assign(group * len, 0.f);
       const float* qh = qp + (b * Hq + h * group) * D;
       const int32_t* table = tp + b * W;
 #ifdef __AVX512F__
       if (D == 64 || D == 128) {
+        scores.assign(group * len, 0.f);
         auto attend = D == 64 ? attend_512<4, T> : attend_512<8, T>;
         attend(qh, kc, vc, table, len, group, block_size, token_stride, block_stride, h, s, scores.data(),
                op + (b * Hq + h * group) * D);
         continue;
       }
 #endif
+      if (headroom::tile_available(D)) {  // AVX2: the tiled kernel, one query token
+        const headroom::TileArgs a{qh, op + (b * Hq + h * group) * D, Hq * D, 1, len - 1, group, D, table,
+                                   block_size, token_stride, block_stride, h, s};
+        headroom::attend_tile(a, kc, vc);
+        continue;
+      }
+      scores.assign(group * len, 0.f);
       // Portable: each cached row widened to float32 first, then AVX2 where the build has it.
       auto cached = [&](const T* cache, int64_t t) -> const float* {
         const T* at = cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + h * D;

@@ -1,7 +1,9 @@
-"""The CPU backend: decode rows through headroom's C++ kernel, which reads K and V in
-place from the block table (no gather into a padded copy, no mask) from a float32, float16
-or bfloat16 cache and, in a step of decodes only, writes the step's K/V in the same call;
-prefill chunks, and any other cache, through the torch reference it extends."""
+"""The CPU backend: headroom's C++ kernels read K and V in place from the block table (no
+gather into a padded copy, no mask) from a float32, float16 or bfloat16 cache. A step of
+decodes only writes its K/V and attends in one call; a step with prefill chunks writes its
+K/V, then attends every row in one call, so a chunk deep in a long context costs its own
+tokens rather than a widened copy of the whole context. Other caches and head sizes, and
+builds without the kernels, take the torch reference it extends."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import torch
 
 from headroom.models.kernels import cpu_kernels
 from headroom.runtime.attention.metadata import AttentionMetadata
-from headroom.runtime.attention.torch_ref import TorchAttention
+from headroom.runtime.attention.torch_ref import TorchAttention, write_kv
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the caches the C++ kernel reads
 
@@ -36,7 +38,15 @@ class CpuPagedAttention(TorchAttention):
             # A decode-only step: one call writes this step's K/V and attends.
             return self.kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                                        k, v, meta.slot_mapping)
+        if self._prefill_in_place(q, k_cache):
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            return self.kernels.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                                        meta.query_start_loc, scale)
         return super().forward(q, k, v, k_cache, v_cache, meta, scale)
+
+    def _prefill_in_place(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        return (k_cache.dtype in KERNEL_DTYPES and q.dtype == torch.float32
+                and self.kernels.paged_prefill_available(q.shape[-1]))
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if k_cache.dtype not in KERNEL_DTYPES:

@@ -1,0 +1,83 @@
+// Attention for a step's query rows, any number per sequence (prefill chunks, and decode
+// rows beside them), over the paged KV cache read in place: each (sequence, tile of up to
+// 8 tokens, kv head) is one work item of paged_tile's kernel. The caller has written this
+// step's K/V to their slots.
+#include <torch/extension.h>
+
+#include <vector>
+
+#include "paged_tile.h"
+#include "pool.h"
+
+namespace {
+
+constexpr int64_t kTileTokens = 8;
+
+struct Item {
+  int64_t seq, first_token, tokens, kv_head;
+};
+
+}  // namespace
+
+bool paged_prefill_available(int64_t head_dim) { return headroom::tile_available(head_dim); }
+
+// q: (N, Hq, D) float32, sequence b's rows at query_start_loc[b]:query_start_loc[b+1], the
+// last positions of its seq_lens[b]-long context; caches: (num_blocks, block_size, Hkv, D),
+// float32, float16 or bfloat16; block_tables: (B, W) int32 -> (N, Hq, D) float32.
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                      torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
+                                      double scale) {
+  const auto kv = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32, "paged_prefill_attention takes float32 queries");
+  TORCH_CHECK((kv == torch::kFloat32 || kv == torch::kBFloat16 || kv == torch::kHalf) && v_cache.scalar_type() == kv,
+              "the caches must be both float32, both float16 or both bfloat16");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
+                  query_start_loc.scalar_type() == torch::kInt32,
+              "block_tables, seq_lens and query_start_loc must be int32");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  seq_lens = seq_lens.contiguous();
+  query_start_loc = query_start_loc.contiguous();
+  const int64_t N = q.size(0), Hq = q.size(1), D = q.size(2), B = seq_lens.size(0);
+  const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2), W = block_tables.size(1);
+  TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(3) == D, "head counts or head_dim do not match");
+  TORCH_CHECK(headroom::tile_available(D), "this build has no tiled attention for head_dim ", D);
+  TORCH_CHECK(query_start_loc.size(0) == B + 1 && block_tables.size(0) == B, "one block table and start per sequence");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  TORCH_CHECK(starts[B] == N, "query_start_loc must end at the number of query rows");
+  std::vector<Item> items;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t q_len = starts[b + 1] - starts[b];
+    TORCH_CHECK(q_len >= 0 && q_len <= lens[b] && (lens[b] + block_size - 1) / block_size <= W,
+                "seq_len does not fit the block table, or is shorter than the sequence's queries");
+    for (int64_t j = 0; j < q_len; j += kTileTokens)
+      for (int64_t h = 0; h < Hkv; ++h) items.push_back({b, j, std::min(kTileTokens, q_len - j), h});
+  }
+  auto out = torch::empty_like(q);
+  const int64_t group = Hq / Hkv;
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int32_t* tp = block_tables.data_ptr<int32_t>();
+  auto run = [&](auto* kc, auto* vc) {
+    headroom::parallel_rows(N, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const Item& it = items[i];
+        const int64_t q_len = starts[it.seq + 1] - starts[it.seq];
+        const int64_t row = (starts[it.seq] + it.first_token) * Hq + it.kv_head * group;
+        const headroom::TileArgs a{qp + row * D, op + row * D, Hq * D, it.tokens,
+                                   lens[it.seq] - q_len + it.first_token, group, D, tp + it.seq * W, block_size,
+                                   Hkv * D, block_size * Hkv * D, it.kv_head, static_cast<float>(scale)};
+        headroom::attend_tile(a, kc, vc);
+      }
+    });
+  };
+  if (kv == torch::kFloat32)
+    run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  else if (kv == torch::kHalf)
+    run(reinterpret_cast<c10::Half*>(k_cache.data_ptr<at::Half>()), reinterpret_cast<c10::Half*>(v_cache.data_ptr<at::Half>()));
+  else
+    run(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
+  return out;
+}

@@ -1,0 +1,216 @@
+// Attention of a tile of query rows (up to a few tokens times the query heads of one kv
+// head) over a paged context, read in place. The context is walked 16 keys at a time:
+// each key and value row is widened to float32 once per tile (not once per query row,
+// and never into a copy of the whole context), scored against every row of the tile,
+// and folded in with an online softmax, so a chunk deep in a long context costs its
+// tokens' arithmetic and one pass over the cache. Rows are causal: token j of the tile
+// sees keys [0, first_pos + j].
+#include "paged_tile.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "simd.h"
+
+namespace headroom {
+
+#if defined(HEADROOM_AVX2) && defined(__F16C__)
+
+namespace {
+
+using bf16 = c10::BFloat16;
+using f16 = c10::Half;
+constexpr int64_t kKeys = 16;  // keys per pass
+
+inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const bf16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));  // a bf16 is a float32's top half
+}
+
+// e^x for 8 floats with x <= 0, within 2 ulp of expf above -87 (Cephes' polynomial, as
+// exp512 in simd.h); callers zero what is masked rather than rely on e^-inf.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365447504f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// q . key[j] for the 8 keys, one lane each: eight accumulators, then a transposing sum.
+inline __m256 dots8(const float* q, const float* const* key, int64_t d) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (int64_t i = 0; i < d; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key[0] + i), a0);
+    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key[1] + i), a1);
+    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key[2] + i), a2);
+    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key[3] + i), a3);
+    a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key[4] + i), a4);
+    a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key[5] + i), a5);
+    a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key[6] + i), a6);
+    a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key[7] + i), a7);
+  }
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// Lanes at or past `valid` (0..8) hold -inf.
+inline __m256 mask_from(__m256 x, int64_t valid) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), lane));
+  return _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()), x, keep);
+}
+
+// The running state of one query row: max score, softmax denominator, unnormalised output.
+struct Row {
+  float m = -std::numeric_limits<float>::infinity();
+  float l = 0.f;
+};
+
+// Folds keys [c0, c0 + valid) into one row: o <- o * e^(m - m') + sum_t e^(s_t - m') v_t.
+inline void fold(Row& row, float* o, const float* q, const float* const* key, const float* const* value,
+                 int64_t valid, int64_t d, float scale) {
+  alignas(32) float p[kKeys];
+  const __m256 sv = _mm256_set1_ps(scale);
+  __m256 s0 = mask_from(_mm256_mul_ps(dots8(q, key, d), sv), valid);
+  __m256 s1 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  if (valid > 8) s1 = mask_from(_mm256_mul_ps(dots8(q, key + 8, d), sv), valid - 8);
+  const float top = std::max(row.m, hmax(_mm256_max_ps(s0, s1)));
+  const float carry = std::exp(row.m - top);  // 0 for the first keys (m = -inf)
+  const __m256 tv = _mm256_set1_ps(top);
+  const __m256 none = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 p0 = _mm256_and_ps(exp8(_mm256_sub_ps(s0, tv)), _mm256_cmp_ps(s0, none, _CMP_NEQ_OQ));
+  const __m256 p1 = _mm256_and_ps(exp8(_mm256_sub_ps(s1, tv)), _mm256_cmp_ps(s1, none, _CMP_NEQ_OQ));
+  _mm256_store_ps(p, p0);
+  _mm256_store_ps(p + 8, p1);
+  row.l = row.l * carry + hsum(_mm256_add_ps(p0, p1));
+  row.m = top;
+  const __m256 cv = _mm256_set1_ps(carry);
+  for (int64_t i = 0; i < d; i += 64) {  // 64 output dims in eight registers at a time
+    __m256 acc[8];
+    for (int k = 0; k < 8; ++k) acc[k] = _mm256_mul_ps(_mm256_loadu_ps(o + i + 8 * k), cv);
+    for (int64_t t = 0; t < valid; ++t) {
+      const __m256 pt = _mm256_set1_ps(p[t]);
+      const float* v = value[t] + i;
+      for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * k), acc[k]);
+    }
+    for (int k = 0; k < 8; ++k) _mm256_storeu_ps(o + i + 8 * k, acc[k]);
+  }
+}
+
+// Points rows[0..n) at cache rows [c0, c0 + n) of the kv head, widened into `buffer` unless
+// the cache is float32 already; rows past n point at `zero`.
+template <typename T>
+inline void rows_at(const T* cache, const TileArgs& a, int64_t c0, int64_t n, float* buffer, const float* zero,
+                    const float** rows) {
+  const int64_t d = a.head_dim;
+  for (int64_t t = 0; t < kKeys; ++t) {
+    if (t >= n) {
+      rows[t] = zero;
+      continue;
+    }
+    const int64_t pos = c0 + t;
+    const T* at = cache + a.table[pos / a.block_size] * a.cache_block_stride + (pos % a.block_size) * a.cache_token_stride +
+                  a.kv_head * d;
+    if constexpr (std::is_same_v<T, float>) {
+      rows[t] = at;
+    } else {
+      float* dst = buffer + t * d;
+      for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + i, load8(at + i));
+      rows[t] = dst;
+    }
+  }
+}
+
+// Asks for the kv head's rows of keys [c0, c0 + n) ahead of use: a context's blocks lie
+// anywhere in the pool, so the hardware prefetcher cannot guess the next one, and past
+// the last-level cache each pass would otherwise start with a wait on memory.
+template <typename T>
+inline void prefetch(const T* cache, const TileArgs& a, int64_t c0, int64_t n) {
+  const int64_t bytes = a.head_dim * static_cast<int64_t>(sizeof(T));
+  for (int64_t pos = c0; pos < c0 + n; ++pos) {
+    const char* at = reinterpret_cast<const char*>(cache + a.table[pos / a.block_size] * a.cache_block_stride +
+                                                   (pos % a.block_size) * a.cache_token_stride + a.kv_head * a.head_dim);
+    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(at + line, _MM_HINT_T0);
+  }
+}
+
+template <typename T>
+void attend(const TileArgs& a, const T* kc, const T* vc) {
+  const int64_t d = a.head_dim, rows = a.tokens * a.group, keys = a.first_pos + a.tokens;
+  thread_local std::vector<float> scratch;
+  scratch.assign(2 * kKeys * d + d + rows * d, 0.f);
+  float *kbuf = scratch.data(), *vbuf = kbuf + kKeys * d, *zero = vbuf + kKeys * d, *o = zero + d;
+  std::vector<Row> state(rows);
+  const float* key[kKeys];
+  const float* value[kKeys];
+  for (int64_t c0 = 0; c0 < keys; c0 += kKeys) {
+    const int64_t n = std::min(kKeys, keys - c0);
+    const int64_t next = std::min(kKeys, keys - c0 - n);
+    if (next > 0) {
+      prefetch(kc, a, c0 + n, next);
+      prefetch(vc, a, c0 + n, next);
+    }
+    rows_at(kc, a, c0, n, kbuf, zero, key);
+    rows_at(vc, a, c0, n, vbuf, zero, value);
+    for (int64_t j = 0; j < a.tokens; ++j) {
+      const int64_t valid = std::min(n, a.first_pos + j + 1 - c0);  // causal: this token's keys in the pass
+      if (valid <= 0) continue;
+      for (int64_t g = 0; g < a.group; ++g) {
+        const int64_t r = j * a.group + g;
+        fold(state[r], o + r * d, a.q + j * a.token_stride + g * d, key, value, valid, d, a.scale);
+      }
+    }
+  }
+  for (int64_t j = 0; j < a.tokens; ++j)
+    for (int64_t g = 0; g < a.group; ++g) {
+      const int64_t r = j * a.group + g;
+      const __m256 inv = _mm256_set1_ps(1.f / state[r].l);
+      float* dst = a.out + j * a.token_stride + g * d;
+      for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_loadu_ps(o + r * d + i), inv));
+    }
+}
+
+}  // namespace
+
+bool tile_available(int64_t head_dim) { return head_dim > 0 && head_dim % 64 == 0; }
+void attend_tile(const TileArgs& a, const float* k, const float* v) { attend(a, k, v); }
+void attend_tile(const TileArgs& a, const c10::Half* k, const c10::Half* v) { attend(a, k, v); }
+void attend_tile(const TileArgs& a, const c10::BFloat16* k, const c10::BFloat16* v) { attend(a, k, v); }
+
+#else  // no AVX2+FMA+F16C: callers keep their portable paths
+
+bool tile_available(int64_t) { return false; }
+void attend_tile(const TileArgs&, const float*, const float*) { TORCH_CHECK(false, "no tiled attention in this build"); }
+void attend_tile(const TileArgs&, const c10::Half*, const c10::Half*) { TORCH_CHECK(false, "no tiled attention in this build"); }
+void attend_tile(const TileArgs&, const c10::BFloat16*, const c10::BFloat16*) {
+  TORCH_CHECK(false, "no tiled attention in this build");
+}
+
+#endif
+
+}  // namespace headroom

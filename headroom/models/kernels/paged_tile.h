@@ -1,0 +1,33 @@
+// One tile of query rows against a sequence's paged context, for one kv head: the core
+// that both the decode kernel (one query token) and the prefill kernel (a chunk of
+// tokens deep in a context) run per work item. See paged_tile.cpp.
+#pragma once
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+namespace headroom {
+
+struct TileArgs {
+  const float* q;        // the tile's first token, at its kv head's first query head
+  float* out;            // laid out as q
+  int64_t token_stride;  // floats between two tokens' rows in q and out (Hq * D)
+  int64_t tokens;        // query tokens in the tile
+  int64_t first_pos;     // the first token's position: it sees keys [0, first_pos]
+  int64_t group;         // query heads per kv head
+  int64_t head_dim;
+  const int32_t* table;  // the sequence's block table
+  int64_t block_size, cache_token_stride, cache_block_stride, kv_head;
+  float scale;
+};
+
+// Whether this build has the tiled kernel for this head_dim (AVX2+FMA+F16C, head_dim a
+// multiple of 64); where it does not, callers keep their portable paths.
+bool tile_available(int64_t head_dim);
+
+void attend_tile(const TileArgs& a, const float* k_cache, const float* v_cache);
+void attend_tile(const TileArgs& a, const c10::Half* k_cache, const c10::Half* v_cache);
+void attend_tile(const TileArgs& a, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache);
+
+}  // namespace headroom
