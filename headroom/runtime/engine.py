@@ -1,5 +1,6 @@
 """The engine: owns the scheduler, cache and model, and runs the step loop on its own
-thread. Other threads only enqueue commands (add, abort); every piece of engine state
+thread; a step's outputs go out through output_processor.py and its cost is counted in
+stats.py. Other threads only enqueue commands (add, abort); every piece of engine state
 is changed by the engine thread alone. The one exception is snapshot(), which reads
 that state from another thread under `_state_lock`; the engine holds the lock while it
 changes state, but not while the model runs, so a snapshot waits at most for the
@@ -12,7 +13,6 @@ import itertools
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import assert_never
@@ -31,25 +31,30 @@ from headroom.runtime.device import prepare_model, resolve_kv_dtype
 from headroom.runtime.grammar import Grammars
 from headroom.runtime.inflight import InflightRefiner, LengthProbe
 from headroom.runtime.loops import LoopPolicy
-from headroom.runtime.model_runner import ModelRunner, StepTimer, kv_block_bytes
+from headroom.runtime.model_runner import ModelOutput, ModelRunner, kv_block_bytes
+from headroom.runtime.output_processor import OutputProcessor
 from headroom.runtime.outputs import (
     EngineSnapshot,
     EngineStats,
     LongLaneState,
     OutputSink,
-    RequestOutput,
     SequenceFinished,
     SequenceSnapshot,
     UnknownSequence,
 )
 from headroom.runtime.request import Request, RequestStatus, SamplingParams
-from headroom.runtime.sampler import Sampler, TokenLogprob
+from headroom.runtime.sampler import Sampler, SampleResult, TokenLogprob
 from headroom.runtime.scheduler import Scheduler, SchedulerOutput
+from headroom.runtime.stats import (
+    StepAccounting,
+    engine_counters,
+    engine_snapshot,
+    long_lane_state,
+    sequence_snapshot,
+)
 from headroom.runtime.warmup import measure_step_cost
 
 log = logging.getLogger(__name__)
-
-RECENTLY_FINISHED = 10_000  # finished ids remembered, so a late action gets 409, not 404
 
 
 class Engine:
@@ -98,13 +103,12 @@ class Engine:
             self.block_size, num_blocks, num_blocks * self.block_size, self.cuda_graphs,
         )
 
-        self._sinks: dict[str, OutputSink] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.output_processor = OutputProcessor(self.tokenizer.hf, self.scheduler, self.sampler)
+        self.accounting = StepAccounting(self.scheduler.policy.cost)
         self._inbox: list[Command] = []
         self._wakeup = threading.Condition()
         self._state_lock = threading.Lock()
-        self._finished: OrderedDict[str, str | None] = OrderedDict()  # request id -> finish reason
-        self._running_step = None  # (SchedulerOutput, perf_counter start) while the model runs
+        self._running_step: tuple[SchedulerOutput, float] | None = None  # (out, perf_counter start) while the model runs
         # Tests set this to inject a fault into a step (it may raise); never set in serving.
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
         # Called on the engine thread after each forward pass with the sequences that sample
@@ -115,7 +119,6 @@ class Engine:
         self.probe_due: Callable[[SchedulerOutput], bool] | None = None
         self.inflight: InflightRefiner | None = None  # see use_inflight
         self._ids = itertools.count()
-        self._timers: deque[StepTimer] = deque()  # forward passes whose device time is not yet read
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -270,21 +273,18 @@ class Engine:
                     assert_never(command)
 
     def _add(self, request: Request, sink: OutputSink) -> None:
-        if request.request_id in self._sinks:
+        if request.request_id in self.output_processor:
             # Never let a duplicate id replace a live request's sink and detokenizer
             # (the scheduler would then raise here and end the engine thread).
-            self._reject(request, sink, f"request id {request.request_id!r} is already in use")
+            self.output_processor.reject(request, sink, f"request id {request.request_id!r} is already in use")
             return
         try:
             self.sampler.add(request)
         except Exception as exc:  # one request the engine cannot take fails alone, at once
             log.exception("engine could not take %s", request.request_id)
-            self._reject(request, sink, f"engine error: {exc}")
+            self.output_processor.reject(request, sink, f"engine error: {exc}")
             return
-        self._sinks[request.request_id] = sink
-        self._detokenizers[request.request_id] = IncrementalDetokenizer(
-            self.tokenizer.hf, request.prompt_token_ids, request.sampling.stop
-        )
+        self.output_processor.add(request, sink)
         request.busy_at_arrival = self.stats.step_time_s
         self.loops.attach(request)
         self.scheduler.add_request(request)
@@ -293,8 +293,9 @@ class Engine:
     def _control(self, request_id: str, action: str, **args) -> SequenceSnapshot:
         request = self.scheduler.requests.get(request_id)
         if request is None:
-            if request_id in self._finished:
-                raise SequenceFinished(request_id, self._finished[request_id])
+            finished = self.output_processor.finished
+            if request_id in finished:
+                raise SequenceFinished(request_id, finished[request_id])
             raise UnknownSequence(request_id)
         by = args.get("by", "admin")
         if args.get("inflight"):
@@ -303,15 +304,15 @@ class Engine:
             self.stats.policy_actions[action] += 1
         if action == "abort":
             actions.abort(request, by, args.get("reason"))
-            snapshot = self._sequence_snapshot(request, time.monotonic())
+            snapshot = self._sequence_snapshot(request)
             self._abort(request_id, by)
         elif action == "deprioritize":
             actions.deprioritize(request, by, args.get("reason"), bool(args.get("long_lane")))
-            snapshot = self._sequence_snapshot(request, time.monotonic())
+            snapshot = self._sequence_snapshot(request)
         else:
             limit = int(args["max_tokens"])
             reached = actions.cap(request, limit, f"cap by {by} at {limit} tokens")
-            snapshot = self._sequence_snapshot(request, time.monotonic())
+            snapshot = self._sequence_snapshot(request)
             if reached:
                 request.stop_reason = f"capped by {by} at {limit} tokens"
                 self._finish(request_id, RequestStatus.FINISHED_LENGTH)
@@ -319,7 +320,7 @@ class Engine:
         return snapshot
 
     def step(self) -> None:
-        """One iteration: schedule, run the model, sample, deliver outputs."""
+        """One iteration: schedule, run the model, sample, update the scheduler, deliver outputs."""
         with self._state_lock:
             self._drain_inbox()
             if not self.scheduler.has_work():
@@ -348,13 +349,10 @@ class Engine:
         with self._state_lock:
             self._complete_step(out, model_out, samples, started)
 
-    def _complete_step(self, out, model_out, samples, started: float) -> None:
+    def _complete_step(self, out: SchedulerOutput, model_out: ModelOutput, samples: SampleResult,
+                       started: float) -> None:
         self._running_step = None
-        if self.probe_hook is not None and model_out.probes:
-            try:
-                self.probe_hook([out.requests[i] for i in model_out.sample_indices], model_out.probes)
-            except Exception:  # an estimate is advice: losing one must not lose the step's tokens
-                log.exception("in-flight length probe failed; this step's sequences keep their estimates")
+        self._observe_probes(out, model_out)
         # The tokens exist from here on; update_from_output stamps finished_time later.
         sampled_time = time.monotonic()
         sampled: list[int | None] = [None] * len(out.requests)
@@ -369,11 +367,18 @@ class Engine:
         self._act_on_loops(with_token)
 
         elapsed = time.perf_counter() - started
-        self._account(out, held, elapsed, model_out.timer)
+        self.accounting.step_done(self.stats, out, held, elapsed, model_out.timer)
         for request in with_token:
             if request.first_token_time is None:
                 request.first_token_time = sampled_time
-            self._deliver_token(request, logprobs.get(request.request_id))
+            self.output_processor.token(request, logprobs.get(request.request_id), self.stats)
+
+    def _observe_probes(self, out: SchedulerOutput, model_out: ModelOutput) -> None:
+        if self.probe_hook is not None and model_out.probes:
+            try:
+                self.probe_hook([out.requests[i] for i in model_out.sample_indices], model_out.probes)
+            except Exception:  # an estimate is advice: losing one must not lose the step's tokens
+                log.exception("in-flight length probe failed; this step's sequences keep their estimates")
 
     def _act_on_loops(self, requests: list[Request]) -> None:
         for request in requests:
@@ -386,49 +391,6 @@ class Engine:
                 self.scheduler.finish_request(request.request_id, status)
             log.warning("loop %s on %s: %s", finding.action, request.request_id, finding.what,
                         extra={"sequence": request.request_id, "action": finding.action})
-
-    def _account(self, out, held: list[int], elapsed: float, timer: StepTimer) -> None:
-        total = out.total_tokens
-        stats = self.stats
-        stats.steps += 1
-        stats.step_time_s += elapsed
-        self.scheduler.policy.cost.observe(total, out.attention_pairs, elapsed)
-        # Read without waiting: a step that sampled nothing may still be on the device.
-        self._timers.append(timer)
-        while self._timers and self._timers[0].ready():
-            stats.forward_time_s += self._timers.popleft().elapsed_s()
-        for request, n, blocks in zip(out.requests, out.num_scheduled_tokens, held, strict=True):
-            if request.num_processed_tokens == 0:
-                stats.requests_started += 1
-                stats.prefix_cache_queries += request.num_prompt_tokens
-                stats.prefix_cache_hits += request.num_cached_tokens
-            request.num_blocks_held = blocks
-            request.peak_blocks = max(request.peak_blocks, blocks)
-            share = elapsed * n / total
-            request.device_time_s += share
-            stats.device_time_by_class[request.size_class or "none"] += share
-            request.kv_block_seconds += blocks * elapsed
-            request.num_processed_tokens += n
-
-    def _deliver_token(self, request: Request, logprob: TokenLogprob | None) -> None:
-        rid = request.request_id
-        self.stats.generated_tokens += 1
-        token = request.output_token_ids[-1]
-        text, stop_hit = self._detokenizers[rid].add_tokens([token])
-        if stop_hit is not None:
-            if request.is_finished:
-                # The same token also reached max_tokens; the text ends at the stop string,
-                # so the stop string is what ended the request.
-                request.status = RequestStatus.FINISHED_STOPPED
-            else:
-                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-            request.stop_reason = stop_hit
-        output = RequestOutput(rid, [token], text, logprobs=[logprob] if logprob else None, request=request)
-        if request.is_finished:
-            output.text += self._detokenizers[rid].finish()
-            self._close(request, output)
-        else:
-            self._sinks[rid](output)
 
     def _enforce_deadlines(self) -> None:
         now = time.monotonic()
@@ -452,40 +414,15 @@ class Engine:
 
     def _finish(self, request_id: str, status: RequestStatus, error: str | None = None) -> None:
         request = self.scheduler.finish_request(request_id, status)
-        if request is None:
-            return
-        output = RequestOutput(request_id, [], self._detokenizers[request_id].finish(), error=error, request=request)
-        self._close(request, output)
-
-    def _reject(self, request: Request, sink: OutputSink, error: str) -> None:
-        request.status = RequestStatus.FINISHED_ABORTED
-        request.finished_time = time.monotonic()
-        output = RequestOutput(request.request_id, [], "", error=error, request=request)
-        output.finished, output.finish_reason = True, "error"
-        sink(output)
-
-    def _close(self, request: Request, output: RequestOutput) -> None:
-        rid = request.request_id
-        output.finished = True
-        output.finish_reason = "error" if output.error else request.status.finish_reason
-        output.stop_reason = request.stop_reason
-        self.stats.finished[output.finish_reason] += 1
-        self._finished[rid] = output.finish_reason
-        if len(self._finished) > RECENTLY_FINISHED:
-            self._finished.popitem(last=False)
-        self._detokenizers.pop(rid)
-        self.sampler.remove(rid)
-        self._sinks.pop(rid)(output)
+        if request is not None:
+            self.output_processor.finish(request, self.stats, error)
 
     # ---- called from any thread: observability ----------------------------------------
 
     def counters(self) -> EngineStats:
         """A consistent copy of the engine's counters."""
         with self._state_lock:
-            stats = self.stats.copy()
-            stats.inflight_decisions = Counter(self.scheduler.policy.inflight_decisions)
-            stats.inflight_estimates = self.inflight.estimates if self.inflight is not None else 0
-            return stats
+            return engine_counters(self.stats, self.scheduler, self.inflight)
 
     def use_inflight(self, probe: LengthProbe, every: int, runaway_threshold: float,
                      long_min_output: int) -> InflightRefiner:
@@ -502,42 +439,16 @@ class Engine:
     def long_lane(self) -> LongLaneState:
         """The long lane's settings and what the engine has learned of its own step cost."""
         with self._state_lock:
-            policy = self.scheduler.policy
-            config = self.config.scheduler
-            allowance = self.scheduler.long_prefill_allowance(time.monotonic())
-            # The chunk a long prompt would get with shorter requests running and none waiting.
-            sized = allowance if allowance is not None else config.short_ttft_target_s / 4 * policy.long_lane_factor
-            return LongLaneState(
-                enabled=config.long_lane, factor=policy.long_lane_factor, short_ttft_target_s=config.short_ttft_target_s,
-                allowance_s=allowance, step_cost=policy.cost.cost(), steps_observed=policy.cost.num_steps,
-                chunk_tokens={context: policy.long_chunk(context, sized, config.max_num_batched_tokens)
-                              for context in (0, 1024, 4096)},
-            )
+            return long_lane_state(self.config.scheduler, self.scheduler, time.monotonic())
 
     def snapshot(self) -> EngineSnapshot:
         """Every live sequence's cost, and the pool's, at one consistent instant."""
         with self._state_lock:
-            now = time.monotonic()
-            # The step running now counts as far as it has got, shared by its tokens as
-            # it will be when it completes: a sequence's cost shows from its first step.
-            in_step: dict[str, float] = {}
-            busy = self.stats.step_time_s
-            if self._running_step is not None:
-                out, started = self._running_step
-                elapsed = time.perf_counter() - started
-                busy += elapsed
-                for request, n in zip(out.requests, out.num_scheduled_tokens, strict=True):
-                    in_step[request.request_id] = elapsed * n / out.total_tokens
-            sequences = tuple(self._sequence_snapshot(r, now, busy, in_step.get(r.request_id, 0.0))
-                              for r in self.scheduler.requests.values())
-            return EngineSnapshot(now, busy, self.stats.steps, self.block_manager.num_blocks,
-                                  self.block_manager.num_used_blocks, sequences)
+            return engine_snapshot(self.stats, self.scheduler, self.block_manager, self._running_step,
+                                   time.monotonic())
 
-    def _sequence_snapshot(self, request: Request, now: float, busy: float | None = None,
-                           in_step_s: float = 0.0) -> SequenceSnapshot:
-        return SequenceSnapshot.of(request, now, self.stats.step_time_s if busy is None else busy,
-                                   len(self.block_manager.block_table(request.request_id)),
-                                   self.block_manager.num_blocks, in_step_s)
+    def _sequence_snapshot(self, request: Request) -> SequenceSnapshot:
+        return sequence_snapshot(request, time.monotonic(), self.stats.step_time_s, self.block_manager)
 
     # ---- conveniences for the CLI, tests and benchmarks --------------------------------
 
@@ -551,3 +462,12 @@ class Engine:
         while any(not r.is_finished for r in requests):
             self.step()
         return requests
+
+    # The tests check that a finished request leaves nothing behind in either.
+    @property
+    def _sinks(self) -> dict[str, OutputSink]:
+        return self.output_processor.sinks
+
+    @property
+    def _detokenizers(self) -> dict[str, IncrementalDetokenizer]:
+        return self.output_processor.detokenizers

@@ -1,0 +1,88 @@
+"""The output side of the engine: from a request's submission to its last output, its
+sink and its incremental detokenizer, and the text, stop strings and finish reason of
+every RequestOutput it is sent. Runs on the engine thread, under the engine's state lock.
+
+The counters arrive with each call rather than at construction: benchmarks replace
+`Engine.stats` between runs, and what they read must be what was counted."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any
+
+from headroom.runtime.detokenizer import IncrementalDetokenizer
+from headroom.runtime.outputs import EngineStats, OutputSink, RequestOutput
+from headroom.runtime.request import Request, RequestStatus
+from headroom.runtime.sampler import Sampler, TokenLogprob
+from headroom.runtime.scheduler import Scheduler
+
+RECENTLY_FINISHED = 10_000  # finished ids remembered, so a late action gets 409, not 404
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, scheduler: Scheduler, sampler: Sampler) -> None:
+        self.tokenizer = tokenizer  # the Hugging Face tokenizer the detokenizers decode with
+        self.scheduler = scheduler  # a stop string finishes its request there
+        self.sampler = sampler  # a closed request's generator is dropped there
+        self.sinks: dict[str, OutputSink] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.finished: OrderedDict[str, str | None] = OrderedDict()  # request id -> finish reason
+
+    def __contains__(self, request_id: str) -> bool:
+        """Whether a live request has this id."""
+        return request_id in self.sinks
+
+    def add(self, request: Request, sink: OutputSink) -> None:
+        self.sinks[request.request_id] = sink
+        self.detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, request.sampling.stop
+        )
+
+    def token(self, request: Request, logprob: TokenLogprob | None, stats: EngineStats) -> None:
+        """Send the request's newest token, and close it if that token finished it."""
+        rid = request.request_id
+        stats.generated_tokens += 1
+        token = request.output_token_ids[-1]
+        text, stop_hit = self.detokenizers[rid].add_tokens([token])
+        if stop_hit is not None:
+            if request.is_finished:
+                # The same token also reached max_tokens; the text ends at the stop string,
+                # so the stop string is what ended the request.
+                request.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+            request.stop_reason = stop_hit
+        output = RequestOutput(rid, [token], text, logprobs=[logprob] if logprob else None, request=request)
+        if request.is_finished:
+            output.text += self.detokenizers[rid].finish()
+            self._close(request, output, stats)
+        else:
+            self.sinks[rid](output)
+
+    def finish(self, request: Request, stats: EngineStats, error: str | None = None) -> None:
+        """Close a request the scheduler has finished without a new token."""
+        rid = request.request_id
+        self._close(request, RequestOutput(rid, [], self.detokenizers[rid].finish(), error=error, request=request),
+                    stats)
+
+    def reject(self, request: Request, sink: OutputSink, error: str) -> None:
+        """Fail a request the engine never took: its one output is an error."""
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.finished_time = time.monotonic()
+        output = RequestOutput(request.request_id, [], "", error=error, request=request)
+        output.finished, output.finish_reason = True, "error"
+        sink(output)
+
+    def _close(self, request: Request, output: RequestOutput, stats: EngineStats) -> None:
+        rid = request.request_id
+        output.finished = True
+        output.finish_reason = "error" if output.error else request.status.finish_reason
+        output.stop_reason = request.stop_reason
+        stats.finished[output.finish_reason] += 1
+        self.finished[rid] = output.finish_reason
+        if len(self.finished) > RECENTLY_FINISHED:
+            self.finished.popitem(last=False)
+        self.detokenizers.pop(rid)
+        self.sampler.remove(rid)
+        self.sinks.pop(rid)(output)

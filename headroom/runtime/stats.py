@@ -1,0 +1,95 @@
+"""What a step costs and who it is charged to, and the engine's state as the snapshot
+dataclasses of outputs.py. The engine calls all of these under its state lock; none of
+them takes it."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+
+from headroom.config import SchedulerConfig
+from headroom.runtime.block_manager import BlockManager
+from headroom.runtime.inflight import InflightRefiner
+from headroom.runtime.model_runner import StepTimer
+from headroom.runtime.outputs import EngineSnapshot, EngineStats, LongLaneState, SequenceSnapshot
+from headroom.runtime.request import Request
+from headroom.runtime.scheduler import Scheduler, SchedulerOutput
+from headroom.runtime.step_cost import StepCostModel
+
+
+class StepAccounting:
+    """Charges each completed step to the engine's counters, to the step-cost model the
+    long lane sizes chunks with, and to the requests that ran in it, by their tokens."""
+
+    def __init__(self, cost: StepCostModel) -> None:
+        self.cost = cost
+        self._timers: deque[StepTimer] = deque()  # forward passes whose device time is not yet read
+
+    def step_done(self, stats: EngineStats, out: SchedulerOutput, held: list[int], elapsed: float,
+                  timer: StepTimer) -> None:
+        """`held`: the blocks each request of `out` held for the step."""
+        total = out.total_tokens
+        stats.steps += 1
+        stats.step_time_s += elapsed
+        self.cost.observe(total, out.attention_pairs, elapsed)
+        # Read without waiting: a step that sampled nothing may still be on the device.
+        self._timers.append(timer)
+        while self._timers and self._timers[0].ready():
+            stats.forward_time_s += self._timers.popleft().elapsed_s()
+        for request, n, blocks in zip(out.requests, out.num_scheduled_tokens, held, strict=True):
+            if request.num_processed_tokens == 0:
+                stats.requests_started += 1
+                stats.prefix_cache_queries += request.num_prompt_tokens
+                stats.prefix_cache_hits += request.num_cached_tokens
+            request.num_blocks_held = blocks
+            request.peak_blocks = max(request.peak_blocks, blocks)
+            share = elapsed * n / total
+            request.device_time_s += share
+            stats.device_time_by_class[request.size_class or "none"] += share
+            request.kv_block_seconds += blocks * elapsed
+            request.num_processed_tokens += n
+
+
+def sequence_snapshot(request: Request, now: float, busy_s: float, block_manager: BlockManager,
+                      in_step_s: float = 0.0) -> SequenceSnapshot:
+    return SequenceSnapshot.of(request, now, busy_s, len(block_manager.block_table(request.request_id)),
+                               block_manager.num_blocks, in_step_s)
+
+
+def engine_snapshot(stats: EngineStats, scheduler: Scheduler, block_manager: BlockManager,
+                    running_step: tuple[SchedulerOutput, float] | None, now: float) -> EngineSnapshot:
+    """`running_step`: the step whose model call is under way and its perf_counter start."""
+    # The step running now counts as far as it has got, shared by its tokens as
+    # it will be when it completes: a sequence's cost shows from its first step.
+    in_step: dict[str, float] = {}
+    busy = stats.step_time_s
+    if running_step is not None:
+        out, started = running_step
+        elapsed = time.perf_counter() - started
+        busy += elapsed
+        for request, n in zip(out.requests, out.num_scheduled_tokens, strict=True):
+            in_step[request.request_id] = elapsed * n / out.total_tokens
+    sequences = tuple(sequence_snapshot(r, now, busy, block_manager, in_step.get(r.request_id, 0.0))
+                      for r in scheduler.requests.values())
+    return EngineSnapshot(now, busy, stats.steps, block_manager.num_blocks, block_manager.num_used_blocks, sequences)
+
+
+def engine_counters(stats: EngineStats, scheduler: Scheduler, inflight: InflightRefiner | None) -> EngineStats:
+    """A copy of the counters, with those the scheduler's policy and the refiner keep."""
+    copy = stats.copy()
+    copy.inflight_decisions = Counter(scheduler.policy.inflight_decisions)
+    copy.inflight_estimates = inflight.estimates if inflight is not None else 0
+    return copy
+
+
+def long_lane_state(config: SchedulerConfig, scheduler: Scheduler, now: float) -> LongLaneState:
+    policy = scheduler.policy
+    allowance = scheduler.long_prefill_allowance(now)
+    # The chunk a long prompt would get with shorter requests running and none waiting.
+    sized = allowance if allowance is not None else config.short_ttft_target_s / 4 * policy.long_lane_factor
+    return LongLaneState(
+        enabled=config.long_lane, factor=policy.long_lane_factor, short_ttft_target_s=config.short_ttft_target_s,
+        allowance_s=allowance, step_cost=policy.cost.cost(), steps_observed=policy.cost.num_steps,
+        chunk_tokens={context: policy.long_chunk(context, sized, config.max_num_batched_tokens)
+                      for context in (0, 1024, 4096)},
+    )
