@@ -122,41 +122,46 @@ inline void fold(Row& row, float* o, const float* q, const float* const* key, co
   }
 }
 
-// Points rows[0..n) at cache rows [c0, c0 + n) of the kv head, widened into `buffer` unless
-// the cache is float32 already; rows past n point at `zero`.
+// Where keys [c0, c0 + n) of the kv head start in the cache, in elements: one division a
+// pass, then block by block (a division per key cost more than the key's arithmetic).
+inline void offsets_of(const TileArgs& a, int64_t c0, int64_t n, int64_t* at) {
+  int64_t block = c0 / a.block_size, in_block = c0 % a.block_size;
+  for (int64_t t = 0; t < n; ++t) {
+    at[t] = a.table[block] * a.cache_block_stride + in_block * a.cache_token_stride + a.kv_head * a.head_dim;
+    if (++in_block == a.block_size) {
+      in_block = 0;
+      ++block;
+    }
+  }
+}
+
+// Points rows[0..n) at those cache rows, widened into `buffer` unless the cache is float32
+// already; rows past n point at `zero`.
 template <typename T>
-inline void rows_at(const T* cache, const TileArgs& a, int64_t c0, int64_t n, float* buffer, const float* zero,
+inline void rows_at(const T* cache, const int64_t* at, int64_t n, int64_t d, float* buffer, const float* zero,
                     const float** rows) {
-  const int64_t d = a.head_dim;
   for (int64_t t = 0; t < kKeys; ++t) {
     if (t >= n) {
       rows[t] = zero;
-      continue;
-    }
-    const int64_t pos = c0 + t;
-    const T* at = cache + a.table[pos / a.block_size] * a.cache_block_stride + (pos % a.block_size) * a.cache_token_stride +
-                  a.kv_head * d;
-    if constexpr (std::is_same_v<T, float>) {
-      rows[t] = at;
+    } else if constexpr (std::is_same_v<T, float>) {
+      rows[t] = cache + at[t];
     } else {
       float* dst = buffer + t * d;
-      for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + i, load8(at + i));
+      for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + i, load8(cache + at[t] + i));
       rows[t] = dst;
     }
   }
 }
 
-// Asks for the kv head's rows of keys [c0, c0 + n) ahead of use: a context's blocks lie
-// anywhere in the pool, so the hardware prefetcher cannot guess the next one, and past
-// the last-level cache each pass would otherwise start with a wait on memory.
+// Asks for the next pass's rows ahead of use: a context's blocks lie anywhere in the pool,
+// so the hardware prefetcher cannot guess the next one, and past the last-level cache each
+// pass would otherwise start with a wait on memory.
 template <typename T>
-inline void prefetch(const T* cache, const TileArgs& a, int64_t c0, int64_t n) {
-  const int64_t bytes = a.head_dim * static_cast<int64_t>(sizeof(T));
-  for (int64_t pos = c0; pos < c0 + n; ++pos) {
-    const char* at = reinterpret_cast<const char*>(cache + a.table[pos / a.block_size] * a.cache_block_stride +
-                                                   (pos % a.block_size) * a.cache_token_stride + a.kv_head * a.head_dim);
-    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(at + line, _MM_HINT_T0);
-  }
+inline void prefetch(const T* cache, const int64_t* at, int64_t n, int64_t d) {
+  const int64_t bytes = d * static_cast<int64_t>(sizeof(T));
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t line = 0; line < bytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(cache + at[t]) + line, _MM_HINT_T0);
 }
 
 template <typename T>
@@ -168,15 +173,19 @@ void attend(const TileArgs& a, const T* kc, const T* vc) {
   std::vector<Row> state(rows);
   const float* key[kKeys];
   const float* value[kKeys];
+  int64_t here[kKeys], ahead[kKeys];
+  offsets_of(a, 0, std::min(kKeys, keys), ahead);
   for (int64_t c0 = 0; c0 < keys; c0 += kKeys) {
     const int64_t n = std::min(kKeys, keys - c0);
     const int64_t next = std::min(kKeys, keys - c0 - n);
+    std::copy(ahead, ahead + n, here);
     if (next > 0) {
-      prefetch(kc, a, c0 + n, next);
-      prefetch(vc, a, c0 + n, next);
+      offsets_of(a, c0 + n, next, ahead);
+      prefetch(kc, ahead, next, d);
+      prefetch(vc, ahead, next, d);
     }
-    rows_at(kc, a, c0, n, kbuf, zero, key);
-    rows_at(vc, a, c0, n, vbuf, zero, value);
+    rows_at(kc, here, n, d, kbuf, zero, key);
+    rows_at(vc, here, n, d, vbuf, zero, value);
     for (int64_t j = 0; j < a.tokens; ++j) {
       const int64_t valid = std::min(n, a.first_pos + j + 1 - c0);  // causal: this token's keys in the pass
       if (valid <= 0) continue;
