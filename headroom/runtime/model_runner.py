@@ -95,10 +95,14 @@ class ModelRunner:
         # One block past the pool's end is scratch for the padding rows of graphed
         # decode batches; the BlockManager only knows num_blocks, so never hands it out.
         shape = (num_blocks + (1 if graph_sizes else 0), block_size, args.num_kv_heads, args.head_dim)
-        # flash-attn's paged layout, one K and one V tensor per layer.
-        new = torch.zeros if backend.reads_unwritten_slots(kv_dtype) else torch.empty
+        # flash-attn's paged layout, one K and one V tensor per layer. Zeroed, so the whole
+        # pool is committed at start: free blocks are handed out least recently freed
+        # first, so a pool committed as written would grow under load until every block
+        # had been touched (RSS creeping for minutes reads as a leak), and a pool too
+        # large for the machine would fail then rather than here. Zeros also keep padded
+        # reads of unwritten slots finite.
         self.kv_caches = [
-            (new(shape, dtype=kv_dtype, device=device), new(shape, dtype=kv_dtype, device=device))
+            (torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
             for _ in range(args.num_layers)
         ]
         self.graphs: DecodeGraphs | None = None

@@ -21,12 +21,6 @@ class AttentionBackend(Protocol):
     # a CUDA graph (backends that loop over meta's host-side lengths cannot).
     cuda_graphs: bool
 
-    def reads_unwritten_slots(self, dtype: torch.dtype) -> bool:
-        """Whether attention may read cache slots no token was written to (padded decode
-        masks them, but 0 * whatever they hold is NaN where that is NaN or inf): then
-        the cache is zeroed at start; else its pages are committed as they are written."""
-        ...
-
     def forward(
         self,
         q: torch.Tensor,  # (N, Hq, D)

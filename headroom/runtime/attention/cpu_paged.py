@@ -30,9 +30,6 @@ class CpuPagedAttention(TorchAttention):
     def __init__(self) -> None:
         self.kernels, _ = cpu_kernels()
 
-    def reads_unwritten_slots(self, dtype: torch.dtype) -> bool:
-        return dtype not in KERNEL_DTYPES  # the kernel reads each context to its length only
-
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.num_decodes == meta.num_seqs and k_cache.dtype in KERNEL_DTYPES and q.dtype == torch.float32:
             # A decode-only step: one call writes this step's K/V and attends.

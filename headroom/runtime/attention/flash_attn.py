@@ -16,9 +16,6 @@ class FlashAttention:
     block_size = 256
     cuda_graphs = True  # its decode path reads only device tensors
 
-    def reads_unwritten_slots(self, dtype: torch.dtype) -> bool:
-        return True  # as it always ran: the cache zeroed at start
-
     @staticmethod
     def check_available(device: torch.device) -> None:
         if device.type != "cuda" or not torch.cuda.is_available():

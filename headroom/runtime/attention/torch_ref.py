@@ -47,9 +47,6 @@ class TorchAttention:
     block_size = 16
     cuda_graphs = False  # its forward loops over host-side lengths
 
-    def reads_unwritten_slots(self, dtype: torch.dtype) -> bool:
-        return True  # decode pads each context to the longest of its group
-
     @staticmethod
     def check_available(device: torch.device) -> None:
         return None

@@ -135,9 +135,6 @@ class TritonAttention:
     block_m = 16  # query rows per prefill program
     cuda_graphs = True  # its decode kernel reads only device tensors
 
-    def reads_unwritten_slots(self, dtype: torch.dtype) -> bool:
-        return True  # as it always ran: the cache zeroed at start
-
     @staticmethod
     def check_available(device: torch.device) -> None:
         if device.type == "cuda":

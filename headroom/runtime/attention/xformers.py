@@ -25,9 +25,6 @@ class XFormersAttention:
     block_size = 16
     cuda_graphs = False  # its forward loops over host-side lengths
 
-    def reads_unwritten_slots(self, dtype: torch.dtype) -> bool:
-        return True  # as it always ran: the cache zeroed at start
-
     @staticmethod
     def check_available(device: torch.device) -> None:
         if device.type != "cuda" or not torch.cuda.is_available():
