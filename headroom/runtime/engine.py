@@ -347,7 +347,21 @@ class Engine:
                     self._abort(request.request_id, "engine_error", error=f"engine error: {exc}")
             return
         with self._state_lock:
-            self._complete_step(out, model_out, samples, started)
+            try:
+                self._complete_step(out, model_out, samples, started)
+            except Exception:
+                self._close_finished(out)
+                raise
+
+    def _close_finished(self, out: SchedulerOutput) -> None:
+        """After a crash past the scheduler's update, close the step's requests it finished:
+        they have left the scheduler, so the loop's handler, which fails what the scheduler
+        holds, would leave their clients waiting."""
+        for request in out.requests:
+            if request.is_finished and request.request_id in self.output_processor:
+                request.abort_cause = "engine_error"
+                self.stats.aborts["engine_error"] += 1
+                self.output_processor.finish(request, self.stats, "internal engine error")
 
     def _complete_step(self, out: SchedulerOutput, model_out: ModelOutput, samples: SampleResult,
                        started: float) -> None:

@@ -438,6 +438,38 @@ def test_failed_step_fails_only_its_sequences(loaded, prompts, monkeypatch):
     assert [r.output_token_ids for r in engine.generate(prompts[:2], GREEDY)] == references
 
 
+def test_a_crash_after_the_update_closes_the_requests_that_step_finished(loaded, prompts, monkeypatch):
+    # A bug that raises after the scheduler's update (here in the step's accounting) used
+    # to leave the requests that step finished without a last output: the loop's handler
+    # fails what the scheduler holds, and they had left it, so their clients hung.
+    engine = make_engine(loaded)
+    step_done = engine.accounting.step_done
+
+    def crash(stats, out, *args):
+        if any(r.is_finished for r in out.requests):
+            raise RuntimeError("bug in the accounting")
+        step_done(stats, out, *args)
+
+    monkeypatch.setattr(engine.accounting, "step_done", crash)
+    short = engine.new_request(prompts[0], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    long = engine.new_request(prompts[1], SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+    sink_short, sink_long = Sink(), Sink()
+    engine.submit(long, sink_long)
+    engine.submit(short, sink_short)
+    engine.start()
+    try:
+        outputs_short = sink_short.wait_finished(timeout=30)
+        outputs_long = sink_long.wait_finished(timeout=30)
+    finally:
+        engine.stop()
+    assert (outputs_short[-1].finish_reason, outputs_short[-1].error) == ("error", "internal engine error")
+    assert short.status == RequestStatus.FINISHED_LENGTH and short.num_output_tokens == 2
+    assert (outputs_long[-1].finish_reason, outputs_long[-1].error) == ("error", "internal engine error")
+    assert long.status == RequestStatus.FINISHED_ABORTED and long.num_output_tokens == 2
+    assert engine.stats.aborts["engine_error"] == 2
+    assert_engine_idle(engine)
+
+
 def test_duplicate_request_id_is_rejected_without_disturbing_the_first(loaded, prompts):
     engine = make_engine(loaded)
     first = engine.new_request(prompts[0], GREEDY, request_id="same")
