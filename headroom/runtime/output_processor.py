@@ -80,6 +80,7 @@ class OutputProcessor:
         output.finish_reason = "error" if output.error else request.status.finish_reason
         output.stop_reason = request.stop_reason
         stats.finished[output.finish_reason] += 1
+        self.finished.pop(rid, None)  # a reused id is remembered from its latest finish
         self.finished[rid] = output.finish_reason
         if len(self.finished) > RECENTLY_FINISHED:
             self.finished.popitem(last=False)

@@ -12,6 +12,7 @@ import pytest
 
 from headroom.config import CacheConfig, Config, ConfigError, ModelConfig, SchedulerConfig
 from headroom.runtime import engine as engine_module
+from headroom.runtime import output_processor
 from headroom.runtime.device import prepare_model
 from headroom.runtime.engine import Engine
 from headroom.runtime.outputs import RequestOutput
@@ -468,6 +469,15 @@ def test_a_crash_after_the_update_closes_the_requests_that_step_finished(loaded,
     assert long.status == RequestStatus.FINISHED_ABORTED and long.num_output_tokens == 2
     assert engine.stats.aborts["engine_error"] == 2
     assert_engine_idle(engine)
+
+
+def test_a_reused_id_is_remembered_from_its_latest_finish(loaded, prompts, monkeypatch):
+    monkeypatch.setattr(output_processor, "RECENTLY_FINISHED", 2)
+    engine = make_engine(loaded)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for rid in ("a", "b", "a", "c"):
+        run_stepped(engine, [engine.new_request(prompts[0], one, request_id=rid)])
+    assert list(engine.output_processor.finished) == ["a", "c"]  # b is the oldest finish
 
 
 def test_duplicate_request_id_is_rejected_without_disturbing_the_first(loaded, prompts):
