@@ -50,6 +50,7 @@ class _Step:
     scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens, in scheduling order
     preempted: list[Request] = field(default_factory=list)
     sat_out: dict[str, int] = field(default_factory=dict)  # long decodes left out: how many steps in a row
+    admitted: int = 0  # waiting requests started
 
 
 class Scheduler:
@@ -207,8 +208,9 @@ class Scheduler:
             request.num_cached_tokens = num_cached
         if request.first_scheduled_time is None:
             request.first_scheduled_time = step.now
-        if len(self.waiting) + 1 == len(candidates):
+        if not step.admitted:
             self.policy.note_admitted(candidates, request, step.now)
+        step.admitted += 1
         self.running.append(request)
         step.scheduled[request.request_id] = num_tokens
         step.budget -= num_tokens

@@ -108,6 +108,22 @@ def test_in_flight_estimate_reorders_the_waiting_queue_and_counts_it():
     assert s.policy.inflight_decisions == {"order": 1}
 
 
+def test_the_reordered_admission_counts_when_it_preempts_a_lower_tier():
+    s = create_scheduler(max_num_seqs=2, num_blocks=3, block_size=4, enable_prefix_caching=False)
+    low = create_request(prompt=11, max_tokens=500, priority=0)  # all 3 blocks; its next decode fits
+    s.add_request(low)
+    run_step(s)
+    now = time.monotonic()
+    first = create_request(predicted=20, max_tokens=500, priority=1, arrival=now)
+    second = create_request(predicted=30, max_tokens=500, priority=1, arrival=now)
+    s.add_request(first)
+    s.add_request(second)
+    first.predicted_remaining_tokens, first.estimated_at_tokens = 400.0, 0
+    out, _ = run_step(s)
+    assert out.requests == [second] and out.preempted == [low]
+    assert s.policy.inflight_decisions == {"order": 1}
+
+
 def test_in_flight_estimate_counts_down_as_tokens_come():
     request = create_request(predicted=100, max_tokens=200)
     assert request.estimated_remaining_tokens() == 100.0
