@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import functools
+import gc
 import os
 import threading
 import time
 
 import pytest
 import torch
+from aiohttp import web_app
 
 # Without a GPU, our Triton kernels run through Triton's interpreter. It must be chosen
 # before anything imports triton (triton.language's own helpers are jitted at import).
@@ -14,6 +17,7 @@ if not torch.cuda.is_available():
 
 from headroom.config import ModelConfig
 from headroom.models.loader import LoadedModel, load_model
+from headroom.runtime.engine import Engine
 
 
 @pytest.fixture(scope="session")
@@ -43,3 +47,35 @@ def no_leaked_threads():
         thread.join(max(0.0, deadline - time.monotonic()))
     leaked = sorted(t.name for t in _watched_threads() - before)
     assert not leaked, f"the test left running: {', '.join(leaked)}"
+
+
+# An engine a test is done with must be freed before the next test: each holds its KV
+# pool, committed at start, and a run builds hundreds. Two things keep one alive past its
+# test: aiohttp's module-wide cache of middleware chains, which holds every Application
+# it has served (and through it the engine), and reference cycles (the server, client and
+# metrics refer to each other), which wait for the collector's rare full pass. A full
+# pass costs ~0.3 s with the model loaded, so it runs after the tests that built an
+# engine, not after every test.
+_built = 0
+
+
+def _counted(init):
+    @functools.wraps(init)
+    def counted_init(self, *args, **kwargs):
+        global _built
+        init(self, *args, **kwargs)
+        _built += 1
+
+    return counted_init
+
+
+Engine.__init__ = _counted(Engine.__init__)
+
+
+@pytest.fixture(autouse=True)
+def engines_freed():
+    before = _built
+    yield
+    if _built != before:
+        web_app._cached_build_middleware.cache_clear()
+        gc.collect()
