@@ -106,7 +106,7 @@ def main() -> None:
     def prompts() -> list[list[int]]:
         return [[rng.randrange(100, vocab) for _ in range(ns.prompt_len)] for _ in range(ns.concurrency)]
 
-    print(f"# api_overhead: model={engine.loaded.name} dtype={engine.dtype} threads={torch.get_num_threads()} "
+    print(f"# api_overhead: model={engine.loaded.name} dtype={engine.executor.dtype} threads={torch.get_num_threads()} "
           f"concurrency={ns.concurrency} prompt={ns.prompt_len} output={ns.output_len} ignore_eos=True")
     direct_run(engine, prompts()[:4], 4)  # warm-up
     direct, http, health = [], [], []

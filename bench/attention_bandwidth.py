@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from headroom.runtime.attention import AttentionMetadata, select_backend
+from headroom.executor.attention import AttentionMetadata, select_backend
 
 # Peak memory bandwidth in GB/s, by a substring of torch.cuda.get_device_name().
 PEAK_GBPS = {"H200": 4800, "H100 SXM": 3350, "H100 80GB HBM3": 3350, "H100 PCIe": 2000, "H100": 3350,
@@ -85,7 +85,7 @@ def plain_read_gbps(megabytes: int = 512) -> float:
 
 
 def cpu_main(ns, backend, kv_dtype: torch.dtype) -> None:
-    from headroom.runtime.attention.torch_ref import TorchAttention
+    from headroom.executor.attention.torch_ref import TorchAttention
 
     reference = TorchAttention()
     plain = plain_read_gbps()
@@ -95,8 +95,8 @@ def cpu_main(ns, backend, kv_dtype: torch.dtype) -> None:
         if ns.chunk:
             args = chunk_batch(ns.batch, ns.chunk, context, ns.heads, ns.kv_heads, ns.head_dim, backend.block_size,
                                kv_dtype)
-            before = timed(lambda: reference.forward(*args, scale), ns.iters)
-            after = timed(lambda: backend.forward(*args, scale), ns.iters)
+            before = timed(lambda args=args: reference.forward(*args, scale), ns.iters)
+            after = timed(lambda args=args: backend.forward(*args, scale), ns.iters)
             print(f"context {context:>6}, {ns.batch} x {ns.chunk}-token chunks: torch reference {1e3 * before:8.3f} ms, "
                   f"{backend.name} {1e3 * after:8.3f} ms ({before / after:.2f}x)")
             continue

@@ -34,7 +34,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.hol import cpu_line, free_port, load_prompts, pct, start_server, stop_server  # noqa: E402
+from bench.hol import cpu_line, free_port, load_prompts, pct, start_server, stop_server
 
 TENANTS_TOML = """
 [admission]

@@ -95,11 +95,11 @@ def run_levels(ns: argparse.Namespace, levels: list[int], enforce_eager: bool,
     )
     engine = Engine(config)
     print(
-        f"# throughput: model={engine.loaded.name} device={engine.device} dtype={engine.dtype} "
-        f"quantization={engine.loaded.quantization} kv_cache_dtype={engine.kv_dtype} "
-        f"backend={engine.backend.name} cuda_graphs={engine.cuda_graphs} threads={torch.get_num_threads()} "
+        f"# throughput: model={engine.loaded.name} device={engine.executor.device} dtype={engine.executor.dtype} "
+        f"quantization={engine.loaded.quantization} kv_cache_dtype={engine.executor.kv_dtype} "
+        f"backend={engine.executor.backend.name} cuda_graphs={engine.executor.cuda_graphs} threads={torch.get_num_threads()} "
         f"torch={torch.__version__} cpu={platform.processor() or platform.machine()}"
-        + (f" gpu={torch.cuda.get_device_name(engine.device)}" if engine.device.type == "cuda" else "")
+        + (f" gpu={torch.cuda.get_device_name(engine.executor.device)}" if engine.executor.device.type == "cuda" else "")
     )
     print(f"# prompt={ns.prompt_len} output={ns.output_len} ignore_eos=True, random prompt token ids")
     rng = random.Random(0)

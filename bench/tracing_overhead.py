@@ -105,7 +105,7 @@ def main() -> None:
     def prompts() -> list[list[int]]:
         return [[rng.randrange(100, vocab) for _ in range(ns.prompt_len)] for _ in range(ns.concurrency)]
 
-    print(f"# tracing_overhead: model={engine.loaded.name} dtype={engine.dtype} threads={torch.get_num_threads()} "
+    print(f"# tracing_overhead: model={engine.loaded.name} dtype={engine.executor.dtype} threads={torch.get_num_threads()} "
           f"concurrency={ns.concurrency} prompt={ns.prompt_len} output={ns.output_len} exporter=otlp/grpc")
     endpoint = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
     off, on = [], []

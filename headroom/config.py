@@ -26,7 +26,7 @@ class ModelConfig:
     dtype: str = "auto"
     device: str = "auto"
     # Weight-only quantised linears on the CPU: int4 (the GGUF's own Q4_1 groups), int8,
-    # none (the float reference), or auto (see runtime/device.py: resolve_quantization).
+    # none (the float reference), or auto (see executor/device.py: resolve_quantization).
     quantization: str = "auto"
     # Caps the checkpoint's own context length (None: use the checkpoint's).
     max_model_len: int | None = None
@@ -58,7 +58,7 @@ class CacheConfig:
     kv_cache_memory_gib: float = 1.0
     enable_prefix_caching: bool = True
     # The KV cache's element type; auto is the model's dtype, except float16 where the
-    # weights are already quantised on the CPU (see runtime/device.py: resolve_kv_dtype).
+    # weights are already quantised on the CPU (see executor/device.py: resolve_kv_dtype).
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

@@ -7,7 +7,6 @@ import os
 
 import pytest
 
-
 # `make test-gpu` installs the GPU extra and sets this: there a missing or unusable GPU
 # package fails its tests instead of skipping them (a GPU run that skips proves nothing).
 REQUIRE_GPU_EXTRA = os.environ.get("HEADROOM_REQUIRE_GPU_EXTRA") == "1"

@@ -131,14 +131,14 @@ class Admission:
         direct = False
         if not tenant.queue:
             self.fair.lift(tenant, self.registry)
-        if tenant.may_pass_queue():
-            # After pump, a free slot means no waiter of any tenant can use it now (what
-            # its own tenant has queued does not fit), so taking it delays nobody.
-            if self._slot_free(seqs) and tenant.head_free() and tenant.bucket.can_admit(cost):
-                if not self._shared():
-                    self.decisions["admit"] += 1
-                    return self._grant(tenant, cost, prompt_tokens, "admit", 0.0, seqs)
-                direct = True  # admitted here; the fleet's answer is one round trip away
+        # After pump, a free slot means no waiter of any tenant can use it now (what its own
+        # tenant has queued does not fit), so taking it delays nobody.
+        if (tenant.may_pass_queue() and self._slot_free(seqs) and tenant.head_free()
+                and tenant.bucket.can_admit(cost)):
+            if not self._shared():
+                self.decisions["admit"] += 1
+                return self._grant(tenant, cost, prompt_tokens, "admit", 0.0, seqs)
+            direct = True  # admitted here; the fleet's answer is one round trip away
         max_wait = tenant.config.max_wait_s if deadline_s is None else min(deadline_s, tenant.config.max_wait_s)
         if max_wait <= 0 and not direct:
             raise self._reject(Rejected(f"tenant {tenant.name!r}: cannot admit now and the request may not wait",

@@ -35,8 +35,7 @@ def calibrate(engine: Engine, rows: list[dict], out_path: str, default_max_token
     if recorder is not None:
         args = engine.loaded.args
         recorder.model_shape = (args.hidden_size, args.num_layers, args.vocab_size)
-        engine.runner.probe_layers = frozenset(recorder.layers)
-        engine.probe_hook = recorder.observe
+        engine.watch_hidden(frozenset(recorder.layers), recorder.observe)
     done_ids: set[str] = set()
     if os.path.exists(out_path):
         with open(out_path, encoding="utf-8") as f:

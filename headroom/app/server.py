@@ -34,12 +34,12 @@ async def health(request: web.Request) -> web.Response:
     if request.app[keys.LIFECYCLE].draining:
         return web.json_response(error_body("draining", "service_unavailable", code="draining"), status=503)
     engine = request.app[keys.ENGINE].engine
-    backend = {"name": engine.backend.name, "reason": getattr(engine.backend, "reason", None),
-               "block_size": engine.block_size}
-    weights = {"dtype": str(engine.dtype).removeprefix("torch."), "quantization": engine.loaded.quantization,
-               "reason": engine.quantization_reason,
-               "kv_cache": {"dtype": str(engine.kv_dtype).removeprefix("torch."), "reason": engine.kv_dtype_reason}}
-    body = {"status": "ok", "attention_backend": backend, "cuda_graphs": engine.cuda_graphs, "weights": weights}
+    ex = engine.executor
+    backend = {"name": ex.backend.name, "reason": getattr(ex.backend, "reason", None), "block_size": ex.block_size}
+    weights = {"dtype": str(ex.dtype).removeprefix("torch."), "quantization": ex.loaded.quantization,
+               "reason": ex.quantization_reason,
+               "kv_cache": {"dtype": str(ex.kv_dtype).removeprefix("torch."), "reason": ex.kv_dtype_reason}}
+    body = {"status": "ok", "attention_backend": backend, "cuda_graphs": ex.cuda_graphs, "weights": weights}
     store = request.app[keys.GATE].store
     if store is not None:
         # Still ready without Redis (it admits on its share), so still 200, but degraded.

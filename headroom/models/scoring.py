@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from headroom.executor.attention.metadata import AttentionMetadata
+from headroom.executor.attention.torch_ref import TorchAttention
 from headroom.models.llama import ForwardContext
-from headroom.runtime.attention.metadata import AttentionMetadata
-from headroom.runtime.attention.torch_ref import TorchAttention
 
 BLOCK = 16
 

@@ -136,22 +136,21 @@ class EngineCollector(Collector):
         self.dropped_spans = dropped_spans
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.engine.counters()
-        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        stats = self.engine.counters()  # the gauges too: no engine state is read here off its lock
         yield GaugeMetricFamily("headroom:num_requests_running", "Sequences in the running batch.",
-                                value=scheduler.num_running)
+                                value=stats.num_running)
         yield GaugeMetricFamily("headroom:num_requests_waiting", "Sequences queued in the engine.",
-                                value=scheduler.num_waiting)
+                                value=stats.num_waiting)
         # What a router or an autoscaler should read as queue depth: with admission on,
         # most of the backlog waits there, not in the engine.
         admission_waiting = 0 if self.admission is None else sum(self.admission.stats().waiting.values())
         yield GaugeMetricFamily("headroom:num_requests_queued", "Requests waiting to run: queued in the engine "
-                                "plus waiting in admission.", value=scheduler.num_waiting + admission_waiting)
-        used = blocks.num_used_blocks
+                                "plus waiting in admission.", value=stats.num_waiting + admission_waiting)
+        used, total = stats.kv_blocks_used, stats.kv_blocks_total
         yield GaugeMetricFamily("headroom:kv_cache_blocks_used", "KV blocks in use.", value=used)
-        yield GaugeMetricFamily("headroom:kv_cache_blocks_total", "KV blocks in the pool.", value=blocks.num_blocks)
+        yield GaugeMetricFamily("headroom:kv_cache_blocks_total", "KV blocks in the pool.", value=total)
         yield GaugeMetricFamily("headroom:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
-                                value=used / blocks.num_blocks)
+                                value=used / total)
         yield _counter("headroom:prompt_tokens", "Prompt tokens of requests that reached the engine.",
                        stats.prompt_tokens)
         yield _counter("headroom:generation_tokens", "Tokens generated.", stats.generated_tokens)

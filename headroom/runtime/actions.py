@@ -1,12 +1,28 @@
 """Actions on a live sequence, by an operator (the admin API), an automatic policy or the
 loop detector: what each changes on the request, and the line it adds to the request's
 record (`admin_actions`, shown in /admin/sequences and on its span). The engine applies
-them on its thread and finishes the sequence where one says so."""
+them on its thread (apply, check_loops, enforce_deadlines, under its state lock) and
+finishes the sequence where one says so."""
 
 from __future__ import annotations
 
-from headroom.runtime.loops import Finding
+import logging
+import time
+from typing import Any
+
+from headroom.runtime.loops import Finding, LoopPolicy
+from headroom.runtime.output_processor import OutputProcessor
+from headroom.runtime.outputs import (
+    EngineStats,
+    SequenceFinished,
+    SequenceSnapshot,
+    UnknownSequence,
+)
 from headroom.runtime.request import Request, RequestStatus
+from headroom.runtime.scheduler import Scheduler
+from headroom.runtime.stats import sequence_snapshot
+
+log = logging.getLogger(__name__)
 
 DEPRIORITIZED = -(2**31)  # below every tier: runs last, preempted first
 
@@ -48,3 +64,64 @@ def on_loop(request: Request, finding: Finding, cap_tokens: int) -> RequestStatu
         return None
     request.admin_actions.append(f"flag by loop detector: {finding.what}")
     return None
+
+
+def apply(request_id: str, action: str, args: dict[str, Any], scheduler: Scheduler, outputs: OutputProcessor,
+          stats: EngineStats) -> SequenceSnapshot:
+    """An operator's or a policy's action on a live sequence; its snapshot as the action
+    took effect. Raises SequenceFinished or UnknownSequence where there is none."""
+    request = scheduler.requests.get(request_id)
+    if request is None:
+        if request_id in outputs.finished:
+            raise SequenceFinished(request_id, outputs.finished[request_id])
+        raise UnknownSequence(request_id)
+    by = args.get("by", "admin")
+    if args.get("inflight"):
+        scheduler.policy.inflight_decisions["policy"] += 1
+    if by == "policy":
+        stats.policy_actions[action] += 1
+    if action == "abort":
+        abort(request, by, args.get("reason"))
+        snapshot = sequence_snapshot(request, time.monotonic(), stats.step_time_s, scheduler.block_manager)
+        outputs.abort(request_id, by, stats)
+    elif action == "deprioritize":
+        deprioritize(request, by, args.get("reason"), bool(args.get("long_lane")))
+        snapshot = sequence_snapshot(request, time.monotonic(), stats.step_time_s, scheduler.block_manager)
+    else:
+        limit = int(args["max_tokens"])
+        reached = cap(request, limit, f"cap by {by} at {limit} tokens")
+        snapshot = sequence_snapshot(request, time.monotonic(), stats.step_time_s, scheduler.block_manager)
+        if reached:
+            request.stop_reason = f"capped by {by} at {limit} tokens"
+            outputs.close(request_id, RequestStatus.FINISHED_LENGTH, stats)
+    log.info("%s on %s: %s", action, request_id, request.admin_actions[-1])
+    return snapshot
+
+
+def check_loops(loops: LoopPolicy, requests: list[Request], scheduler: Scheduler, stats: EngineStats) -> None:
+    """Run the loop detector on the requests that just got a token; a finding that stops
+    one finishes it in the scheduler before its token goes out."""
+    for request in requests:
+        finding = None if request.is_finished else loops.check(request)
+        if finding is None:
+            continue
+        stats.loops[finding.action] += 1
+        status = on_loop(request, finding, loops.cap_tokens)
+        if status is not None:
+            scheduler.finish_request(request.request_id, status)
+        log.warning("loop %s on %s: %s", finding.action, request.request_id, finding.what,
+                    extra={"sequence": request.request_id, "action": finding.action})
+
+
+def enforce_deadlines(scheduler: Scheduler, outputs: OutputProcessor, stats: EngineStats) -> None:
+    """Finish, as length, every request past its wall-clock budget."""
+    now = time.monotonic()
+    late = [r for r in scheduler.requests.values() if r.deadline is not None and now > r.deadline]
+    for request in late:
+        log.warning(
+            "request %s exceeded its wall-clock budget after %.1fs (%d output tokens); finishing it as length",
+            request.request_id, now - request.arrival_time, request.num_output_tokens,
+        )
+        request.stop_reason = request.abort_cause = "wall_clock_budget"
+        stats.aborts["wall_clock_budget"] += 1
+        outputs.close(request.request_id, RequestStatus.FINISHED_LENGTH, stats)

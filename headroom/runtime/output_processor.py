@@ -66,6 +66,31 @@ class OutputProcessor:
         self._close(request, RequestOutput(rid, [], self.detokenizers[rid].finish(), error=error, request=request),
                     stats)
 
+    def close(self, request_id: str, status: RequestStatus, stats: EngineStats, error: str | None = None) -> None:
+        """Finish a live request in the scheduler and send its last output."""
+        request = self.scheduler.finish_request(request_id, status)
+        if request is not None:
+            self.finish(request, stats, error)
+
+    def abort(self, request_id: str, cause: str, stats: EngineStats, error: str | None = None) -> None:
+        """Abort a live request, counted by cause; an unknown or finished one is left be."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return
+        request.abort_cause = cause
+        stats.aborts[cause] += 1
+        self.close(request_id, RequestStatus.FINISHED_ABORTED, stats, error)
+
+    def close_finished(self, requests: list[Request], stats: EngineStats) -> None:
+        """After a crash past the scheduler's update, close the requests it had finished:
+        they have left the scheduler, so the engine's crash handler, which fails what the
+        scheduler holds, would leave their clients waiting."""
+        for request in requests:
+            if request.is_finished and request.request_id in self:
+                request.abort_cause = "engine_error"
+                stats.aborts["engine_error"] += 1
+                self.finish(request, stats, "internal engine error")
+
     def reject(self, request: Request, sink: OutputSink, error: str) -> None:
         """Fail a request the engine never took: its one output is an error."""
         request.status = RequestStatus.FINISHED_ABORTED

@@ -47,6 +47,11 @@ class EngineStats:
     inflight_decisions: Counter[str] = field(default_factory=Counter)  # changed by them: order, victim, long_lane
     loops: Counter[str] = field(default_factory=Counter)  # found by the server's detector, by action taken
     policy_actions: Counter[str] = field(default_factory=Counter)  # the automatic policies', by action
+    # Gauges, read with the counters (Engine.counters) so that a scrape sees one instant.
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
 
     def copy(self) -> EngineStats:
         return replace(self, finished=Counter(self.finished), aborts=Counter(self.aborts),

@@ -201,3 +201,20 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+
+def check_fits(request: Request, max_model_len: int, cache_tokens: int, vocab: int) -> None:
+    """Raise ValueError where a request can never run: longer than the model's context or
+    the whole KV cache, or naming a token the vocabulary lacks."""
+    total = request.num_prompt_tokens + request.sampling.max_tokens
+    if total > max_model_len:
+        raise ValueError(
+            f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.sampling.max_tokens}) = {total} "
+            f"exceeds the model's context length of {max_model_len} tokens"
+        )
+    if total > cache_tokens:
+        raise ValueError(f"prompt + max_tokens = {total} tokens exceeds the KV cache of {cache_tokens} tokens")
+    if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+        raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    if any(not 0 <= t < vocab for t, _ in request.sampling.logit_bias):
+        raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")

@@ -8,9 +8,9 @@ import time
 from collections import Counter, deque
 
 from headroom.config import SchedulerConfig
+from headroom.executor.model_runner import StepTimer
 from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.inflight import InflightRefiner
-from headroom.runtime.model_runner import StepTimer
 from headroom.runtime.outputs import EngineSnapshot, EngineStats, LongLaneState, SequenceSnapshot
 from headroom.runtime.request import Request
 from headroom.runtime.scheduler import Scheduler, SchedulerOutput
@@ -75,8 +75,12 @@ def engine_snapshot(stats: EngineStats, scheduler: Scheduler, block_manager: Blo
 
 
 def engine_counters(stats: EngineStats, scheduler: Scheduler, inflight: InflightRefiner | None) -> EngineStats:
-    """A copy of the counters, with those the scheduler's policy and the refiner keep."""
+    """A copy of the counters, with those the scheduler's policy and the refiner keep, and
+    the batch's and the pool's gauges."""
     copy = stats.copy()
+    copy.num_running, copy.num_waiting = scheduler.num_running, scheduler.num_waiting
+    copy.kv_blocks_used = scheduler.block_manager.num_used_blocks
+    copy.kv_blocks_total = scheduler.block_manager.num_blocks
     copy.inflight_decisions = Counter(scheduler.policy.inflight_decisions)
     copy.inflight_estimates = inflight.estimates if inflight is not None else 0
     return copy

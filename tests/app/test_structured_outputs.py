@@ -210,7 +210,7 @@ def counter(server, name: str) -> float:
 
 
 def test_n_choices_share_one_prefill_and_come_back_indexed(client, server):
-    block = server.engine.block_size
+    block = server.engine.block_manager.block_size
     # A prompt no other test sent, of a length that is not a whole number of blocks.
     ids = [1000 + (i * 37) % 5000 for i in range(5 * block + 3)]
     queries, hits = counter(server, "headroom:prefix_cache_queries"), counter(server, "headroom:prefix_cache_hits")

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from headroom.executor.attention.cpu_paged import CpuPagedAttention
+from headroom.executor.attention.metadata import AttentionMetadata
+from headroom.executor.attention.torch_ref import TorchAttention
 from headroom.models.kernels import NAME, STALE_LOCK_S, clear_stale_lock, cpu_kernels
 from headroom.models.quant import QuantLinear, int4_groups, int8_groups, pack_q4
-from headroom.runtime.attention.cpu_paged import CpuPagedAttention
-from headroom.runtime.attention.metadata import AttentionMetadata
-from headroom.runtime.attention.torch_ref import TorchAttention
 
 
 def test_the_kernels_build_on_this_machine():

@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from headroom.runtime.attention import AttentionMetadata, available_backends, select_backend
-from headroom.runtime.attention.torch_ref import TorchAttention
+from headroom.executor.attention import AttentionMetadata, available_backends, select_backend
+from headroom.executor.attention.torch_ref import TorchAttention
 from tests.gpu import gpu_backend_unusable, gpu_package
 
 CPU = torch.device("cpu")
@@ -290,7 +290,7 @@ def rounded_to_cache(batch: Batch, dtype: torch.dtype) -> Batch:
 
 
 def check_cpu_paged_backend(batch: Batch) -> None:
-    from headroom.runtime.attention.cpu_paged import CpuPagedAttention
+    from headroom.executor.attention.cpu_paged import CpuPagedAttention
 
     before = clone(batch)
     out = run(CpuPagedAttention(), batch)
@@ -348,7 +348,7 @@ def test_batch_helper_scatters_blocks_and_fills_prefixes() -> None:
 
 
 def test_xformers_context_slots_gather_every_context() -> None:
-    from headroom.runtime.attention.xformers import context_slots
+    from headroom.executor.attention.xformers import context_slots
 
     q_lens, seq_lens = mixed_lens(random.Random(11), 3, 4, 16)
     batch = make_batch(q_lens, seq_lens, num_heads=4, num_kv_heads=2, block_size=16, seed=2)
@@ -390,7 +390,7 @@ def test_gpu_backends_refuse_cpu(name: str) -> None:
 def test_gpu_backend_modules_import_without_their_packages(
     module: str, cls: str, block_size: int
 ) -> None:
-    backend = getattr(importlib.import_module(f"headroom.runtime.attention.{module}"), cls)
+    backend = getattr(importlib.import_module(f"headroom.executor.attention.{module}"), cls)
     assert backend.name == module
     assert backend.block_size == block_size
 
@@ -445,7 +445,7 @@ def test_flash_attn_matches_torch(
     kind: str, num_heads: int, num_kv_heads: int, dtype: torch.dtype
 ) -> None:
     gpu_package("flash_attn")
-    from headroom.runtime.attention.flash_attn import FlashAttention
+    from headroom.executor.attention.flash_attn import FlashAttention
 
     try:
         FlashAttention.check_available(torch.device("cuda"))
@@ -463,7 +463,7 @@ def test_xformers_matches_torch(
     kind: str, num_heads: int, num_kv_heads: int, dtype: torch.dtype
 ) -> None:
     gpu_package("xformers")
-    from headroom.runtime.attention.xformers import XFormersAttention
+    from headroom.executor.attention.xformers import XFormersAttention
 
     try:
         XFormersAttention.check_available(torch.device("cuda"))
@@ -485,7 +485,7 @@ def test_torch_on_cuda_matches_cpu(block_size: int) -> None:
 
 
 def test_decode_groups_bound_padding_and_cover_every_row():
-    from headroom.runtime.attention.torch_ref import decode_groups
+    from headroom.executor.attention.torch_ref import decode_groups
 
     lens = [2000, 40, 300, 45, 2100, 600, 50]
     groups = decode_groups(lens, slack=1.5, min_len=256)

@@ -13,18 +13,18 @@ import pytest
 import torch
 
 from headroom.config import Config, ConfigError, ModelConfig
-from headroom.models.llama import ForwardContext, Llama, ModelArgs
 
 # A plain import: triton is a dev dependency on Linux, so its absence must fail here,
 # not skip the interpreter tests (only CUDA may be missing).
-from headroom.runtime.attention import (
+from headroom.executor.attention import (
     AttentionMetadata,
     triton_paged,
 )
-from headroom.runtime.cuda_graphs import DecodeGraphs, capture_sizes, padded_size, supports_graphs
+from headroom.executor.cuda_graphs import DecodeGraphs, capture_sizes, padded_size, supports_graphs
+from headroom.models.llama import ForwardContext, Llama, ModelArgs
 from headroom.runtime.engine import Engine
-from tests.gpu import gpu_package
 from headroom.runtime.request import SamplingParams
+from tests.gpu import gpu_package
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 BLOCK_SIZE = 16
@@ -55,7 +55,7 @@ def test_sizes_from_a_config_file_become_a_sorted_tuple():
 
 
 def test_only_backends_that_read_device_tensors_alone_are_captured():
-    from headroom.runtime.attention.torch_ref import TorchAttention
+    from headroom.executor.attention.torch_ref import TorchAttention
 
     assert supports_graphs(triton_paged.TritonAttention())
     assert not supports_graphs(TorchAttention())
@@ -63,7 +63,7 @@ def test_only_backends_that_read_device_tensors_alone_are_captured():
 
 def test_the_engine_says_why_graphs_are_off_on_the_cpu(default_model):
     engine = Engine(Config(model=ModelConfig(device="cpu")), loaded=default_model)
-    assert engine.cuda_graphs == "off (no CUDA graphs on cpu)"
+    assert engine.executor.cuda_graphs == "off (no CUDA graphs on cpu)"
     assert engine.runner.graphs is None
     # No scratch block without graphs: the cache is exactly the pool.
     assert engine.runner.kv_caches[0][0].shape[0] == engine.block_manager.num_blocks

@@ -11,9 +11,9 @@ import time
 import pytest
 
 from headroom.config import CacheConfig, Config, ConfigError, ModelConfig, SchedulerConfig
-from headroom.runtime import engine as engine_module
+from headroom.executor import executor as executor_module
+from headroom.executor.device import prepare_model
 from headroom.runtime import output_processor
-from headroom.runtime.device import prepare_model
 from headroom.runtime.engine import Engine
 from headroom.runtime.outputs import RequestOutput
 from headroom.runtime.request import Request, RequestStatus, SamplingParams
@@ -179,7 +179,7 @@ def test_started_engine_is_built_on_the_thread_that_steps_it(loaded, prompts, mo
         built_on.append(threading.get_ident())
         return prepare_model(model_config)
 
-    monkeypatch.setattr(engine_module, "prepare_model", recording)
+    monkeypatch.setattr(executor_module, "prepare_model", recording)
     engine = Engine.started(Config(model=ModelConfig(quantization="none"),
                                    cache=CacheConfig(num_blocks=64, block_size=BLOCK_SIZE)))
     thread = engine._thread
@@ -202,7 +202,7 @@ def test_started_engine_raises_what_its_build_raised(monkeypatch):
     def failing(model_config):
         raise ConfigError("quantization int4 runs on the CPU with dtype float32 only")
 
-    monkeypatch.setattr(engine_module, "prepare_model", failing)
+    monkeypatch.setattr(executor_module, "prepare_model", failing)
     before = threading.active_count()
     with pytest.raises(ConfigError, match="float32 only"):
         Engine.started(Config())

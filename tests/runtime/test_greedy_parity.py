@@ -148,6 +148,6 @@ def test_served_float32_path_gives_the_same_tokens(prompts, reference):
     # K/V write) through headroom's CPU kernels.
     engine = Engine(Config(model=ModelConfig(dtype="float32", quantization="none")))
     model = engine.loaded.model
-    assert engine.backend.name == "cpu_paged"
+    assert engine.executor.backend.name == "cpu_paged"
     assert model.norm.kernels is not None and model.layers[0].attn.kernels is not None
     assert run(engine, prompts[0]) == reference[0]

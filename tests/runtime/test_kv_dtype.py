@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from headroom.config import CacheConfig, Config, ConfigError, SchedulerConfig
-from headroom.runtime.device import resolve_kv_dtype
+from headroom.executor.device import resolve_kv_dtype
 from headroom.runtime.engine import Engine
 from headroom.runtime.request import SamplingParams
 
@@ -48,11 +48,11 @@ def generate(loaded, prompts, kv_dtype: str, backend: str) -> tuple[Engine, list
 def test_a_16_bit_cache_decodes_alike_through_the_kernel_and_the_reference(default_model, kv_dtype):
     prompts = [default_model.tokenizer.encode(t) for t in TEXTS]
     kernel, tokens = generate(default_model, prompts, kv_dtype, "cpu_paged")
-    assert kernel.backend.name == "cpu_paged"
+    assert kernel.executor.backend.name == "cpu_paged"
     want = getattr(torch, kv_dtype)
     assert all(k.dtype == want and v.dtype == want for k, v in kernel.runner.kv_caches)
     reference, expected = generate(default_model, prompts, kv_dtype, "torch")
-    assert reference.backend.name == "torch"
+    assert reference.executor.backend.name == "torch"
     assert tokens == expected
     for engine in (kernel, reference):
         assert engine.block_manager.num_free_blocks == 64  # every block back after the requests

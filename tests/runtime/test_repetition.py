@@ -124,7 +124,7 @@ def test_the_servers_policy_acts_once_at_the_step_the_detector_fires(default_mod
                                                                      finish, tokens):
     engine = make_engine(default_model, loop_policy=policy, loop_max_pattern_size=8, loop_min_pattern_size=1,
                          loop_min_count=4, cap_tokens=5)
-    caplog.set_level(logging.WARNING, logger="headroom.runtime.engine")
+    caplog.set_level(logging.WARNING, logger="headroom.runtime.actions")
     [looping] = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, logit_bias=((the, 100.0),)))
     assert looping.output_token_ids == [the] * tokens
     assert looping.status.finish_reason == finish
@@ -135,7 +135,7 @@ def test_the_servers_policy_acts_once_at_the_step_the_detector_fires(default_mod
     assert looping.admin_actions == [expected_action]
     assert looping.stop_reason == (None if policy == "flag" else "loop_detected")
     assert engine.stats.loops == {policy: 1}
-    assert [r.getMessage() for r in caplog.records if r.name == "headroom.runtime.engine" and "loop" in r.getMessage()] == \
+    assert [r.getMessage() for r in caplog.records if r.name == "headroom.runtime.actions" and "loop" in r.getMessage()] == \
         [f"loop {policy} on {looping.request_id}: {what}"]
     assert engine.block_manager.num_used_blocks == 0
 

@@ -4,6 +4,8 @@ step may grow by. Scripted costs and a fake clock make every number exact."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from headroom.runtime.step_cost import HALF_LIFE_STEPS, StepCostModel, StepSample, attention_pairs
@@ -91,7 +93,7 @@ def test_long_decodes_take_turns_within_the_shorter_requests_time_per_token():
     # alone, and the two it left out run together, in turns.
     assert ran[0] == sorted([first, second, third])
     assert [len(r) for r in ran[1:]] == [1, 2, 1, 2, 1]
-    for a, b in zip(ran, ran[1:]):
+    for a, b in itertools.pairwise(ran):
         assert set(a) | set(b) == {first, second, third}  # none sits out two steps in a row
 
 

@@ -9,14 +9,14 @@ import random
 import pytest
 import torch
 
-from headroom.runtime.attention import backend as registry
+from headroom.executor.attention import backend as registry
 
 # tests/conftest.py sets TRITON_INTERPRET=1 when there is no GPU; with one, the same
 # tests run the compiled kernels on it.
 # A plain import: triton is a dev dependency on Linux, so its absence must fail here,
 # not skip the interpreter tests (only CUDA may be missing).
-from headroom.runtime.attention import triton_paged
-from headroom.runtime.attention.torch_ref import TorchAttention
+from headroom.executor.attention import triton_paged
+from headroom.executor.attention.torch_ref import TorchAttention
 from tests.runtime.test_attention import CPU, assert_cache_written, clone, make_batch, run
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else CPU
@@ -134,6 +134,6 @@ def test_greedy_tokens_through_the_whole_model_equal_torch(default_model):
     for backend in ("torch", "triton"):
         config = Config(cache=CacheConfig(num_blocks=64, block_size=16), attention_backend=backend)
         engine = Engine(config, loaded=default_model)
-        assert engine.backend.name == backend
+        assert engine.executor.backend.name == backend
         outputs[backend] = [r.output_token_ids for r in engine.generate(prompts, sampling)]
     assert outputs["triton"] == outputs["torch"]

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from headroom.runtime.attention.metadata import AttentionMetadata
+from headroom.executor.attention.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +38,11 @@ class AttentionBackend(Protocol):
 # name -> "module:Class"; modules are imported only when chosen, so the CPU path never
 # touches flash-attn or xformers.
 _REGISTRY = {
-    "torch": "headroom.runtime.attention.torch_ref:TorchAttention",
-    "cpu_paged": "headroom.runtime.attention.cpu_paged:CpuPagedAttention",
-    "flash_attn": "headroom.runtime.attention.flash_attn:FlashAttention",
-    "triton": "headroom.runtime.attention.triton_paged:TritonAttention",
-    "xformers": "headroom.runtime.attention.xformers:XFormersAttention",
+    "torch": "headroom.executor.attention.torch_ref:TorchAttention",
+    "cpu_paged": "headroom.executor.attention.cpu_paged:CpuPagedAttention",
+    "flash_attn": "headroom.executor.attention.flash_attn:FlashAttention",
+    "triton": "headroom.executor.attention.triton_paged:TritonAttention",
+    "xformers": "headroom.executor.attention.xformers:XFormersAttention",
 }
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from headroom.executor.attention.metadata import AttentionMetadata
+from headroom.executor.attention.torch_ref import TorchAttention, write_kv
 from headroom.models.kernels import cpu_kernels
-from headroom.runtime.attention.metadata import AttentionMetadata
-from headroom.runtime.attention.torch_ref import TorchAttention, write_kv
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the caches the C++ kernel reads
 

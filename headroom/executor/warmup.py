@@ -5,15 +5,18 @@ which also warms what a first step pays once (kernel selection, first touches of
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
+from headroom.executor.model_runner import ModelRunner
 from headroom.runtime.block_manager import BlockManager
-from headroom.runtime.model_runner import ModelRunner
 from headroom.runtime.request import Request, SamplingParams
 from headroom.runtime.scheduler import SchedulerOutput
 from headroom.runtime.step_cost import StepSample, attention_pairs
+
+log = logging.getLogger(__name__)
 
 SCRATCH_ID = "headroom-step-cost-scratch"
 CHUNK = 64  # tokens in a timed prefill chunk
@@ -53,4 +56,7 @@ def measure_step_cost(runner: ModelRunner, block_manager: BlockManager) -> list[
     if room >= 2 * CHUNK:
         shapes.append((CHUNK, min(DEEP, room - CHUNK)))
     samples = [time_step(runner, block_manager, tokens, context) for tokens, context in shapes]
-    return [s for s in samples if s is not None]
+    samples = [s for s in samples if s is not None]
+    log.info("step cost at start: %s", ", ".join(
+        f"{s.num_tokens} tokens/{s.pairs} pairs {s.seconds * 1e3:.1f} ms" for s in samples))
+    return samples

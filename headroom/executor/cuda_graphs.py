@@ -28,8 +28,8 @@ from collections.abc import Sequence
 import torch
 
 from headroom.config import Config
+from headroom.executor.attention import AttentionBackend, AttentionMetadata
 from headroom.models.llama import ForwardContext, Llama
-from headroom.runtime.attention import AttentionBackend, AttentionMetadata
 
 log = logging.getLogger(__name__)
 

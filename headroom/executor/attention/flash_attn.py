@@ -6,8 +6,8 @@ import inspect
 
 import torch
 
-from headroom.runtime.attention.metadata import AttentionMetadata
-from headroom.runtime.attention.torch_ref import write_kv
+from headroom.executor.attention.metadata import AttentionMetadata
+from headroom.executor.attention.torch_ref import write_kv
 
 
 class FlashAttention:

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
+from headroom.executor.attention import AttentionBackend, AttentionMetadata
+from headroom.executor.cuda_graphs import DecodeGraphs
 from headroom.models.llama import ForwardContext, Llama, ModelArgs
-from headroom.runtime.attention import AttentionBackend, AttentionMetadata
 from headroom.runtime.block_manager import BlockManager
-from headroom.runtime.cuda_graphs import DecodeGraphs
 from headroom.runtime.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from headroom.runtime.attention.metadata import AttentionMetadata
-from headroom.runtime.attention.torch_ref import write_kv
+from headroom.executor.attention.metadata import AttentionMetadata
+from headroom.executor.attention.torch_ref import write_kv
 
 
 def context_slots(meta: AttentionMetadata, block_size: int) -> torch.Tensor:

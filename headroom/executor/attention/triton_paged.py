@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from headroom.runtime.attention.metadata import AttentionMetadata
-from headroom.runtime.attention.torch_ref import write_kv
+from headroom.executor.attention.metadata import AttentionMetadata
+from headroom.executor.attention.torch_ref import write_kv
 
 # Triton's interpreter computes tl.dot on bf16/fp16 operands wrongly (it has no numpy
 # type for them), so there the prefill kernel's matmul operands are upcast to fp32. Loads,

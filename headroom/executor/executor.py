@@ -1,0 +1,70 @@
+"""What runs the model for the engine: the weights on their device, the attention backend
+that device takes, the KV pool's size and 16-bit or float layout, the model runner and its
+CUDA graphs. Built once at start; the engine then only calls `runner.execute`."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from headroom.config import Config
+from headroom.executor.attention import AttentionBackend, select_backend
+from headroom.executor.cuda_graphs import graph_plan
+from headroom.executor.device import prepare_model, resolve_kv_dtype
+from headroom.executor.model_runner import ModelRunner, kv_block_bytes
+from headroom.models.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Executor:
+    loaded: LoadedModel
+    quantization_reason: str
+    device: torch.device
+    dtype: torch.dtype
+    backend: AttentionBackend
+    block_size: int
+    kv_dtype: torch.dtype
+    kv_dtype_reason: str
+    num_blocks: int
+    max_model_len: int
+    runner: ModelRunner
+    cuda_graphs: str  # what /health and the start line say about them
+
+    @classmethod
+    def build(cls, config: Config, loaded: LoadedModel | None = None) -> Executor:
+        if loaded is None:
+            loaded, quantization_reason = prepare_model(config.model)
+        else:
+            quantization_reason = "as the caller loaded it"
+        weight = loaded.model.embed_tokens.weight  # the model's device and dtype decide the engine's
+        device, dtype = weight.device, weight.dtype
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # cuda:N: kernels, streams and graphs on card N
+        args = loaded.args
+        backend = select_backend(config.attention_backend, device)
+        block_size = config.cache.block_size or backend.block_size
+        kv_dtype, kv_dtype_reason = resolve_kv_dtype(config.cache.kv_cache_dtype, device, dtype, loaded.quantization)
+        num_blocks = config.cache.num_blocks or int(
+            config.cache.kv_cache_memory_gib * 2**30 // kv_block_bytes(args, block_size, kv_dtype)
+        )
+        max_model_len = config.model.max_model_len or args.max_position_embeddings
+        graph_sizes, cuda_graphs = graph_plan(config, device, backend)
+        runner = ModelRunner(loaded.model, backend, num_blocks, block_size, device, kv_dtype,
+                             graph_sizes=graph_sizes, max_model_len=max_model_len)
+        cuda_graphs = runner.capture_graphs() or cuda_graphs
+        return cls(loaded, quantization_reason, device, dtype, backend, block_size, kv_dtype, kv_dtype_reason,
+                   num_blocks, max_model_len, runner, cuda_graphs)
+
+    def describe(self) -> str:
+        """The start line's account of what was chosen and why."""
+        return (
+            f"model={self.loaded.name} device={self.device} dtype={str(self.dtype).removeprefix('torch.')} "
+            f"quantization={self.loaded.quantization} ({self.quantization_reason}) "
+            f"kv_cache_dtype={str(self.kv_dtype).removeprefix('torch.')} ({self.kv_dtype_reason}) "
+            f"backend={self.backend.name} block_size={self.block_size} kv_blocks={self.num_blocks} "
+            f"({self.num_blocks * self.block_size} tokens) cuda_graphs={self.cuda_graphs}"
+        )

@@ -1,4 +1,0 @@
-from headroom.runtime.attention.backend import AttentionBackend, available_backends, select_backend
-from headroom.runtime.attention.metadata import AttentionMetadata
-
-__all__ = ["AttentionBackend", "AttentionMetadata", "available_backends", "select_backend"]
