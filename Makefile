@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 ARGS   ?=
 
-.PHONY: install browser promtool redis serve generate test test-gpu bench clean
+.PHONY: install browser promtool redis serve generate lint test test-gpu bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,7 +56,12 @@ redis:
 	  $$SUDO apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends redis-server; }
 
-test: install browser promtool redis
+# ruff is pinned in the dev extra: a newer one may format the same code differently.
+lint: install
+	$(BIN)/ruff check headroom tests bench tools
+	$(BIN)/ruff format --check headroom tests bench tools
+
+test: lint browser promtool redis
 	$(BIN)/python -m pytest -q $(ARGS)
 
 # The GPU tests with the GPU extra installed; there a missing or unusable flash-attn or

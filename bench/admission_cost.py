@@ -55,8 +55,10 @@ def main() -> None:
             total_s.append(t3 - t2)
 
     chars = np.array([len(f.text) for f in features])
-    print(f"{platform.processor() or platform.machine()}, {type(predictor).__name__}, "
-          f"{len(features)} rows x {ns.repeat}, prompt chars median {np.median(chars):.0f} max {chars.max()}")
+    print(
+        f"{platform.processor() or platform.machine()}, {type(predictor).__name__}, "
+        f"{len(features)} rows x {ns.repeat}, prompt chars median {np.median(chars):.0f} max {chars.max()}"
+    )
     print(f"{'ms per request':<28}{'p50':>10}{'p99':>10}{'max':>10}")
     print(percentiles("featurize", feat_s))
     print(percentiles("boosters (3)", boost_s))

@@ -42,9 +42,14 @@ TENANTS = ("a", "b", "c", "d")
 
 def config() -> AdmissionConfig:
     # Limits that never bind: what is timed is the decision, not a wait for tokens.
-    return AdmissionConfig(tenants=tuple(TenantConfig(t, rate_tokens_per_s=1e9, burst_tokens=10**9,
-                                                      max_in_flight_tokens=10**9, max_queue=10_000)
-                                         for t in TENANTS), default_tenant="a", fleet_size=3)
+    return AdmissionConfig(
+        tenants=tuple(
+            TenantConfig(t, rate_tokens_per_s=1e9, burst_tokens=10**9, max_in_flight_tokens=10**9, max_queue=10_000)
+            for t in TENANTS
+        ),
+        default_tenant="a",
+        fleet_size=3,
+    )
 
 
 async def admission(url: str | None, replica: str) -> Admission:
@@ -131,15 +136,19 @@ def main() -> None:
             rows[label] = (*pct(decide), *pct(settle))
             print(f"{label:<10}" + "".join(f"{v:>{w}.0f}" for v, w in zip(rows[label], (12, 10, 12, 10))))
         e, r = rows["embedded"], rows["redis"]
-        print(f"redis - embedded: decide +{r[0] - e[0]:.0f} us p50, +{r[1] - e[1]:.0f} us p99; "
-              f"settle +{r[2] - e[2]:.0f} us p50, +{r[3] - e[3]:.0f} us p99")
+        print(
+            f"redis - embedded: decide +{r[0] - e[0]:.0f} us p50, +{r[1] - e[1]:.0f} us p99; "
+            f"settle +{r[2] - e[2]:.0f} us p50, +{r[3] - e[3]:.0f} us p99"
+        )
 
         print(f"\n2. three replicas x {ns.concurrency} loops on one Redis, {ns.seconds:g} s")
         ctx = multiprocessing.get_context("spawn")
         out = ctx.Queue()
         start_at = time.time() + 3.0  # all three connected before the clock starts
-        procs = [ctx.Process(target=replica_worker, args=(redis.url, f"r{i}", ns.seconds, ns.concurrency,
-                                                           start_at, out)) for i in range(3)]
+        procs = [
+            ctx.Process(target=replica_worker, args=(redis.url, f"r{i}", ns.seconds, ns.concurrency, start_at, out))
+            for i in range(3)
+        ]
         for proc in procs:
             proc.start()
         time.sleep(max(0.0, start_at - time.time()))
@@ -150,8 +159,10 @@ def main() -> None:
             proc.join()
         total = sum(results.values())
         per = ", ".join(f"{k} {v / ns.seconds:,.0f}/s" for k, v in sorted(results.items()))
-        print(f"decisions/s: {total / ns.seconds:,.0f} ({per}); each is a reserve and a settle script, "
-              f"so Redis ran {2 * total / ns.seconds:,.0f} scripts/s at {redis_cpu:.0%} of one core")
+        print(
+            f"decisions/s: {total / ns.seconds:,.0f} ({per}); each is a reserve and a settle script, "
+            f"so Redis ran {2 * total / ns.seconds:,.0f} scripts/s at {redis_cpu:.0%} of one core"
+        )
     finally:
         redis.stop()
 

@@ -62,15 +62,21 @@ async def http_run(url: str, prompts: list[list[int]], output_len: int) -> tuple
             await asyncio.sleep(0.02)
 
     async def one(session: aiohttp.ClientSession, prompt: list[int]) -> int:
-        body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "prompt": prompt,
+            "max_tokens": output_len,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         last = b""
         async with session.post(url + "/v1/completions", json=body) as r:
             assert r.status == 200, await r.text()
             async for line in r.content:
                 if line.startswith(b"data: {"):
                     last = line
-        return json.loads(last[len(b"data: "):])["usage"]["completion_tokens"]
+        return json.loads(last[len(b"data: ") :])["usage"]["completion_tokens"]
 
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -106,8 +112,10 @@ def main() -> None:
     def prompts() -> list[list[int]]:
         return [[rng.randrange(100, vocab) for _ in range(ns.prompt_len)] for _ in range(ns.concurrency)]
 
-    print(f"# api_overhead: model={engine.loaded.name} dtype={engine.executor.dtype} threads={torch.get_num_threads()} "
-          f"concurrency={ns.concurrency} prompt={ns.prompt_len} output={ns.output_len} ignore_eos=True")
+    print(
+        f"# api_overhead: model={engine.loaded.name} dtype={engine.executor.dtype} threads={torch.get_num_threads()} "
+        f"concurrency={ns.concurrency} prompt={ns.prompt_len} output={ns.output_len} ignore_eos=True"
+    )
     direct_run(engine, prompts()[:4], 4)  # warm-up
     direct, http, health = [], [], []
     for i in range(ns.repeats):
@@ -123,8 +131,10 @@ def main() -> None:
     print(f"direct engine   : {d:.1f} output tok/s (median of {ns.repeats})")
     print(f"HTTP + SSE      : {h:.1f} output tok/s (median of {ns.repeats})")
     print(f"ratio http/direct: {h / d:.3f} (target >= 0.9)")
-    print(f"/health under load: p50 {statistics.median(health):.1f} ms, p99 {p99:.1f} ms, "
-          f"max {health[-1]:.1f} ms over {len(health)} probes (target p99 < 50 ms)")
+    print(
+        f"/health under load: p50 {statistics.median(health):.1f} ms, p99 {p99:.1f} ms, "
+        f"max {health[-1]:.1f} ms over {len(health)} probes (target p99 < 50 ms)"
+    )
 
 
 if __name__ == "__main__":

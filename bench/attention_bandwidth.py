@@ -23,32 +23,67 @@ import torch
 from headroom.executor.attention import AttentionMetadata, select_backend
 
 # Peak memory bandwidth in GB/s, by a substring of torch.cuda.get_device_name().
-PEAK_GBPS = {"H200": 4800, "H100 SXM": 3350, "H100 80GB HBM3": 3350, "H100 PCIe": 2000, "H100": 3350,
-             "A100-SXM4-80GB": 2039, "A100": 1555, "L40S": 864, "L4": 300, "A10": 600}
+PEAK_GBPS = {
+    "H200": 4800,
+    "H100 SXM": 3350,
+    "H100 80GB HBM3": 3350,
+    "H100 PCIe": 2000,
+    "H100": 3350,
+    "A100-SXM4-80GB": 2039,
+    "A100": 1555,
+    "L40S": 864,
+    "L4": 300,
+    "A10": 600,
+}
 
 
-def decode_batch(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None):
+def decode_batch(
+    batch: int,
+    context: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype | None = None,
+):
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device, dtype=kv_dtype or dtype)
     v_cache = torch.randn_like(k_cache)
     tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq).int()
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    last = (context - 1)
-    slots = (tables[:, last // block_size].long() * block_size + last % block_size)
+    last = context - 1
+    slots = tables[:, last // block_size].long() * block_size + last % block_size
     ones = torch.arange(batch + 1, dtype=torch.int32, device=device)
     meta = AttentionMetadata(
-        slot_mapping=slots, query_start_loc=ones, seq_start_loc=ones * context, seq_lens=seq_lens,
-        block_tables=tables, max_query_len=1, max_seq_len=context, num_decodes=batch,
-        query_lens_cpu=[1] * batch, seq_lens_cpu=[context] * batch)
+        slot_mapping=slots,
+        query_start_loc=ones,
+        seq_start_loc=ones * context,
+        seq_lens=seq_lens,
+        block_tables=tables,
+        max_query_len=1,
+        max_seq_len=context,
+        num_decodes=batch,
+        query_lens_cpu=[1] * batch,
+        seq_lens_cpu=[context] * batch,
+    )
     q = torch.randn(batch, heads, head_dim, device=device, dtype=dtype)
     k = torch.randn(batch, kv_heads, head_dim, device=device, dtype=dtype)
     return q, k, torch.randn_like(k), k_cache, v_cache, meta
 
 
-def chunk_batch(batch: int, chunk: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
-                kv_dtype: torch.dtype):
+def chunk_batch(
+    batch: int,
+    chunk: int,
+    context: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    kv_dtype: torch.dtype,
+):
     """B sequences, each bringing `chunk` new tokens that end a `context`-token context."""
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
@@ -59,10 +94,17 @@ def chunk_batch(batch: int, chunk: int, context: int, heads: int, kv_heads: int,
     slots = (tables[:, positions // block_size].long() * block_size + positions % block_size).flatten()
     starts = torch.arange(batch + 1, dtype=torch.int32) * chunk
     meta = AttentionMetadata(
-        slot_mapping=slots, query_start_loc=starts,
+        slot_mapping=slots,
+        query_start_loc=starts,
         seq_start_loc=torch.arange(batch + 1, dtype=torch.int32) * context,
-        seq_lens=torch.full((batch,), context, dtype=torch.int32), block_tables=tables, max_query_len=chunk,
-        max_seq_len=context, num_decodes=0, query_lens_cpu=[chunk] * batch, seq_lens_cpu=[context] * batch)
+        seq_lens=torch.full((batch,), context, dtype=torch.int32),
+        block_tables=tables,
+        max_query_len=chunk,
+        max_seq_len=context,
+        num_decodes=0,
+        query_lens_cpu=[chunk] * batch,
+        seq_lens_cpu=[context] * batch,
+    )
     q = torch.randn(batch * chunk, heads, head_dim)
     k = torch.randn(batch * chunk, kv_heads, head_dim)
     return q, k, torch.randn_like(k), k_cache, v_cache, meta
@@ -90,18 +132,33 @@ def cpu_main(ns, backend, kv_dtype: torch.dtype) -> None:
     reference = TorchAttention()
     plain = plain_read_gbps()
     print(f"plain read (sum over 512 MiB): {plain:.1f} GB/s; threads={torch.get_num_threads()}")
-    scale = ns.head_dim ** -0.5
+    scale = ns.head_dim**-0.5
     for context in (int(c) for c in ns.context.split(",")):
         if ns.chunk:
-            args = chunk_batch(ns.batch, ns.chunk, context, ns.heads, ns.kv_heads, ns.head_dim, backend.block_size,
-                               kv_dtype)
+            args = chunk_batch(
+                ns.batch, ns.chunk, context, ns.heads, ns.kv_heads, ns.head_dim, backend.block_size, kv_dtype
+            )
             before = timed(lambda args=args: reference.forward(*args, scale), ns.iters)
             after = timed(lambda args=args: backend.forward(*args, scale), ns.iters)
-            print(f"context {context:>6}, {ns.batch} x {ns.chunk}-token chunks: torch reference {1e3 * before:8.3f} ms, "
-                  f"{backend.name} {1e3 * after:8.3f} ms ({before / after:.2f}x)")
+            print(
+                f"context {context:>6}, {ns.batch} x {ns.chunk}-token chunks: torch reference {1e3 * before:8.3f} ms, "
+                f"{backend.name} {1e3 * after:8.3f} ms ({before / after:.2f}x)"
+            )
             continue
-        layers = [decode_batch(ns.batch, context, ns.heads, ns.kv_heads, ns.head_dim, backend.block_size,
-                               torch.device("cpu"), torch.float32, kv_dtype) for _ in range(ns.layers)]
+        layers = [
+            decode_batch(
+                ns.batch,
+                context,
+                ns.heads,
+                ns.kv_heads,
+                ns.head_dim,
+                backend.block_size,
+                torch.device("cpu"),
+                torch.float32,
+                kv_dtype,
+            )
+            for _ in range(ns.layers)
+        ]
 
         def step(backend=backend, layers=layers):
             for q, k, v, k_cache, v_cache, meta in layers:
@@ -110,16 +167,21 @@ def cpu_main(ns, backend, kv_dtype: torch.dtype) -> None:
         seconds = timed(step, ns.iters)
         kv_bytes = 2 * ns.layers * ns.batch * context * ns.kv_heads * ns.head_dim * kv_dtype.itemsize
         gbps = kv_bytes / seconds / 1e9
-        print(f"context {context:>6}, {ns.layers} layers: {1e3 * seconds:8.3f} ms per decode step, KV read "
-              f"{kv_bytes / 2**20:8.1f} MiB, {gbps:6.1f} GB/s, {100 * gbps / plain:.0f}% of the plain read")
+        print(
+            f"context {context:>6}, {ns.layers} layers: {1e3 * seconds:8.3f} ms per decode step, KV read "
+            f"{kv_bytes / 2**20:8.1f} MiB, {gbps:6.1f} GB/s, {100 * gbps / plain:.0f}% of the plain read"
+        )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--kv-dtype", default=None, help="the cache's dtype, if not --dtype (the CPU: float32 queries, "
-                   "a bfloat16 cache)")
+    p.add_argument(
+        "--kv-dtype",
+        default=None,
+        help="the cache's dtype, if not --dtype (the CPU: float32 queries, a bfloat16 cache)",
+    )
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", default="512,2048,8192")
@@ -140,16 +202,20 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if peak is None:
         peak = next((gbps for key, gbps in PEAK_GBPS.items() if key in name), None)
-    print(f"# attention_bandwidth: device={name} backend={backend.name} block_size={block_size} dtype={ns.dtype} kv_dtype={ns.kv_dtype or ns.dtype} "
-          f"batch={ns.batch} heads={ns.heads}/{ns.kv_heads} head_dim={ns.head_dim} peak={peak} GB/s")
+    print(
+        f"# attention_bandwidth: device={name} backend={backend.name} block_size={block_size} dtype={ns.dtype} "
+        f"kv_dtype={ns.kv_dtype or ns.dtype} "
+        f"batch={ns.batch} heads={ns.heads}/{ns.kv_heads} head_dim={ns.head_dim} peak={peak} GB/s"
+    )
     if device.type == "cpu":
         cpu_main(ns, backend, kv_dtype)
         return
     sync = torch.cuda.synchronize
     for context in (int(c) for c in ns.context.split(",")):
-        q, k, v, k_cache, v_cache, meta = decode_batch(ns.batch, context, ns.heads, ns.kv_heads, ns.head_dim,
-                                                        block_size, device, dtype, kv_dtype)
-        scale = ns.head_dim ** -0.5
+        q, k, v, k_cache, v_cache, meta = decode_batch(
+            ns.batch, context, ns.heads, ns.kv_heads, ns.head_dim, block_size, device, dtype, kv_dtype
+        )
+        scale = ns.head_dim**-0.5
         for _ in range(3):
             backend.forward(q, k, v, k_cache, v_cache, meta, scale)
         sync()
@@ -161,8 +227,10 @@ def main() -> None:
         kv_bytes = 2 * ns.batch * context * ns.kv_heads * ns.head_dim * kv_dtype.itemsize
         gbps = kv_bytes / seconds / 1e9
         share = f", {100 * gbps / peak:.1f}% of peak" if peak else ""
-        print(f"context {context:>6}: {1e3 * seconds:8.3f} ms per decode step, KV read {kv_bytes / 2**20:8.1f} MiB, "
-              f"{gbps:8.1f} GB/s{share}")
+        print(
+            f"context {context:>6}: {1e3 * seconds:8.3f} ms per decode step, KV read {kv_bytes / 2**20:8.1f} MiB, "
+            f"{gbps:8.1f} GB/s{share}"
+        )
 
 
 if __name__ == "__main__":

@@ -82,10 +82,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, dtype: str, config_path: str | None, admission: bool,
-                 extra: list[str] | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "headroom.app.cli", "--log-level", "WARNING", "serve", "--port", str(port),
-           *(extra or [])]
+def start_server(
+    port: int, dtype: str, config_path: str | None, admission: bool, extra: list[str] | None = None
+) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "headroom.app.cli",
+        "--log-level",
+        "WARNING",
+        "serve",
+        "--port",
+        str(port),
+        *(extra or []),
+    ]
     if config_path:
         cmd += ["--config", config_path]
     if dtype != "auto":
@@ -114,11 +124,24 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-async def one(session: aiohttp.ClientSession, url: str, cls: str, messages: list[dict], max_tokens: int,
-              tenant: str | None, t0: float) -> Result:
+async def one(
+    session: aiohttp.ClientSession,
+    url: str,
+    cls: str,
+    messages: list[dict],
+    max_tokens: int,
+    tenant: str | None,
+    t0: float,
+) -> Result:
     result = Result(cls, time.monotonic() - t0)
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": cls == "long", "stream_options": {"include_usage": True}}
+    body = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": cls == "long",
+        "stream_options": {"include_usage": True},
+    }
     start = time.monotonic()
     first = None
     headers = {"X-Tenant": tenant} if tenant else {}
@@ -143,9 +166,17 @@ async def one(session: aiohttp.ClientSession, url: str, cls: str, messages: list
     return result
 
 
-async def drive(url: str, short_msgs: list[list[dict]], long_msgs: list[list[dict]], rate: float,
-                duration: float, long_at: list[float], seed: int, short_tokens: int = 32,
-                tenants: tuple[str | None, str | None] = (None, None)) -> Run:
+async def drive(
+    url: str,
+    short_msgs: list[list[dict]],
+    long_msgs: list[list[dict]],
+    rate: float,
+    duration: float,
+    long_at: list[float],
+    seed: int,
+    short_tokens: int = 32,
+    tenants: tuple[str | None, str | None] = (None, None),
+) -> Run:
     rng = random.Random(seed)
     arrivals, t = [], 0.0
     while True:
@@ -158,18 +189,19 @@ async def drive(url: str, short_msgs: list[list[dict]], long_msgs: list[list[dic
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=900)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
         async def at(delay: float, coro_fn):
             await asyncio.sleep(max(0.0, delay - (time.monotonic() - t0)))
             return await coro_fn()
 
         for i, a in enumerate(arrivals):
             msgs = short_msgs[i % len(short_msgs)]
-            tasks.append(asyncio.create_task(at(a, lambda m=msgs: one(session, url, "short", m, short_tokens,
-                                                                       tenants[0], t0))))
+            tasks.append(
+                asyncio.create_task(at(a, lambda m=msgs: one(session, url, "short", m, short_tokens, tenants[0], t0)))
+            )
         for j, a in enumerate(long_at):
             msgs = long_msgs[j % len(long_msgs)]
-            tasks.append(asyncio.create_task(at(a, lambda m=msgs: one(session, url, "long", m, 512,
-                                                                       tenants[1], t0))))
+            tasks.append(asyncio.create_task(at(a, lambda m=msgs: one(session, url, "long", m, 512, tenants[1], t0))))
         results = await asyncio.gather(*tasks)
     run = Run("", list(results), time.monotonic() - t0)
     return run
@@ -183,8 +215,11 @@ def pct(values: list[float], q: float) -> float:
 
 
 def summarize(run: Run) -> dict:
-    out = {"run": run.name, "duration_s": run.duration,
-           "output_tok_s": sum(r.tokens for r in run.results) / run.duration}
+    out = {
+        "run": run.name,
+        "duration_s": run.duration,
+        "output_tok_s": sum(r.tokens for r in run.results) / run.duration,
+    }
     for cls in ("short", "long"):
         rs = [r for r in run.results if r.cls == cls]
         if not rs:
@@ -193,9 +228,12 @@ def summarize(run: Run) -> dict:
         ttft = [r.ttft for r in ok if r.ttft is not None]
         tpot = [r.tpot for r in ok if r.tpot is not None]
         out[cls] = {
-            "n": len(rs), "ok": len(ok),
-            "ttft_p50": statistics.median(ttft) if ttft else float("nan"), "ttft_p99": pct(ttft, 0.99),
-            "tpot_p50": statistics.median(tpot) if tpot else float("nan"), "tpot_p99": pct(tpot, 0.99),
+            "n": len(rs),
+            "ok": len(ok),
+            "ttft_p50": statistics.median(ttft) if ttft else float("nan"),
+            "ttft_p99": pct(ttft, 0.99),
+            "tpot_p50": statistics.median(tpot) if tpot else float("nan"),
+            "tpot_p99": pct(tpot, 0.99),
             "e2e_max": max((r.e2e for r in ok), default=float("nan")),
         }
         if cls == "long":
@@ -220,6 +258,7 @@ def load_prompts(tokens_per_char: float = 0.25) -> tuple[list[list[dict]], list[
 def plot(runs: list[Run], path: str) -> bool:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -267,16 +306,22 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write the summaries here")
     p.add_argument("--runs", default="short-only,mixed-fcfs,mixed-admission")
     p.add_argument("--config", default=None, help="TOML for `headroom serve` in scenario defaults (a variant)")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="runs of each kind, each on a fresh server, pooled: a p99 of 99 requests is their "
-                        "second slowest, and the short-only baseline alone spans 74-114 ms run to run")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of each kind, each on a fresh server, pooled: a p99 of 99 requests is their "
+        "second slowest, and the short-only baseline alone spans 74-114 ms run to run",
+    )
     ns = p.parse_args()
     short_msgs, long_msgs = load_prompts()
     long_at = [float(x) for x in ns.long_at.split(",") if x]
     tenants = ("interactive", "reasoning") if ns.scenario == "tenants" else (None, None)
-    print(f"# hol, scenario {ns.scenario}: {ns.rate} short req/s (Poisson, max_tokens {ns.short_tokens}, greedy) "
-          f"for {ns.duration:.0f} s; {len(long_at)} long requests (~2,000-token prompts, 512 tokens, ignore_eos) "
-          f"at {long_at} s; each run {ns.repeat}x, pooled")
+    print(
+        f"# hol, scenario {ns.scenario}: {ns.rate} short req/s (Poisson, max_tokens {ns.short_tokens}, greedy) "
+        f"for {ns.duration:.0f} s; {len(long_at)} long requests (~2,000-token prompts, 512 tokens, ignore_eos) "
+        f"at {long_at} s; each run {ns.repeat}x, pooled"
+    )
     print(cpu_line())
     runs, summaries = [], []
     for name in ns.runs.split(","):
@@ -293,8 +338,19 @@ def main() -> None:
             try:
                 url = f"http://127.0.0.1:{port}"
                 asyncio.run(drive(url, short_msgs[:3], [], 5.0, 1.0, [], 1, ns.short_tokens, tenants))  # warm-up
-                one_run = asyncio.run(drive(url, short_msgs, long_msgs, ns.rate, ns.duration,
-                                            [] if name == "short-only" else long_at, 7, ns.short_tokens, tenants))
+                one_run = asyncio.run(
+                    drive(
+                        url,
+                        short_msgs,
+                        long_msgs,
+                        ns.rate,
+                        ns.duration,
+                        [] if name == "short-only" else long_at,
+                        7,
+                        ns.short_tokens,
+                        tenants,
+                    )
+                )
             finally:
                 stop_server(proc)
                 if config_path and config_path != ns.config:
@@ -308,17 +364,18 @@ def main() -> None:
         for cls in ("short", "long"):
             if cls in s:
                 c = s[cls]
-                line += (f" | {cls}: n={c['n']} ok={c['ok']} TTFT p50 {c['ttft_p50'] * 1000:7.0f} ms "
-                         f"p99 {c['ttft_p99'] * 1000:7.0f} ms, TPOT p50 {c['tpot_p50'] * 1000:5.0f} ms "
-                         f"p99 {c['tpot_p99'] * 1000:5.0f} ms")
+                line += (
+                    f" | {cls}: n={c['n']} ok={c['ok']} TTFT p50 {c['ttft_p50'] * 1000:7.0f} ms "
+                    f"p99 {c['ttft_p99'] * 1000:7.0f} ms, TPOT p50 {c['tpot_p50'] * 1000:5.0f} ms "
+                    f"p99 {c['tpot_p99'] * 1000:5.0f} ms"
+                )
         print(line, flush=True)
         if "long" in s:
             print(f"{'':16s} long TTFT each {s['long']['ttft_each']} s, end-to-end each {s['long']['e2e_each']} s")
     base = next((s for s in summaries if s["run"] == "short-only"), None)
     if base:
         for s in summaries[1:]:
-            print(f"# {s['run']}: short p99 TTFT {s['short']['ttft_p99'] / base['short']['ttft_p99']:.2f}x "
-                  f"short-only")
+            print(f"# {s['run']}: short p99 TTFT {s['short']['ttft_p99'] / base['short']['ttft_p99']:.2f}x short-only")
     fcfs = next((s for s in summaries if s["run"] == "mixed-fcfs"), None)
     adm = next((s for s in summaries if s["run"] == "mixed-admission"), None)
     if fcfs and adm:

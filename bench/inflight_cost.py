@@ -36,8 +36,12 @@ def run(engine: Engine, prompts: list[list[int]], output_len: int, hook_time: li
     requests = engine.generate(prompts, params)
     elapsed = time.perf_counter() - started
     tokens = sum(r.num_output_tokens for r in requests)
-    return {"tok_s": tokens / elapsed, "step_s": engine.stats.step_time_s, "probe_s": sum(hook_time),
-            "steps": engine.stats.steps}
+    return {
+        "tok_s": tokens / elapsed,
+        "step_s": engine.stats.step_time_s,
+        "probe_s": sum(hook_time),
+        "steps": engine.stats.steps,
+    }
 
 
 def main() -> None:
@@ -71,14 +75,15 @@ def main() -> None:
         engine.probe_due = due if on else None
 
     rng = random.Random(0)
-    prompts = [[rng.randrange(100, shape.vocab_size) for _ in range(args.prompt_len)]
-               for _ in range(args.concurrency)]
+    prompts = [[rng.randrange(100, shape.vocab_size) for _ in range(args.prompt_len)] for _ in range(args.concurrency)]
     switch(False)
     engine.generate(prompts[:4], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
 
     print(cpu_line())
-    print(f"# {args.concurrency} sequences, {args.prompt_len}-token prompts, "
-          f"{args.output_len} output tokens, estimates every 16 tokens")
+    print(
+        f"# {args.concurrency} sequences, {args.prompt_len}-token prompts, "
+        f"{args.output_len} output tokens, estimates every 16 tokens"
+    )
     print(f"{'round':>5} {'probe':>5} {'tok/s':>8} {'steps':>6} {'step s':>8} {'probe s':>8} {'probe share':>12}")
     totals = {False: 0.0, True: 0.0}
     shares = []
@@ -90,10 +95,14 @@ def main() -> None:
             share = res["probe_s"] / res["step_s"]
             if on:
                 shares.append(share)
-            print(f"{r:>5} {'on' if on else 'off':>5} {res['tok_s']:>8.1f} {res['steps']:>6} {res['step_s']:>8.2f} "
-                  f"{res['probe_s']:>8.3f} {100 * share:>11.2f}%")
-    print(f"\ntok/s on/off: {totals[True] / totals[False]:.3f}x; probe share of step time: "
-          f"{100 * min(shares):.2f}-{100 * max(shares):.2f}%; estimates: {refiner.estimates}")
+            print(
+                f"{r:>5} {'on' if on else 'off':>5} {res['tok_s']:>8.1f} {res['steps']:>6} {res['step_s']:>8.2f} "
+                f"{res['probe_s']:>8.3f} {100 * share:>11.2f}%"
+            )
+    print(
+        f"\ntok/s on/off: {totals[True] / totals[False]:.3f}x; probe share of step time: "
+        f"{100 * min(shares):.2f}-{100 * max(shares):.2f}%; estimates: {refiner.estimates}"
+    )
 
 
 if __name__ == "__main__":

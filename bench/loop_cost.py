@@ -33,7 +33,7 @@ def main() -> None:
     args = p.parse_args()
     print(cpu_line())
     rows = [json.loads(line) for line in (PROMPTS.parent / "smollm2-135m-labels.jsonl").open(encoding="utf-8")]
-    prompts = [r["prompt"] for r in rows if r["split"] == "test" and r["prompt_tokens"] < 300][:args.sequences]
+    prompts = [r["prompt"] for r in rows if r["split"] == "test" and r["prompt_tokens"] < 300][: args.sequences]
     engine = Engine(Config(admin=AdminConfig(loop_policy="flag")))
     ids = [engine.tokenizer.apply_chat_template([{"role": "user", "content": text}]) for text in prompts]
     sampling = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=False)
@@ -63,8 +63,10 @@ def main() -> None:
     tokens = sum(len(r.output_token_ids) for r in requests)
     per_step = best / steps
     print(f"{len(requests)} sequences, {tokens} output tokens in {steps} steps; {looping} found looping")
-    print(f"engine step: {step_s * 1000:.2f} ms mean; detector: {per_step * 1e6:.1f} us per step "
-          f"({best / tokens * 1e6:.2f} us per token), {per_step / step_s:.2%} of the step")
+    print(
+        f"engine step: {step_s * 1000:.2f} ms mean; detector: {per_step * 1e6:.1f} us per step "
+        f"({best / tokens * 1e6:.2f} us per token), {per_step / step_s:.2%} of the step"
+    )
 
 
 if __name__ == "__main__":

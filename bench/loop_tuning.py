@@ -75,8 +75,12 @@ def main() -> None:
     for split, rows in splits.items():
         print(f"# {split}: {len(rows)} prompts, {sum(r['finish'] == 'length' for r in rows)} ran to the cap")
     default = AdminConfig()
-    settings = sorted({(default.loop_max_pattern_size, default.loop_min_pattern_size, default.loop_min_count),
-                       *itertools.product((32, 64, 128), (1, 4, 8), (3, 4, 5))})
+    settings = sorted(
+        {
+            (default.loop_max_pattern_size, default.loop_min_pattern_size, default.loop_min_count),
+            *itertools.product((32, 64, 128), (1, 4, 8), (3, 4, 5)),
+        }
+    )
     print("max min count | policy | " + " | ".join(f"{s}: caught, saved, truncated" for s in splits))
     for setting in settings:
         detection = RepetitionDetection(*setting)
@@ -85,8 +89,12 @@ def main() -> None:
             for rows in splits.values():
                 caught, capped, saved, truncated, ended = evaluate(rows, detection, cap_tokens)
                 cells.append(f"{caught}/{capped}, {saved:.0%}, {truncated}/{ended}")
-            mark = " (default)" if setting == (default.loop_max_pattern_size, default.loop_min_pattern_size,
-                                               default.loop_min_count) and policy == default.loop_policy else ""
+            mark = (
+                " (default)"
+                if setting == (default.loop_max_pattern_size, default.loop_min_pattern_size, default.loop_min_count)
+                and policy == default.loop_policy
+                else ""
+            )
             print(f"{setting[0]:3d} {setting[1]:3d} {setting[2]:5d} | {policy}{mark} | " + " | ".join(cells))
 
 

@@ -54,11 +54,17 @@ def load_prompts() -> tuple[list[dict], list[str]]:
     return test, shorts
 
 
-async def one(session: aiohttp.ClientSession, url: str, cls: str, key: str, prompt: str, max_tokens: int,
-              t0: float) -> dict:
+async def one(
+    session: aiohttp.ClientSession, url: str, cls: str, key: str, prompt: str, max_tokens: int, t0: float
+) -> dict:
     sent = time.monotonic()
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     first = finish = None
     tokens = 0
     async with session.post(url + "/v1/chat/completions", json=body) as r:
@@ -76,8 +82,16 @@ async def one(session: aiohttp.ClientSession, url: str, cls: str, key: str, prom
         status = r.status
     end = time.monotonic()
     tpot = (end - first) / (tokens - 1) if first is not None and tokens > 1 else None
-    return {"cls": cls, "key": key, "status": status, "finish": finish, "tokens": tokens,
-            "ttft": (first or end) - sent, "tpot": tpot, "end": end - t0}
+    return {
+        "cls": cls,
+        "key": key,
+        "status": status,
+        "finish": finish,
+        "tokens": tokens,
+        "ttft": (first or end) - sent,
+        "tpot": tpot,
+        "end": end - t0,
+    }
 
 
 async def drive(url: str, longs: list[dict], shorts: list[str], args) -> list[dict]:
@@ -88,14 +102,16 @@ async def drive(url: str, longs: list[dict], shorts: list[str], args) -> list[di
     t0 = time.monotonic()
     timeout = aiohttp.ClientTimeout(total=1800)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+
         async def at(delay: float, *a) -> dict:
             await asyncio.sleep(max(0.0, delay - (time.monotonic() - t0)))
             return await one(session, url, *a, t0)
 
         spread = args.duration * 0.6 / max(len(longs), 1)
         tasks = [asyncio.create_task(at(spread * j, "long", r["id"], r["prompt"], 512)) for j, r in enumerate(longs)]
-        tasks += [asyncio.create_task(at(a, "short", f"s{i}", shorts[i % len(shorts)], 128))
-                  for i, a in enumerate(arrivals)]
+        tasks += [
+            asyncio.create_task(at(a, "short", f"s{i}", shorts[i % len(shorts)], 128)) for i, a in enumerate(arrivals)
+        ]
         return list(await asyncio.gather(*tasks))
 
 
@@ -104,8 +120,9 @@ async def counters(url: str) -> dict[str, float]:
         text = await r.text()
     found = {}
     for line in text.splitlines():
-        if line.startswith(("headroom:engine_busy_seconds_total", "headroom:loops_detected_total",
-                            "headroom:policy_actions_total")):
+        if line.startswith(
+            ("headroom:engine_busy_seconds_total", "headroom:loops_detected_total", "headroom:policy_actions_total")
+        ):
             name, value = line.rsplit(" ", 1)
             found[name] = float(value)
     return found
@@ -114,14 +131,21 @@ async def counters(url: str) -> dict[str, float]:
 def summarize(name: str, results: list[dict], server: dict, baseline: dict | None) -> dict:
     longs = [r for r in results if r["cls"] == "long" and r["status"] == 200]
     shorts = [r for r in results if r["cls"] == "short" and r["status"] == 200]
-    out = {"variant": name, "makespan_s": max(r["end"] for r in results), "counters": server,
-           "long_n": len(longs), "long_tokens": sum(r["tokens"] for r in longs),
-           "long_finish": {f: sum(1 for r in longs if r["finish"] == f) for f in ("stop", "length", "repetition",
-                                                                                 "abort")},
-           "short_n": len(shorts), "short_ttft_p50": statistics.median(r["ttft"] for r in shorts),
-           "short_ttft_p99": pct([r["ttft"] for r in shorts], 0.99),
-           "short_tpot_p50": statistics.median(r["tpot"] for r in shorts if r["tpot"] is not None),
-           "busy_s": server.get("headroom:engine_busy_seconds_total", 0.0)}
+    out = {
+        "variant": name,
+        "makespan_s": max(r["end"] for r in results),
+        "counters": server,
+        "long_n": len(longs),
+        "long_tokens": sum(r["tokens"] for r in longs),
+        "long_finish": {
+            f: sum(1 for r in longs if r["finish"] == f) for f in ("stop", "length", "repetition", "abort")
+        },
+        "short_n": len(shorts),
+        "short_ttft_p50": statistics.median(r["ttft"] for r in shorts),
+        "short_ttft_p99": pct([r["ttft"] for r in shorts], 0.99),
+        "short_tpot_p50": statistics.median(r["tpot"] for r in shorts if r["tpot"] is not None),
+        "busy_s": server.get("headroom:engine_busy_seconds_total", 0.0),
+    }
     if baseline is not None:
         base = {r["key"]: r for r in baseline["results"] if r["cls"] == "long"}
         ended = [r for r in longs if base[r["key"]]["finish"] == "stop"]
@@ -149,10 +173,12 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write the summaries here (JSON)")
     args = p.parse_args()
     longs, shorts = load_prompts()
-    longs = longs[:args.longs] if args.longs else longs
+    longs = longs[: args.longs] if args.longs else longs
     print(cpu_line())
-    print(f"# {len(longs)} held-out prompts (max_tokens 512) over the first {args.duration * 0.6:.0f}s, shorts at "
-          f"{args.rate}/s for {args.duration:.0f}s (max_tokens 128), temperature 0, no ignore_eos")
+    print(
+        f"# {len(longs)} held-out prompts (max_tokens 512) over the first {args.duration * 0.6:.0f}s, shorts at "
+        f"{args.rate}/s for {args.duration:.0f}s (max_tokens 128), temperature 0, no ignore_eos"
+    )
     os.environ["HEADROOM_ADMIN_TOKEN"] = ADMIN_TOKEN
     names = args.variants.split(",")
     # The baseline runs first where it is asked for with others: every other variant is read against it.
@@ -173,16 +199,22 @@ def main() -> None:
         runs[name] = summarize(name, results, server, runs.get("off") if name != "off" else None)
     for name in names:
         s = runs[name]
-        print(f"\n{name}: makespan {s['makespan_s']:.1f}s, engine busy {s['busy_s']:.1f}s, "
-              f"long output tokens {s['long_tokens']} ({s['long_finish']})")
-        print(f"  shorts n={s['short_n']}: TTFT p50 {s['short_ttft_p50']:.3f}s p99 {s['short_ttft_p99']:.3f}s, "
-              f"TPOT p50 {s['short_tpot_p50'] * 1000:.1f} ms")
+        print(
+            f"\n{name}: makespan {s['makespan_s']:.1f}s, engine busy {s['busy_s']:.1f}s, "
+            f"long output tokens {s['long_tokens']} ({s['long_finish']})"
+        )
+        print(
+            f"  shorts n={s['short_n']}: TTFT p50 {s['short_ttft_p50']:.3f}s p99 {s['short_ttft_p99']:.3f}s, "
+            f"TPOT p50 {s['short_tpot_p50'] * 1000:.1f} ms"
+        )
         if "false_stops" in s:
             off = runs["off"]
-            print(f"  vs off: long tokens {s['long_tokens'] / off['long_tokens']:.2f}x, engine busy "
-                  f"{s['busy_s'] / off['busy_s']:.2f}x; runaways cut {s['runaways_cut']}/{s['runaways']}, "
-                  f"false stops {s['false_stops']}/{s['ended_on_their_own']} (and {s['diverged']} that ran "
-                  "longer than there, then looped)")
+            print(
+                f"  vs off: long tokens {s['long_tokens'] / off['long_tokens']:.2f}x, engine busy "
+                f"{s['busy_s'] / off['busy_s']:.2f}x; runaways cut {s['runaways_cut']}/{s['runaways']}, "
+                f"false stops {s['false_stops']}/{s['ended_on_their_own']} (and {s['diverged']} that ran "
+                "longer than there, then looped)"
+            )
         print(f"  {s['counters']}")
     if args.out:
         Path(args.out).write_text(json.dumps([runs[n] for n in names], indent=1) + "\n", encoding="utf-8")

@@ -41,19 +41,27 @@ def prompts(n: int, length: int, seed: int) -> list[str]:
     out = []
     for _ in range(n):
         start = rng.randrange(0, len(ids) - length)
-        out.append(tok.hf.decode(ids[start:start + length - 8]))  # room for the nonce
+        out.append(tok.hf.decode(ids[start : start + length - 8]))  # room for the nonce
     return out
 
 
 async def one(url: str, model: str, prompt: str, output_len: int) -> tuple[float, float, int]:
-    body = {"model": model, "prompt": f"[{uuid.uuid4().hex[:8]}] {prompt}", "max_tokens": output_len,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": model,
+        "prompt": f"[{uuid.uuid4().hex[:8]}] {prompt}",
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     start = time.perf_counter()
     first, tokens = None, 0
     connector = aiohttp.TCPConnector(force_close=True)
     timeout = aiohttp.ClientTimeout(total=900)
-    async with (aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
-                session.post(url + "/v1/completions", json=body) as r):
+    async with (
+        aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
+        session.post(url + "/v1/completions", json=body) as r,
+    ):
         if r.status != 200:
             raise RuntimeError(f"{url}: HTTP {r.status}: {(await r.text())[:300]}")
         async for line in r.content:
@@ -67,8 +75,7 @@ async def one(url: str, model: str, prompt: str, output_len: int) -> tuple[float
     return (first or end) - start, end - start, tokens
 
 
-async def level(url: str, model: str, texts: list[str], concurrency: int, per_client: int,
-                output_len: int) -> dict:
+async def level(url: str, model: str, texts: list[str], concurrency: int, per_client: int, output_len: int) -> dict:
     queue = list(texts[: concurrency * per_client])
     results = []
 
@@ -81,8 +88,11 @@ async def level(url: str, model: str, texts: list[str], concurrency: int, per_cl
     elapsed = time.perf_counter() - start
     # Streamed chunks can carry more than one token; count output_len per request.
     tpot = [(e2e - ttft) / (output_len - 1) for ttft, e2e, _ in results]
-    return {"tok_s": len(results) * output_len / elapsed, "ttft": statistics.mean(r[0] for r in results),
-            "tpot": statistics.median(tpot)}
+    return {
+        "tok_s": len(results) * output_len / elapsed,
+        "ttft": statistics.mean(r[0] for r in results),
+        "tpot": statistics.median(tpot),
+    }
 
 
 def peak_rss_gib(pid: int | None) -> float | None:
@@ -105,25 +115,36 @@ def measure(name: str, url: str, pid: int | None, ns: argparse.Namespace) -> dic
     asyncio.run(level(url, model, texts[:2], 1, 2, 8))  # warm-up
     row = {"server": name}
     low = asyncio.run(level(url, model, texts[2:], 1, ns.per_client, ns.output_len))
-    high = asyncio.run(level(url, model, texts[2 + ns.per_client:], ns.concurrency_high, ns.per_client,
-                             ns.output_len))
-    row.update(tok_s_c1=low["tok_s"], tpot_c1_ms=1000 * low["tpot"], ttft_alone_ms=1000 * low["ttft"],
-               tok_s_high=high["tok_s"], peak_rss_gib=peak_rss_gib(pid))
+    high = asyncio.run(level(url, model, texts[2 + ns.per_client :], ns.concurrency_high, ns.per_client, ns.output_len))
+    row.update(
+        tok_s_c1=low["tok_s"],
+        tpot_c1_ms=1000 * low["tpot"],
+        ttft_alone_ms=1000 * low["ttft"],
+        tok_s_high=high["tok_s"],
+        peak_rss_gib=peak_rss_gib(pid),
+    )
     print(f"# {name}: {row}", flush=True)
     return row
 
 
 def table(rows: list[dict], concurrency_high: int) -> None:
     base = next((r for r in rows if r["server"] == "headroom"), None)
-    print(f"| server | out tok/s c=1 | c={concurrency_high} | TPOT c=1 ms | TTFT alone ms | peak RSS GiB |"
-          " c=1 vs headroom | c=high vs headroom |")
+    print(
+        f"| server | out tok/s c=1 | c={concurrency_high} | TPOT c=1 ms | TTFT alone ms | peak RSS GiB |"
+        " c=1 vs headroom | c=high vs headroom |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         rss = "" if r["peak_rss_gib"] is None else f"{r['peak_rss_gib']:.2f}"
-        ratios = ("", "") if base is None else (f"{r['tok_s_c1'] / base['tok_s_c1']:.2f}x",
-                                                f"{r['tok_s_high'] / base['tok_s_high']:.2f}x")
-        print(f"| {r['server']} | {r['tok_s_c1']:.1f} | {r['tok_s_high']:.1f} | {r['tpot_c1_ms']:.0f} | "
-              f"{r['ttft_alone_ms']:.0f} | {rss} | {ratios[0]} | {ratios[1]} |")
+        ratios = (
+            ("", "")
+            if base is None
+            else (f"{r['tok_s_c1'] / base['tok_s_c1']:.2f}x", f"{r['tok_s_high'] / base['tok_s_high']:.2f}x")
+        )
+        print(
+            f"| {r['server']} | {r['tok_s_c1']:.1f} | {r['tok_s_high']:.1f} | {r['tpot_c1_ms']:.0f} | "
+            f"{r['ttft_alone_ms']:.0f} | {rss} | {ratios[0]} | {ratios[1]} |"
+        )
 
 
 def main() -> None:

@@ -34,16 +34,26 @@ def main() -> None:
     outcomes = []
     for r in test:
         prediction = predictor.predict(RequestFeatures.from_record(r))
-        done = FinishedRequest(request_id=r["id"], endpoint="/v1/completions", model="",
-                               http_status=200, tenant=None, tier=None, size_class="none", ran=True,
-                               output_tokens=r["output_tokens"], max_tokens=r["max_tokens"],
-                               finish_reason=r["finish_reason"],
-                               predicted_output_tokens=prediction.p50)
+        done = FinishedRequest(
+            request_id=r["id"],
+            endpoint="/v1/completions",
+            model="",
+            http_status=200,
+            tenant=None,
+            tier=None,
+            size_class="none",
+            ran=True,
+            output_tokens=r["output_tokens"],
+            max_tokens=r["max_tokens"],
+            finish_reason=r["finish_reason"],
+            predicted_output_tokens=prediction.p50,
+        )
         outcomes.append(Outcome.of(done))
     held_out = Figures.of(outcomes, min_requests=2)
     rng = np.random.default_rng(0)
-    windows = [Figures.of([outcomes[i] for i in rng.integers(0, len(outcomes), len(outcomes))], 2)
-               for _ in range(ns.resamples)]
+    windows = [
+        Figures.of([outcomes[i] for i in rng.integers(0, len(outcomes), len(outcomes))], 2) for _ in range(ns.resamples)
+    ]
     n = len(outcomes)
     print(f"{n} held-out rows; bootstrap windows of {n}, {ns.resamples} resamples")
     print(f"{'figure':<20}{'held out':>10}{'p5':>10}{'p95':>10}")

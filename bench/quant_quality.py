@@ -49,9 +49,26 @@ def llama_perplexity(binary: str, text: str, ctx: int, chunks: int) -> float:
     with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8") as f:
         f.write(text)
         f.flush()
-        out = subprocess.run([binary, "-m", str(default_model_path()), "-f", f.name, "-c", str(ctx),
-                              "--chunks", str(chunks), "-t", "2", "-b", str(ctx)],
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [
+                binary,
+                "-m",
+                str(default_model_path()),
+                "-f",
+                f.name,
+                "-c",
+                str(ctx),
+                "--chunks",
+                str(chunks),
+                "-t",
+                "2",
+                "-b",
+                str(ctx),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     found = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
     if found is None:
         raise RuntimeError(f"no PPL in llama-perplexity's output:\n{(out.stdout + out.stderr)[-2000:]}")
@@ -77,16 +94,26 @@ def main() -> None:
     # (row, mode, batches up to which the packed weights serve, dtype of the float matmuls above,
     # KV cache dtype, whether batches above take the tiled integer kernel)
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
-    packed = [(f"{mode}{kv_name}", mode, args.ctx, f32, kv, False)
-              for kv_name, kv in (("", f32), (" + bf16 KV", bf16), (" + f16 KV", f16)) for mode in ("int8", "int4")]
-    served = [(f"int4 served{kv_name}", "int4", 4, f32, kv, True)
-              for kv_name, kv in (("", f32), (" + bf16 KV", bf16), (" + f16 KV", f16))]
-    variants = [("float32", "none", 0, f32, f32, False), ("float32 + bf16 KV", "none", 0, f32, bf16, False),
-                ("bfloat16 matmuls", "int8", 0, bf16, f32, False), *packed, *served]
+    packed = [
+        (f"{mode}{kv_name}", mode, args.ctx, f32, kv, False)
+        for kv_name, kv in (("", f32), (" + bf16 KV", bf16), (" + f16 KV", f16))
+        for mode in ("int8", "int4")
+    ]
+    served = [
+        (f"int4 served{kv_name}", "int4", 4, f32, kv, True)
+        for kv_name, kv in (("", f32), (" + bf16 KV", bf16), (" + f16 KV", f16))
+    ]
+    variants = [
+        ("float32", "none", 0, f32, f32, False),
+        ("float32 + bf16 KV", "none", 0, f32, bf16, False),
+        ("bfloat16 matmuls", "int8", 0, bf16, f32, False),
+        *packed,
+        *served,
+    ]
     for name, mode, small_batch, large_dtype, kv_dtype, tiled in variants:
         loaded = load_model(ModelConfig(), torch.device("cpu"), torch.float32)
         ids = tokenize(args.tokenize_with, text) if args.tokenize_with else loaded.tokenizer.hf.encode(text)
-        chunks = [ids[i * args.ctx:(i + 1) * args.ctx] for i in range(args.chunks)]
+        chunks = [ids[i * args.ctx : (i + 1) * args.ctx] for i in range(args.chunks)]
         assert len(chunks[-1]) == args.ctx, "text too short for that many chunks"
         quantize_model(loaded.model, mode, small_batch, large_dtype, tiled)
         rows[name] = chunked_perplexity(loaded.model, chunks, kv_dtype)

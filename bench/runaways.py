@@ -44,8 +44,11 @@ from hol import PROMPTS, cpu_line, free_port, pct, start_server, stop_server
 
 LABELS = PROMPTS.parent / "smollm2-135m-labels.jsonl"
 ADMIN_TOKEN = "bench-runaways-admin-token-0123456789"
-VARIANTS = {"prompt-only": "[admission]\ninflight = false\n", "in-flight": "[admission]\ninflight = true\n",
-            "in-flight+policy": "[admission]\ninflight = true\n\n[admin]\nmax_runaway_probability = 0.9\n"}
+VARIANTS = {
+    "prompt-only": "[admission]\ninflight = false\n",
+    "in-flight": "[admission]\ninflight = true\n",
+    "in-flight+policy": "[admission]\ninflight = true\n\n[admin]\nmax_runaway_probability = 0.9\n",
+}
 
 
 def config_text(variant: str, batch_tenants: int) -> str:
@@ -60,17 +63,26 @@ def config_text(variant: str, batch_tenants: int) -> str:
 def load_prompts() -> tuple[list[str], list[str]]:
     rows = [json.loads(line) for line in LABELS.open(encoding="utf-8")]
     test = [r for r in rows if r["split"] == "test" and r["temperature"] == 0.0]
-    runaways = [r["prompt"] for r in test if r["finish_reason"] == "length" and r["max_tokens"] == 512
-                and r["prompt_tokens"] < 400]
+    runaways = [
+        r["prompt"]
+        for r in test
+        if r["finish_reason"] == "length" and r["max_tokens"] == 512 and r["prompt_tokens"] < 400
+    ]
     shorts = [r["prompt"] for r in test if r["finish_reason"] == "stop" and r["output_tokens"] < 80]
     return runaways, shorts
 
 
-async def one(session: aiohttp.ClientSession, url: str, cls: str, prompt: str, max_tokens: int, t0: float,
-              tenant: str = "chat") -> dict:
+async def one(
+    session: aiohttp.ClientSession, url: str, cls: str, prompt: str, max_tokens: int, t0: float, tenant: str = "chat"
+) -> dict:
     sent = time.monotonic()
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     first, tokens, rid = None, 0, None
     async with session.post(url + "/v1/chat/completions", json=body, headers={"X-Tenant": tenant}) as r:
         rid = r.headers.get("X-Request-Id")
@@ -84,8 +96,16 @@ async def one(session: aiohttp.ClientSession, url: str, cls: str, prompt: str, m
                 tokens = chunk["usage"]["completion_tokens"]
         status = r.status
     end = time.monotonic()
-    return {"cls": cls, "id": rid, "status": status, "sent": sent - t0, "ttft": (first or end) - sent,
-            "e2e": end - sent, "end": end - t0, "tokens": tokens}
+    return {
+        "cls": cls,
+        "id": rid,
+        "status": status,
+        "sent": sent - t0,
+        "ttft": (first or end) - sent,
+        "e2e": end - sent,
+        "end": end - t0,
+        "tokens": tokens,
+    }
 
 
 async def watch(session: aiohttp.ClientSession, url: str, flagged: dict, stop: asyncio.Event) -> None:
@@ -113,15 +133,25 @@ async def drive(url: str, runaways: list[str], shorts: list[str], args) -> tuple
     t0 = time.monotonic()
     timeout = aiohttp.ClientTimeout(total=900)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+
         async def at(delay: float, cls: str, prompt: str, max_tokens: int, tenant: str = "chat") -> dict:
             await asyncio.sleep(max(0.0, delay - (time.monotonic() - t0)))
             return await one(session, url, cls, prompt, max_tokens, t0, tenant)
 
         watcher = asyncio.create_task(watch(session, url, flagged, stop))
         # The runaways arrive over the first seconds, so the shorts meet them all running.
-        tasks = [asyncio.create_task(at(0.5 * j, "runaway", runaways[j % len(runaways)], args.runaway_tokens,
-                                        f"batch-{j % args.batch_tenants}"))
-                 for j in range(args.runaways)]
+        tasks = [
+            asyncio.create_task(
+                at(
+                    0.5 * j,
+                    "runaway",
+                    runaways[j % len(runaways)],
+                    args.runaway_tokens,
+                    f"batch-{j % args.batch_tenants}",
+                )
+            )
+            for j in range(args.runaways)
+        ]
         tasks += [asyncio.create_task(at(a, "short", shorts[i % len(shorts)], 128)) for i, a in enumerate(arrivals)]
         results = await asyncio.gather(*tasks)
         stop.set()
@@ -141,17 +171,25 @@ async def server_counters(url: str) -> dict:
 
 
 def summarize(name: str, results: list[dict], flagged: dict, counters: dict) -> dict:
-    out = {"variant": name, "makespan_s": max(r["end"] for r in results),
-           "mean_e2e_s": statistics.mean(r["e2e"] for r in results), "counters": counters}
+    out = {
+        "variant": name,
+        "makespan_s": max(r["end"] for r in results),
+        "mean_e2e_s": statistics.mean(r["e2e"] for r in results),
+        "counters": counters,
+    }
     for cls in ("short", "runaway"):
         rs = [r for r in results if r["cls"] == cls and r["status"] == 200]
         if not rs:
             out[cls] = {"n": 0}
             continue
         ttft = [r["ttft"] for r in rs]
-        out[cls] = {"n": len(rs), "ttft_p50": statistics.median(ttft), "ttft_p99": pct(ttft, 0.99),
-                    "e2e_mean": statistics.mean(r["e2e"] for r in rs),
-                    "tokens_mean": statistics.mean(r["tokens"] for r in rs)}
+        out[cls] = {
+            "n": len(rs),
+            "ttft_p50": statistics.median(ttft),
+            "ttft_p99": pct(ttft, 0.99),
+            "e2e_mean": statistics.mean(r["e2e"] for r in rs),
+            "tokens_mean": statistics.mean(r["tokens"] for r in rs),
+        }
     out["runaway"]["flagged_at"] = [flagged.get(r["id"]) for r in results if r["cls"] == "runaway"]
     out["runaway"]["tokens"] = [r["tokens"] for r in results if r["cls"] == "runaway"]
     out["short"]["flagged"] = sum(1 for r in results if r["cls"] == "short" and r["id"] in flagged)
@@ -171,8 +209,10 @@ def main() -> None:
     args = p.parse_args()
     runaways, shorts = load_prompts()
     print(cpu_line())
-    print(f"# {args.runaways} runaways from {len(runaways)} prompts (max_tokens {args.runaway_tokens}), shorts at "
-          f"{args.rate}/s for {args.duration:.0f}s (max_tokens 128), temperature 0, no ignore_eos")
+    print(
+        f"# {args.runaways} runaways from {len(runaways)} prompts (max_tokens {args.runaway_tokens}), shorts at "
+        f"{args.rate}/s for {args.duration:.0f}s (max_tokens 128), temperature 0, no ignore_eos"
+    )
     os.environ["HEADROOM_ADMIN_TOKEN"] = ADMIN_TOKEN
     summaries = []
     for name in args.variants.split(","):
@@ -191,10 +231,13 @@ def main() -> None:
         summaries.append(summary)
         s, r = summary["short"], summary["runaway"]
         print(f"\n{name}: makespan {summary['makespan_s']:.1f}s, mean e2e {summary['mean_e2e_s']:.1f}s")
-        print(f"  short   n={s['n']} TTFT p50 {s['ttft_p50']:.3f}s p99 {s['ttft_p99']:.3f}s, e2e mean "
-              f"{s['e2e_mean']:.2f}s, flagged {s['flagged']}")
-        print(f"  runaway n={r['n']} TTFT p50 {r['ttft_p50']:.3f}s, e2e mean {r['e2e_mean']:.1f}s, "
-              f"tokens {r['tokens']}")
+        print(
+            f"  short   n={s['n']} TTFT p50 {s['ttft_p50']:.3f}s p99 {s['ttft_p99']:.3f}s, e2e mean "
+            f"{s['e2e_mean']:.2f}s, flagged {s['flagged']}"
+        )
+        print(
+            f"  runaway n={r['n']} TTFT p50 {r['ttft_p50']:.3f}s, e2e mean {r['e2e_mean']:.1f}s, tokens {r['tokens']}"
+        )
         print(f"  flagged at (output tokens): {r['flagged_at']}")
         print(f"  {summary['counters']}")
     if args.out:

@@ -53,11 +53,15 @@ class Soak:
     async def request(self, session: aiohttp.ClientSession) -> None:
         kind = self.rng.choices(["short", "medium", "long", "abandon"], weights=[60, 25, 5, 10])[0]
         if kind == "short":
-            path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": "Name a color."}],
-                                                  "max_tokens": self.rng.randint(4, 24)}
+            path, body = (
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": self.rng.randint(4, 24)},
+            )
         elif kind == "medium":
-            path, body = "/v1/completions", {"prompt": "Write about mountains:", "ignore_eos": True,
-                                             "max_tokens": self.rng.randint(48, 128)}
+            path, body = (
+                "/v1/completions",
+                {"prompt": "Write about mountains:", "ignore_eos": True, "max_tokens": self.rng.randint(48, 128)},
+            )
         else:
             prompt = [self.rng.randrange(100, 40000) for _ in range(800 if kind == "long" else 200)]
             path, body = "/v1/completions", {"prompt": prompt, "max_tokens": 96, "ignore_eos": True}
@@ -110,17 +114,24 @@ class Soak:
         start = time.monotonic()
         blocks = server.engine.block_manager
         while time.monotonic() < self.deadline:
-            samples.append({"t": time.monotonic() - start, "rss_mib": rss_mib(),
-                            "kv_used": blocks.num_used_blocks, "kv_total": blocks.num_blocks,
-                            "served": sum(n for k, n in self.outcomes.items() if k.startswith("200"))})
+            samples.append(
+                {
+                    "t": time.monotonic() - start,
+                    "rss_mib": rss_mib(),
+                    "kv_used": blocks.num_used_blocks,
+                    "kv_total": blocks.num_blocks,
+                    "served": sum(n for k, n in self.outcomes.items() if k.startswith("200")),
+                }
+            )
             await asyncio.sleep(5)
 
     async def run(self, server: BackgroundServer, workers: int) -> list[dict]:
         samples: list[dict] = []
         timeout = aiohttp.ClientTimeout(total=300)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
-            await asyncio.gather(self.sampler(server, samples), self.operator(session),
-                                 *(self.worker(session) for _ in range(workers)))
+            await asyncio.gather(
+                self.sampler(server, samples), self.operator(session), *(self.worker(session) for _ in range(workers))
+            )
         return samples
 
 
@@ -129,9 +140,13 @@ def leaks(server: BackgroundServer, timeout_s: float = 60) -> dict:
     deadline = time.monotonic() + timeout_s
     engine, client, gate = server.engine, server.app[keys.ENGINE], server.app[keys.GATE]
     while time.monotonic() < deadline:
-        held = {"kv_blocks": engine.block_manager.num_used_blocks, "engine_sequences": len(engine.scheduler.requests),
-                "in_flight": len(client.in_flight), "tenant_tokens": sum(t.bucket.in_flight for t in gate.registry),
-                "admission_seats": gate.admission.in_flight_seqs}
+        held = {
+            "kv_blocks": engine.block_manager.num_used_blocks,
+            "engine_sequences": len(engine.scheduler.requests),
+            "in_flight": len(client.in_flight),
+            "tenant_tokens": sum(t.bucket.in_flight for t in gate.registry),
+            "admission_seats": gate.admission.in_flight_seqs,
+        }
         if not any(held.values()):
             break
         time.sleep(0.2)
@@ -167,8 +182,13 @@ def main() -> None:
         cache=CacheConfig(num_blocks=1024),
         scheduler=SchedulerConfig(max_num_seqs=32),
         server=ServerConfig(max_queue_len=32),
-        admission=AdmissionConfig(auth=True, default_tenant="team-a", tenants=tuple(
-            TenantConfig(name, api_keys=(key,), max_queue=16, max_wait_s=20) for name, key in KEYS.items())),
+        admission=AdmissionConfig(
+            auth=True,
+            default_tenant="team-a",
+            tenants=tuple(
+                TenantConfig(name, api_keys=(key,), max_queue=16, max_wait_s=20) for name, key in KEYS.items()
+            ),
+        ),
         admin=AdminConfig(token=TOKEN),
     )
     server = BackgroundServer(config, Engine(config)).start()
@@ -185,12 +205,24 @@ def main() -> None:
     rss = [s["rss_mib"] for s in samples]
     warm = [s["rss_mib"] for s in samples if s["t"] >= 60] or rss
     print(f"RSS MiB: start {rss[0]:.0f}, after 1 min {warm[0]:.0f}, end {rss[-1]:.0f}, max {max(rss):.0f}")
-    print(f"KV used %: mean {100 * sum(s['kv_used'] for s in samples) / sum(s['kv_total'] for s in samples):.1f}, "
-          f"max {max(100 * s['kv_used'] / s['kv_total'] for s in samples):.1f}")
+    print(
+        f"KV used %: mean {100 * sum(s['kv_used'] for s in samples) / sum(s['kv_total'] for s in samples):.1f}, "
+        f"max {max(100 * s['kv_used'] / s['kv_total'] for s in samples):.1f}"
+    )
     print(f"left after traffic stopped: {held}")
-    (HERE / "soak_results.json").write_text(json.dumps(
-        {"minutes": ns.minutes, "outcomes": soak.outcomes, "admin_actions": soak.admin_actions, "held": held,
-         "samples": samples}, indent=1) + "\n")
+    (HERE / "soak_results.json").write_text(
+        json.dumps(
+            {
+                "minutes": ns.minutes,
+                "outcomes": soak.outcomes,
+                "admin_actions": soak.admin_actions,
+                "held": held,
+                "samples": samples,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     plot(samples, HERE / "soak.png")
     assert not any(held.values()), f"leaked: {held}"
     assert not any(k.startswith(("5", "client error")) for k in soak.outcomes), soak.outcomes

@@ -33,19 +33,34 @@ from headroom.runtime.grammar import Grammars, GrammarSpec
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hol import cpu_line, free_port, start_server, stop_server
 
-ITEM = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
-                                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                         "city": {"type": "string", "maxLength": 24}},
-        "required": ["name", "age", "city"], "additionalProperties": False}
-PEOPLE = {"type": "object", "properties": {"people": {"type": "array", "items": ITEM, "minItems": 3, "maxItems": 6}},
-          "required": ["people"], "additionalProperties": False}
+ITEM = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "maxLength": 24},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+PEOPLE = {
+    "type": "object",
+    "properties": {"people": {"type": "array", "items": ITEM, "minItems": 3, "maxItems": 6}},
+    "required": ["people"],
+    "additionalProperties": False,
+}
 PROMPT = [{"role": "user", "content": "List some people with their name, age and city, as JSON."}]
 
 
 def wide_schema(fields: int, salt: int = 0) -> dict:
     """An object of `fields` typed properties: a bigger grammar to compile."""
-    kinds = [{"type": "string", "maxLength": 20}, {"type": "integer"}, {"type": "boolean"},
-             {"type": "string", "enum": ["a", "b", "c"]}, {"type": "array", "items": {"type": "number"}}]
+    kinds = [
+        {"type": "string", "maxLength": 20},
+        {"type": "integer"},
+        {"type": "boolean"},
+        {"type": "string", "enum": ["a", "b", "c"]},
+        {"type": "array", "items": {"type": "number"}},
+    ]
     props = {f"f{salt}_{i}": kinds[i % len(kinds)] for i in range(fields)}
     return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
 
@@ -54,7 +69,10 @@ def compile_times() -> None:
     tokenizer = Tokenizer.from_gguf(default_model_path())
     grammars = Grammars(tokenizer.hf, tokenizer.vocab_size, tokenizer.eos_token_ids)
     print(f"{'grammar':<34}{'cold ms':>10}{'cached ms':>11}")
-    specs = [("any JSON (json_object)", GrammarSpec("json")), ("people (nested array)", GrammarSpec.json_schema(PEOPLE))]
+    specs = [
+        ("any JSON (json_object)", GrammarSpec("json")),
+        ("people (nested array)", GrammarSpec.json_schema(PEOPLE)),
+    ]
     specs += [(f"object of {n} fields", GrammarSpec.json_schema(wide_schema(n))) for n in (10, 50, 200)]
     specs += [("regex: phone number", GrammarSpec("regex", r"\(\d{3}\) \d{3}-\d{4}"))]
     for label, spec in specs:
@@ -66,10 +84,16 @@ def compile_times() -> None:
         print(f"{label:<34}{(t1 - t0) * 1e3:>10.1f}{(t2 - t1) * 1e3:>11.3f}")
 
 
-async def one(session: aiohttp.ClientSession, url: str, schema: dict | None,
-              max_tokens: int = 128) -> tuple[int, list[float]]:
-    body = {"messages": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+async def one(
+    session: aiohttp.ClientSession, url: str, schema: dict | None, max_tokens: int = 128
+) -> tuple[int, list[float]]:
+    body = {
+        "messages": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if schema is None:
         body["ignore_eos"] = True
     else:
@@ -142,11 +166,15 @@ def main() -> None:
             plain, _ = asyncio.run(throughput(url, None, concurrency, requests))
             constrained, mean_tokens = asyncio.run(throughput(url, PEOPLE, concurrency, requests))
             print(f"{concurrency:<14}{plain:>12.1f}{constrained:>14.1f}{constrained / plain:>8.3f}{mean_tokens:>19.1f}")
-        print(f"\n3. largest gap between tokens of a plain stream while {ns.compiles} requests with a "
-              "200-field schema arrive")
+        print(
+            f"\n3. largest gap between tokens of a plain stream while {ns.compiles} requests with a "
+            "200-field schema arrive"
+        )
         cached, cold = asyncio.run(stall(url, ns.compiles))
-        print(f"schema compiled before: {cached * 1e3:.0f} ms; {ns.compiles} never-seen schemas, each compiled "
-              f"then: {cold * 1e3:.0f} ms")
+        print(
+            f"schema compiled before: {cached * 1e3:.0f} ms; {ns.compiles} never-seen schemas, each compiled "
+            f"then: {cold * 1e3:.0f} ms"
+        )
     finally:
         stop_server(proc)
 

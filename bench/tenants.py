@@ -60,11 +60,26 @@ class Result:
     tokens: int = 0
 
 
-async def one(session: aiohttp.ClientSession, url: str, model: str | None, tenant: str, header: str | None,
-              messages: list[dict], max_tokens: int, ignore_eos: bool, t0: float) -> Result:
+async def one(
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str | None,
+    tenant: str,
+    header: str | None,
+    messages: list[dict],
+    max_tokens: int,
+    ignore_eos: bool,
+    t0: float,
+) -> Result:
     result = Result(tenant, time.monotonic() - t0)
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}}
+    body = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": ignore_eos,
+        "stream_options": {"include_usage": True},
+    }
     if model:
         body["model"] = model
     headers = {"X-Tenant": header} if header else {}
@@ -100,14 +115,32 @@ async def drive(url: str, model: str | None, headers: tuple[str | None, str | No
     t0 = time.monotonic()
     timeout = aiohttp.ClientTimeout(total=1800)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+
         async def at(delay: float, coro):
             await asyncio.sleep(max(0.0, delay - (time.monotonic() - t0)))
             return await coro
 
-        tasks = [at(a, one(session, url, model, "interactive", headers[0], short_msgs[i % len(short_msgs)], 32,
-                           False, t0)) for i, a in enumerate(arrivals)]
-        tasks += [at(a, one(session, url, model, "reasoning", headers[1], long_msgs[j % len(long_msgs)],
-                            ns.reasoning_tokens, True, t0)) for j, a in enumerate(reasoning_at)]
+        tasks = [
+            at(a, one(session, url, model, "interactive", headers[0], short_msgs[i % len(short_msgs)], 32, False, t0))
+            for i, a in enumerate(arrivals)
+        ]
+        tasks += [
+            at(
+                a,
+                one(
+                    session,
+                    url,
+                    model,
+                    "reasoning",
+                    headers[1],
+                    long_msgs[j % len(long_msgs)],
+                    ns.reasoning_tokens,
+                    True,
+                    t0,
+                ),
+            )
+            for j, a in enumerate(reasoning_at)
+        ]
         return list(await asyncio.gather(*tasks))
 
 
@@ -117,9 +150,12 @@ async def all_long(url: str, model: str | None, ns) -> tuple[float, float]:
     t0 = time.monotonic()
     timeout = aiohttp.ClientTimeout(total=1800)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+
         async def client(c: int) -> list[Result]:
-            return [await one(session, url, model, "long", None, long_msgs[(c + i) % len(long_msgs)], 256, True, t0)
-                    for i in range(ns.long_requests)]
+            return [
+                await one(session, url, model, "long", None, long_msgs[(c + i) % len(long_msgs)], 256, True, t0)
+                for i in range(ns.long_requests)
+            ]
 
         results = [r for rs in await asyncio.gather(*(client(c) for c in range(ns.clients))) for r in rs]
     elapsed = time.monotonic() - t0
@@ -129,11 +165,16 @@ async def all_long(url: str, model: str | None, ns) -> tuple[float, float]:
 def stats(results: list[Result], tenant: str) -> dict:
     ok = [r for r in results if r.tenant == tenant and r.status == 200]
     values = {k: [getattr(r, k) for r in ok if getattr(r, k) is not None] for k in ("ttft", "tpot", "e2e")}
-    return {"n": len([r for r in results if r.tenant == tenant]), "ok": len(ok),
-            "ttft_p50": statistics.median(values["ttft"]) if values["ttft"] else float("nan"),
-            "ttft_p99": pct(values["ttft"], 0.99), "tpot_p50": statistics.median(values["tpot"]) if values["tpot"]
-            else float("nan"), "e2e_p50": statistics.median(values["e2e"]) if values["e2e"] else float("nan"),
-            "e2e_p99": pct(values["e2e"], 0.99), "done_s": max((r.done_at for r in ok), default=float("nan"))}
+    return {
+        "n": len([r for r in results if r.tenant == tenant]),
+        "ok": len(ok),
+        "ttft_p50": statistics.median(values["ttft"]) if values["ttft"] else float("nan"),
+        "ttft_p99": pct(values["ttft"], 0.99),
+        "tpot_p50": statistics.median(values["tpot"]) if values["tpot"] else float("nan"),
+        "e2e_p50": statistics.median(values["e2e"]) if values["e2e"] else float("nan"),
+        "e2e_p99": pct(values["e2e"], 0.99),
+        "done_s": max((r.done_at for r in ok), default=float("nan")),
+    }
 
 
 def run_server(name: str, ns) -> dict:
@@ -174,9 +215,12 @@ def print_row(s: dict) -> None:
     def cell(key: str, scale: float = 1.0) -> str:
         return f"{a[key] * scale:.2f} -> {m[key] * scale:.2f} ({m[key] / a[key]:.1f}x)"
 
-    print(f"| {s['server']} | {cell('ttft_p99')} s | {cell('tpot_p50', 1000)} ms | {cell('e2e_p99')} s | "
-          f"{r['ttft_p50']:.1f} s | {r['e2e_p50']:.1f} s | {s['mixed']['all_done_s']:.0f} s | "
-          f"{m['ok']}/{m['n']}, {r['ok']}/{r['n']} |", flush=True)
+    print(
+        f"| {s['server']} | {cell('ttft_p99')} s | {cell('tpot_p50', 1000)} ms | {cell('e2e_p99')} s | "
+        f"{r['ttft_p50']:.1f} s | {r['e2e_p50']:.1f} s | {s['mixed']['all_done_s']:.0f} s | "
+        f"{m['ok']}/{m['n']}, {r['ok']}/{r['n']} |",
+        flush=True,
+    )
 
 
 PROMPTS: tuple = ()
@@ -216,11 +260,15 @@ def main() -> None:
             summaries.append({"server": "peer", "tok_s": tok_s, "ttft_p50": ttft})
             print(f"{'peer':16s} {tok_s:6.1f} tok/s, TTFT p50 {ttft:.1f} s", flush=True)
     else:
-        print(f"# tenants: interactive {ns.rate}/s for {ns.duration:.0f} s (32 tokens); {ns.reasoning} reasoning "
-              f"requests (~2,000-token prompts, {ns.reasoning_tokens} tokens) over the first "
-              f"{0.6 * ns.duration:.0f} s")
-        print("| server | short TTFT p99 alone -> mixed | short TPOT p50 | short e2e p99 | reasoning TTFT p50 | "
-              "reasoning e2e p50 | all done | ok |")
+        print(
+            f"# tenants: interactive {ns.rate}/s for {ns.duration:.0f} s (32 tokens); {ns.reasoning} reasoning "
+            f"requests (~2,000-token prompts, {ns.reasoning_tokens} tokens) over the first "
+            f"{0.6 * ns.duration:.0f} s"
+        )
+        print(
+            "| server | short TTFT p99 alone -> mixed | short TPOT p50 | short e2e p99 | reasoning TTFT p50 | "
+            "reasoning e2e p50 | all done | ok |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         names = [n for n in ns.servers.split(",") if n] + (["peer"] if ns.peer else [])
         for name in names:

@@ -79,17 +79,22 @@ def main() -> None:
     if ns.compare_kv:
         other = run_levels(ns, levels, enforce_eager=ns.enforce_eager, kv_cache_dtype=ns.compare_kv)
         for a, b in zip(results, other, strict=True):
-            print(f"# ratio kv {ns.kv_cache_dtype}/{ns.compare_kv} at c{a['concurrency']}: "
-                  f"{a['output_tok_s'] / b['output_tok_s']:.2f}x")
+            print(
+                f"# ratio kv {ns.kv_cache_dtype}/{ns.compare_kv} at c{a['concurrency']}: "
+                f"{a['output_tok_s'] / b['output_tok_s']:.2f}x"
+            )
 
 
-def run_levels(ns: argparse.Namespace, levels: list[int], enforce_eager: bool,
-               kv_cache_dtype: str | None = None) -> list[dict]:
+def run_levels(
+    ns: argparse.Namespace, levels: list[int], enforce_eager: bool, kv_cache_dtype: str | None = None
+) -> list[dict]:
     config = Config(
-        model=ModelConfig(model=ns.model, device=ns.device, dtype=ns.dtype, quantization=ns.quantization,
-                          enforce_eager=enforce_eager),
-        cache=CacheConfig(kv_cache_memory_gib=2.0, enable_prefix_caching=False,
-                          kv_cache_dtype=kv_cache_dtype or ns.kv_cache_dtype),
+        model=ModelConfig(
+            model=ns.model, device=ns.device, dtype=ns.dtype, quantization=ns.quantization, enforce_eager=enforce_eager
+        ),
+        cache=CacheConfig(
+            kv_cache_memory_gib=2.0, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype or ns.kv_cache_dtype
+        ),
         scheduler=SchedulerConfig(max_num_seqs=max(levels), max_num_batched_tokens=ns.max_num_batched_tokens),
         attention_backend=ns.attention_backend,
     )
@@ -97,9 +102,14 @@ def run_levels(ns: argparse.Namespace, levels: list[int], enforce_eager: bool,
     print(
         f"# throughput: model={engine.loaded.name} device={engine.executor.device} dtype={engine.executor.dtype} "
         f"quantization={engine.loaded.quantization} kv_cache_dtype={engine.executor.kv_dtype} "
-        f"backend={engine.executor.backend.name} cuda_graphs={engine.executor.cuda_graphs} threads={torch.get_num_threads()} "
+        f"backend={engine.executor.backend.name} cuda_graphs={engine.executor.cuda_graphs} "
+        f"threads={torch.get_num_threads()} "
         f"torch={torch.__version__} cpu={platform.processor() or platform.machine()}"
-        + (f" gpu={torch.cuda.get_device_name(engine.executor.device)}" if engine.executor.device.type == "cuda" else "")
+        + (
+            f" gpu={torch.cuda.get_device_name(engine.executor.device)}"
+            if engine.executor.device.type == "cuda"
+            else ""
+        )
     )
     print(f"# prompt={ns.prompt_len} output={ns.output_len} ignore_eos=True, random prompt token ids")
     rng = random.Random(0)

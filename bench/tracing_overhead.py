@@ -90,8 +90,13 @@ def main() -> None:
     if ns.receive:
         return receive()
 
-    receiver = subprocess.Popen([sys.executable, __file__, "--receive"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    receiver = subprocess.Popen(
+        [sys.executable, __file__, "--receive"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     port = int(receiver.stdout.readline())
     config = Config(
         model=ModelConfig(dtype=ns.dtype),
@@ -105,8 +110,11 @@ def main() -> None:
     def prompts() -> list[list[int]]:
         return [[rng.randrange(100, vocab) for _ in range(ns.prompt_len)] for _ in range(ns.concurrency)]
 
-    print(f"# tracing_overhead: model={engine.loaded.name} dtype={engine.executor.dtype} threads={torch.get_num_threads()} "
-          f"concurrency={ns.concurrency} prompt={ns.prompt_len} output={ns.output_len} exporter=otlp/grpc")
+    print(
+        f"# tracing_overhead: model={engine.loaded.name} dtype={engine.executor.dtype} "
+        f"threads={torch.get_num_threads()} "
+        f"concurrency={ns.concurrency} prompt={ns.prompt_len} output={ns.output_len} exporter=otlp/grpc"
+    )
     endpoint = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
     off, on = [], []
     traced_requests = dropped = 0

@@ -50,8 +50,11 @@ usage_ledger_path = "{path}"
 
 def idle_engine() -> SimpleNamespace:
     """What Metrics reads of an engine at scrape time (and once at start): an idle one."""
-    return SimpleNamespace(counters=EngineStats, scheduler=SimpleNamespace(num_running=0, num_waiting=0),
-                           block_manager=SimpleNamespace(num_used_blocks=0, num_blocks=1))
+    return SimpleNamespace(
+        counters=EngineStats,
+        scheduler=SimpleNamespace(num_running=0, num_waiting=0),
+        block_manager=SimpleNamespace(num_used_blocks=0, num_blocks=1),
+    )
 
 
 def charge_cost(n: int, directory: str) -> list[float]:
@@ -75,8 +78,9 @@ async def load(url: str, requests: int, concurrency: int) -> None:
     async def client(session: aiohttp.ClientSession) -> None:
         while queue:
             i = queue.pop()
-            async with session.post(url + "/v1/completions", json=body,
-                                    headers={"X-Tenant": ("alpha", "beta")[i % 2]}) as r:
+            async with session.post(
+                url + "/v1/completions", json=body, headers={"X-Tenant": ("alpha", "beta")[i % 2]}
+            ) as r:
                 await r.read()
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
@@ -124,19 +128,29 @@ def main() -> None:
     busy = values[("headroom:engine_busy_seconds_total", None)]
     device = {t: values.get(("headroom:tenant_device_seconds_total", t), 0.0) for t in ("alpha", "beta")}
     per_request = busy / args.requests
-    print(f"charge per finished request (counters + ledger row, {args.charges}): "
-          f"p50 {1e6 * p50:.0f} us, p99 {1e6 * p99:.0f} us")
-    print(f"engine time per request in the load: {1e3 * per_request:.0f} ms -> accounting adds "
-          f"{100 * p50 / per_request:.3f}% (p99 {100 * p99 / per_request:.3f}%)")
-    print(f"load: {args.requests} requests, concurrency {args.concurrency}, {elapsed:.1f} s, "
-          f"{args.requests * 128 / elapsed:.0f} output tok/s")
+    print(
+        f"charge per finished request (counters + ledger row, {args.charges}): "
+        f"p50 {1e6 * p50:.0f} us, p99 {1e6 * p99:.0f} us"
+    )
+    print(
+        f"engine time per request in the load: {1e3 * per_request:.0f} ms -> accounting adds "
+        f"{100 * p50 / per_request:.3f}% (p99 {100 * p99 / per_request:.3f}%)"
+    )
+    print(
+        f"load: {args.requests} requests, concurrency {args.concurrency}, {elapsed:.1f} s, "
+        f"{args.requests * 128 / elapsed:.0f} output tok/s"
+    )
     total = sum(device.values())
-    print(f"device-seconds: alpha {device['alpha']:.3f} + beta {device['beta']:.3f} = {total:.3f}; "
-          f"engine busy {busy:.3f}; error {100 * (total - busy) / busy:+.4f}%")
+    print(
+        f"device-seconds: alpha {device['alpha']:.3f} + beta {device['beta']:.3f} = {total:.3f}; "
+        f"engine busy {busy:.3f}; error {100 * (total - busy) / busy:+.4f}%"
+    )
     for t in usage["tenants"]:
         counted = values.get(("headroom:tenant_device_seconds_total", t["tenant"]), 0.0)
-        print(f"ledger {t['tenant']}: {sum(t['requests'].values())} requests, {t['output_tokens']} output tokens, "
-              f"{t['device_seconds']:.3f} device-s (counter {counted:.3f})")
+        print(
+            f"ledger {t['tenant']}: {sum(t['requests'].values())} requests, {t['output_tokens']} output tokens, "
+            f"{t['device_seconds']:.3f} device-s (counter {counted:.3f})"
+        )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,7 @@ class ModelConfig:
     # On CUDA, decode steps replay CUDA graphs captured for these batch sizes (cut at
     # max_num_seqs, which is always captured); enforce_eager turns graphs off.
     enforce_eager: bool = False
-    cuda_graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128,
-                                         160, 192, 224, 256)
+    cuda_graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -162,8 +161,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         if self.unknown_fields not in UNKNOWN_FIELDS:
-            raise ConfigError(f"unknown_fields must be one of {', '.join(UNKNOWN_FIELDS)}, "
-                              f"got {self.unknown_fields!r}")
+            raise ConfigError(f"unknown_fields must be one of {', '.join(UNKNOWN_FIELDS)}, got {self.unknown_fields!r}")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1024:
@@ -248,8 +246,9 @@ class TenantConfig:
 
 def check_store_url(url: str, where: str) -> None:
     if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError(f"{where} must be a redis://, rediss:// or unix:// URL, got one starting "
-                          f"{url.split(':', 1)[0]!r}")  # never echo a password
+        raise ConfigError(
+            f"{where} must be a redis://, rediss:// or unix:// URL, got one starting {url.split(':', 1)[0]!r}"
+        )  # never echo a password
 
 
 @dataclass(frozen=True)
@@ -342,8 +341,9 @@ class AdmissionConfig:
                 raise ConfigError(f"admission.tiers: {name!r} = {prio!r} must map a name to an integer priority")
         for pair in self.objectives:
             if len(pair) != 2 or not isinstance(pair[0], str) or not pair[0] or pair[1] not in names:
-                raise ConfigError(f"admission.objectives: {pair!r} must map an objective's name to "
-                                  f"a tier ({', '.join(names)})")
+                raise ConfigError(
+                    f"admission.objectives: {pair!r} must map an objective's name to a tier ({', '.join(names)})"
+                )
 
         if not self.tenants:
             raise ConfigError("admission.tenants must list at least one tenant")
@@ -358,11 +358,14 @@ class AdmissionConfig:
             for key in tenant.api_keys:
                 if key in key_owner:  # never echo the key itself
                     raise ConfigError(
-                        f"tenant {tenant.name!r}: an api key is already used by tenant {key_owner[key]!r}")
+                        f"tenant {tenant.name!r}: an api key is already used by tenant {key_owner[key]!r}"
+                    )
                 key_owner[key] = tenant.name
         if self.default_tenant not in seen:
-            raise ConfigError(f"admission.default_tenant {self.default_tenant!r} is not one of the tenants "
-                              f"({', '.join(sorted(seen))})")
+            raise ConfigError(
+                f"admission.default_tenant {self.default_tenant!r} is not one of the tenants "
+                f"({', '.join(sorted(seen))})"
+            )
         if self.auth and not key_owner:
             raise ConfigError("admission.auth is on but no tenant has api_keys: every request would be refused")
         if self.fair_share not in ("device", "tokens"):
@@ -376,8 +379,10 @@ class AdmissionConfig:
         if self.record_log_max_lines < 1:
             raise ConfigError("admission.record_log_max_lines must be >= 1")
         if not (self.prompt_weight >= 0 and self.output_weight >= 0 and self.prompt_weight + self.output_weight > 0):
-            raise ConfigError("admission.prompt_weight and output_weight must be >= 0 and not both 0, "
-                              f"got {self.prompt_weight} and {self.output_weight}")
+            raise ConfigError(
+                "admission.prompt_weight and output_weight must be >= 0 and not both 0, "
+                f"got {self.prompt_weight} and {self.output_weight}"
+            )
         if self.inflight_every < 1:
             raise ConfigError(f"admission.inflight_every must be >= 1, got {self.inflight_every}")
         if not 0 < self.runaway_threshold <= 1:
@@ -470,9 +475,11 @@ class ObservabilityConfig:
         if self.usage_retention_days <= 0:
             raise ConfigError(f"usage_retention_days must be > 0, got {self.usage_retention_days}")
         if not 2 <= self.predictor_health_min_requests <= self.predictor_health_window:
-            raise ConfigError("predictor_health_min_requests must be in [2, predictor_health_window], "
-                              f"got {self.predictor_health_min_requests} and "
-                              f"{self.predictor_health_window}")
+            raise ConfigError(
+                "predictor_health_min_requests must be in [2, predictor_health_window], "
+                f"got {self.predictor_health_min_requests} and "
+                f"{self.predictor_health_window}"
+            )
 
 
 @dataclass(frozen=True)

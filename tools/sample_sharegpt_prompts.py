@@ -34,8 +34,12 @@ def main() -> None:
     with gzip.open(ns.src, "rt", encoding="utf-8") as f:
         for line in f:
             row = json.loads(line)
-            if (row["split"] in by_split and row["turn"] == 0 and 0 < int(row["prompt_tokens"]) <= 1024
-                    and row["conv_id"] not in excluded):
+            if (
+                row["split"] in by_split
+                and row["turn"] == 0
+                and 0 < int(row["prompt_tokens"]) <= 1024
+                and row["conv_id"] not in excluded
+            ):
                 by_split[row["split"]].append(row)
     with open(ns.out, "w", encoding="utf-8") as out:
         for split, n in (("train", ns.train), ("test", ns.test)):

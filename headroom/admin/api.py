@@ -104,12 +104,18 @@ async def list_sequences(request: web.Request) -> web.Response:
         raise BadRequest("limit must be an integer in [1, 10000]", param="limit", code="invalid_value")
     snapshot = request.config_dict[keys.ENGINE].engine.snapshot()
     ordered = sorted(snapshot.sequences, key=SORT_KEYS[sort], reverse=True)[:limit]
-    return web.json_response({
-        "object": "list", "sort": sort, "taken_at": time.time(),
-        "kv_blocks_total": snapshot.num_blocks, "kv_blocks_used": snapshot.used_blocks,
-        "running": snapshot.running, "waiting": snapshot.waiting,
-        "data": [sequence_json(s) for s in ordered],
-    })
+    return web.json_response(
+        {
+            "object": "list",
+            "sort": sort,
+            "taken_at": time.time(),
+            "kv_blocks_total": snapshot.num_blocks,
+            "kv_blocks_used": snapshot.used_blocks,
+            "running": snapshot.running,
+            "waiting": snapshot.waiting,
+            "data": [sequence_json(s) for s in ordered],
+        }
+    )
 
 
 async def get_sequence(request: web.Request) -> web.Response:
@@ -129,8 +135,16 @@ async def act(request: web.Request, action: str, **args) -> web.Response:
         raise NotFound(f"no live sequence {rid!r}", param="id", code="sequence_not_found") from None
     except SequenceFinished as exc:
         raise Conflict(str(exc), param="id", code="sequence_finished") from None
-    log.info("admin action", extra={"action": action, "sequence": rid, "action_args": args,
-                                    "tenant": before.tenant, "device_time_s": before.device_time_s})
+    log.info(
+        "admin action",
+        extra={
+            "action": action,
+            "sequence": rid,
+            "action_args": args,
+            "tenant": before.tenant,
+            "device_time_s": before.device_time_s,
+        },
+    )
     return web.json_response({"id": rid, "action": action, "sequence": sequence_json(before)})
 
 
@@ -161,8 +175,9 @@ def _instant(request: web.Request, name: str, default: float) -> float:
     try:
         moment = datetime.datetime.fromisoformat(raw)
     except ValueError:
-        raise BadRequest(f"{name} must be unix seconds or an ISO 8601 time, got {raw!r}", param=name,
-                         code="invalid_value") from None
+        raise BadRequest(
+            f"{name} must be unix seconds or an ISO 8601 time, got {raw!r}", param=name, code="invalid_value"
+        ) from None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=datetime.UTC)
     return moment.timestamp()
@@ -181,8 +196,9 @@ async def usage(request: web.Request) -> web.Response:
         raise BadRequest("format must be json or csv", param="format", code="invalid_value")
     tenants = await asyncio.get_running_loop().run_in_executor(None, ledger.usage, since, until)
     if form == "json":
-        return web.json_response({"object": "usage", "since": since, "until": until,
-                                  "tenants": [dataclasses.asdict(t) for t in tenants]})
+        return web.json_response(
+            {"object": "usage", "since": since, "until": until, "tenants": [dataclasses.asdict(t) for t in tenants]}
+        )
     out = io.StringIO()
     writer = csv.writer(out)
     writer.writerow(["tenant", *(f"requests_{o}" for o in OUTCOMES), *SUMS])
@@ -197,36 +213,56 @@ async def stats(request: web.Request) -> web.Response:
     hol = observability.hol.state
     lane = request.config_dict[keys.ENGINE].engine.long_lane()
     store = request.config_dict[keys.GATE].store
-    return web.json_response({
-        "kv_blocks_total": snapshot.num_blocks, "kv_blocks_used": snapshot.used_blocks,
-        "kv_usage": snapshot.used_blocks / snapshot.num_blocks,
-        "running": snapshot.running, "waiting": snapshot.waiting, "engine_busy_s": snapshot.busy_s,
-        "latency": observability.windows.summary(),
-        "hol": {
-            "coupled": hol.coupled, "short_ttft_p99_s": hol.short_ttft_p99_s,
-            "long_device_share": hol.long_device_share, "long_kv_share": hol.long_kv_share,
-            "offenders": [{"id": o.request_id, "tenant": o.tenant, "size_class": o.size_class,
-                           "device_share": o.device_share, "kv_share": o.kv_share} for o in hol.offenders],
-        },
-        "split": None if observability.split_state is None else dataclasses.asdict(observability.split_state),
-        "long_lane": {
-            "enabled": lane.enabled, "factor": lane.factor, "short_ttft_target_s": lane.short_ttft_target_s,
-            "allowance_s": lane.allowance_s,
-            "step_cost": None if lane.step_cost is None else dataclasses.asdict(lane.step_cost),
-            "steps_observed": lane.steps_observed,
-            "chunk_tokens": {str(context): n for context, n in lane.chunk_tokens.items()},
-            "actions": {"tighten": observability.hol_feedback.actions["tighten"],
-                        "relax": observability.hol_feedback.actions["relax"]},
-        },
-        "admission_store": {"kind": "embedded"} if store is None else dataclasses.asdict(store.stats()),
-        "predictor_health": dataclasses.asdict(observability.predictor_health.report()),
-    })
+    return web.json_response(
+        {
+            "kv_blocks_total": snapshot.num_blocks,
+            "kv_blocks_used": snapshot.used_blocks,
+            "kv_usage": snapshot.used_blocks / snapshot.num_blocks,
+            "running": snapshot.running,
+            "waiting": snapshot.waiting,
+            "engine_busy_s": snapshot.busy_s,
+            "latency": observability.windows.summary(),
+            "hol": {
+                "coupled": hol.coupled,
+                "short_ttft_p99_s": hol.short_ttft_p99_s,
+                "long_device_share": hol.long_device_share,
+                "long_kv_share": hol.long_kv_share,
+                "offenders": [
+                    {
+                        "id": o.request_id,
+                        "tenant": o.tenant,
+                        "size_class": o.size_class,
+                        "device_share": o.device_share,
+                        "kv_share": o.kv_share,
+                    }
+                    for o in hol.offenders
+                ],
+            },
+            "split": None if observability.split_state is None else dataclasses.asdict(observability.split_state),
+            "long_lane": {
+                "enabled": lane.enabled,
+                "factor": lane.factor,
+                "short_ttft_target_s": lane.short_ttft_target_s,
+                "allowance_s": lane.allowance_s,
+                "step_cost": None if lane.step_cost is None else dataclasses.asdict(lane.step_cost),
+                "steps_observed": lane.steps_observed,
+                "chunk_tokens": {str(context): n for context, n in lane.chunk_tokens.items()},
+                "actions": {
+                    "tighten": observability.hol_feedback.actions["tighten"],
+                    "relax": observability.hol_feedback.actions["relax"],
+                },
+            },
+            "admission_store": {"kind": "embedded"} if store is None else dataclasses.asdict(store.stats()),
+            "predictor_health": dataclasses.asdict(observability.predictor_health.report()),
+        }
+    )
 
 
 async def ui(request: web.Request) -> web.Response:
     page, policy = ui_page()
-    return web.Response(text=page, content_type="text/html",
-                        headers={"Cache-Control": "no-store", "Content-Security-Policy": policy})
+    return web.Response(
+        text=page, content_type="text/html", headers={"Cache-Control": "no-store", "Content-Security-Policy": policy}
+    )
 
 
 @functools.cache
@@ -239,9 +275,12 @@ def ui_page() -> tuple[str, str]:
 def page_policy(page: str) -> str:
     """The page's one inline script and one inline style run by their hashes, nothing
     else inline does, and no other site may frame the page (it has abort buttons)."""
+
     def inline(tag: str) -> str:
         body = page.split(f"<{tag}>", 1)[1].split(f"</{tag}>", 1)[0]
         return "'sha256-" + base64.b64encode(hashlib.sha256(body.encode()).digest()).decode() + "'"
 
-    return (f"default-src 'self'; script-src {inline('script')}; style-src {inline('style')}; "
-            "frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
+    return (
+        f"default-src 'self'; script-src {inline('script')}; style-src {inline('style')}; "
+        "frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+    )

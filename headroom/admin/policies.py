@@ -43,22 +43,44 @@ def violations(config: AdminConfig, snapshot: EngineSnapshot) -> list[Violation]
         if config.max_wall_s is not None and s.age_s > config.max_wall_s:
             found.append(Violation(s.request_id, f"ran {s.age_s:.1f}s, over the {config.max_wall_s:g}s budget"))
         elif config.max_kv_share is not None and s.kv_share > config.max_kv_share:
-            found.append(Violation(s.request_id, f"holds {s.kv_share:.0%} of the KV pool, over "
-                                                 f"{config.max_kv_share:.0%}"))
-        elif (config.max_predicted_ratio is not None and s.predicted_output_tokens
-              and s.output_tokens > config.max_predicted_ratio * s.predicted_output_tokens):
-            found.append(Violation(s.request_id, f"{s.output_tokens} output tokens, over "
-                                                 f"{config.max_predicted_ratio:g}x the predicted "
-                                                 f"{s.predicted_output_tokens:.0f}"))
-        elif (config.max_runaway_probability is not None and s.runaway_probability is not None
-              and s.runaway_probability >= config.max_runaway_probability):
-            found.append(Violation(s.request_id, f"predicted to run to its {s.max_tokens}-token cap "
-                                                 f"(p={s.runaway_probability:.2f} at {s.output_tokens} tokens)",
-                                   runaway=True))
-        elif (s.loop_detected_at is not None and ladder_of(config, s)
-              and (s.loop_policy or config.loop_policy) == "flag"):
-            found.append(Violation(s.request_id, f"loops: a {s.loop_period}-token pattern repeating since "
-                                                 f"{s.loop_detected_at} output tokens"))
+            found.append(
+                Violation(s.request_id, f"holds {s.kv_share:.0%} of the KV pool, over {config.max_kv_share:.0%}")
+            )
+        elif (
+            config.max_predicted_ratio is not None
+            and s.predicted_output_tokens
+            and s.output_tokens > config.max_predicted_ratio * s.predicted_output_tokens
+        ):
+            found.append(
+                Violation(
+                    s.request_id,
+                    f"{s.output_tokens} output tokens, over "
+                    f"{config.max_predicted_ratio:g}x the predicted "
+                    f"{s.predicted_output_tokens:.0f}",
+                )
+            )
+        elif (
+            config.max_runaway_probability is not None
+            and s.runaway_probability is not None
+            and s.runaway_probability >= config.max_runaway_probability
+        ):
+            found.append(
+                Violation(
+                    s.request_id,
+                    f"predicted to run to its {s.max_tokens}-token cap "
+                    f"(p={s.runaway_probability:.2f} at {s.output_tokens} tokens)",
+                    runaway=True,
+                )
+            )
+        elif (
+            s.loop_detected_at is not None and ladder_of(config, s) and (s.loop_policy or config.loop_policy) == "flag"
+        ):
+            found.append(
+                Violation(
+                    s.request_id,
+                    f"loops: a {s.loop_period}-token pattern repeating since {s.loop_detected_at} output tokens",
+                )
+            )
     return found
 
 
@@ -67,9 +89,19 @@ def ladder_of(config: AdminConfig, s: SequenceSnapshot) -> tuple[str, ...]:
 
 
 def enabled(config: AdminConfig, tenants: tuple[TenantConfig, ...] = ()) -> bool:
-    return bool(config.ladder) or any(t.ladder for t in tenants) or any(
-        v is not None for v in (config.max_wall_s, config.max_kv_share, config.max_predicted_ratio,
-                                config.max_runaway_probability))
+    return (
+        bool(config.ladder)
+        or any(t.ladder for t in tenants)
+        or any(
+            v is not None
+            for v in (
+                config.max_wall_s,
+                config.max_kv_share,
+                config.max_predicted_ratio,
+                config.max_runaway_probability,
+            )
+        )
+    )
 
 
 @dataclass
@@ -123,5 +155,6 @@ async def enforce(config: AdminConfig, engine: Engine) -> None:
             except (UnknownSequence, SequenceFinished):
                 continue  # it finished on its own meanwhile
             ladder.took(v.request_id, snapshot.taken_at)
-            log.warning("policy %s on %s: %s", action, v.request_id, v.rule,
-                        extra={"sequence": v.request_id, "action": action})
+            log.warning(
+                "policy %s on %s: %s", action, v.request_id, v.rule, extra={"sequence": v.request_id, "action": action}
+            )

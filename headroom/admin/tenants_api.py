@@ -21,12 +21,21 @@ log = logging.getLogger("headroom.admin")
 def tenant_json(tenant: Tenant) -> dict:
     c, bucket = tenant.config, tenant.bucket
     return {
-        "name": c.name, "tier": c.tier, "priority": tenant.priority,
-        "rate_tokens_per_s": bucket.rate, "burst_tokens": bucket.burst,
-        "max_in_flight_tokens": bucket.max_in_flight_tokens, "max_queue": c.max_queue, "max_wait_s": c.max_wait_s,
-        "max_tokens": c.max_tokens, "max_model_len": c.max_model_len,
-        "bucket_level": bucket.level, "in_flight_tokens": bucket.in_flight, "waiting": len(tenant.queue),
-        "virtual_tokens": tenant.vtc, "engine_seconds": tenant.device_s,
+        "name": c.name,
+        "tier": c.tier,
+        "priority": tenant.priority,
+        "rate_tokens_per_s": bucket.rate,
+        "burst_tokens": bucket.burst,
+        "max_in_flight_tokens": bucket.max_in_flight_tokens,
+        "max_queue": c.max_queue,
+        "max_wait_s": c.max_wait_s,
+        "max_tokens": c.max_tokens,
+        "max_model_len": c.max_model_len,
+        "bucket_level": bucket.level,
+        "in_flight_tokens": bucket.in_flight,
+        "waiting": len(tenant.queue),
+        "virtual_tokens": tenant.vtc,
+        "engine_seconds": tenant.device_s,
     }
 
 
@@ -61,13 +70,16 @@ async def reload_predictor(request: web.Request) -> web.Response:
     try:
         predictor = await asyncio.get_running_loop().run_in_executor(None, load_predictor, path)
     except (OSError, ValueError, KeyError, lgb.basic.LightGBMError) as exc:
-        raise Unprocessable(f"cannot load a predictor from {path!r}: {exc}", param="path",
-                            code="predictor_load_failed") from None
+        raise Unprocessable(
+            f"cannot load a predictor from {path!r}: {exc}", param="path", code="predictor_load_failed"
+        ) from None
     gate.predictor = predictor  # one reference swap: requests in flight keep the model they used
     request.config_dict[keys.OBSERVABILITY].predictor_health.clear()  # the old model's predictions
     fallback = isinstance(predictor, FallbackPredictor)
     meta = {} if fallback else predictor.meta
-    log.info("admin action", extra={"action": "reload_predictor", "path": path or "packaged default",
-                                    "fallback": fallback})
-    return web.json_response({"path": path, "fallback": fallback, "trained_at": meta.get("trained_at"),
-                              "metrics": meta.get("metrics")})
+    log.info(
+        "admin action", extra={"action": "reload_predictor", "path": path or "packaged default", "fallback": fallback}
+    )
+    return web.json_response(
+        {"path": path, "fallback": fallback, "trained_at": meta.get("trained_at"), "metrics": meta.get("metrics")}
+    )

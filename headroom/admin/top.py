@@ -41,8 +41,12 @@ class Client:
 
     def call(self, method: str, path: str, body: dict | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + "/admin" + path, data=data, method=method, headers={
-            "Authorization": f"Bearer {self.token}", "Content-Type": "application/json"})
+        request = urllib.request.Request(
+            self.url + "/admin" + path,
+            data=data,
+            method=method,
+            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 return json.load(response)
@@ -121,33 +125,71 @@ def render(url: str, sort: str, state: State) -> Group:
     else:
         used, total = stats["kv_blocks_used"], stats["kv_blocks_total"]
         coupled = "yes" if stats["hol"]["coupled"] else "no"
-        parts.append(Text(f"headroom top · {url} · KV {used}/{total} blocks ({100 * stats['kv_usage']:.0f}%) · "
-                          f"running {stats['running']} · waiting {stats['waiting']} · HOL coupled: {coupled}",
-                          style="bold"))
+        parts.append(
+            Text(
+                f"headroom top · {url} · KV {used}/{total} blocks ({100 * stats['kv_usage']:.0f}%) · "
+                f"running {stats['running']} · waiting {stats['waiting']} · HOL coupled: {coupled}",
+                style="bold",
+            )
+        )
         classes = stats["latency"].get("1m", {})
-        line = " · ".join(f"{name} {_num(c['ttft_p99_s'], '{:.3f}')}s (n={c['count']})"
-                          for name, c in sorted(classes.items())) or "no finished requests"
+        line = (
+            " · ".join(
+                f"{name} {_num(c['ttft_p99_s'], '{:.3f}')}s (n={c['count']})" for name, c in sorted(classes.items())
+            )
+            or "no finished requests"
+        )
         parts.append(Text(f"TTFT p99 (1m): {line}"))
         split = stats.get("split")
         if split:
             advice = {0.0: "", 10.0: " · plan a split", 50.0: " · two services on one pool"}[split["level"]]
-            parts.append(Text(f"pool spread (10m): largest {split['max_tokens']} tokens, median "
-                              f"{split['median_tokens']:.0f} ({split['tokens_ratio']:.1f}x){advice}",
-                              style="bold yellow" if split["level"] else None))
+            parts.append(
+                Text(
+                    f"pool spread (10m): largest {split['max_tokens']} tokens, median "
+                    f"{split['median_tokens']:.0f} ({split['tokens_ratio']:.1f}x){advice}",
+                    style="bold yellow" if split["level"] else None,
+                )
+            )
     table = Table(box=None, header_style="bold", pad_edge=False, title=f"sequences by {sort}", title_justify="left")
-    for name in ("", "id", "tenant", "class", "state", "prompt", "out/max", "pred", "left", "p(cap)", "KV blocks",
-                 "dev s", "age s", "prio"):
-        table.add_column(name, no_wrap=True,
-                         justify="left" if name in ("", "id", "tenant", "class", "state") else "right")
+    for name in (
+        "",
+        "id",
+        "tenant",
+        "class",
+        "state",
+        "prompt",
+        "out/max",
+        "pred",
+        "left",
+        "p(cap)",
+        "KV blocks",
+        "dev s",
+        "age s",
+        "prio",
+    ):
+        table.add_column(
+            name, no_wrap=True, justify="left" if name in ("", "id", "tenant", "class", "state") else "right"
+        )
     for i, s in enumerate(state.rows or []):
         chosen = i == state.selected
         priority = "deprioritized" if s["deprioritized"] else str(s["priority"])
         table.add_row(
-            ">" if chosen else "", s["id"], s["tenant"] or "-", s["size_class"] or "-", s["state"],
-            str(s["prompt_tokens"]), f"{s['output_tokens']}/{s['max_tokens']}", _num(s["predicted_output_tokens"], "{:.0f}"),
-            _num(s.get("predicted_remaining_tokens"), "{:.0f}"), _runaway(s),
-            f"{s['kv_blocks']} ({100 * s['kv_share']:.0f}%)", _num(s["device_time_s"], "{:.2f}"),
-            _num(s["age_s"]), priority, style="reverse" if chosen else None)
+            ">" if chosen else "",
+            s["id"],
+            s["tenant"] or "-",
+            s["size_class"] or "-",
+            s["state"],
+            str(s["prompt_tokens"]),
+            f"{s['output_tokens']}/{s['max_tokens']}",
+            _num(s["predicted_output_tokens"], "{:.0f}"),
+            _num(s.get("predicted_remaining_tokens"), "{:.0f}"),
+            _runaway(s),
+            f"{s['kv_blocks']} ({100 * s['kv_share']:.0f}%)",
+            _num(s["device_time_s"], "{:.2f}"),
+            _num(s["age_s"]),
+            priority,
+            style="reverse" if chosen else None,
+        )
     parts.append(table)
     if state.rows == []:
         parts.append(Text("no live sequences", style="dim"))

@@ -78,9 +78,16 @@ class AdmissionStats:
 
 
 class Admission:
-    def __init__(self, config: AdmissionConfig, registry: TenantRegistry | None = None, *,
-                 max_in_flight_seqs: int | None = None, now: Callable[[], float] = time.monotonic,
-                 tick_s: float = 0.05, store: RedisStore | None = None):
+    def __init__(
+        self,
+        config: AdmissionConfig,
+        registry: TenantRegistry | None = None,
+        *,
+        max_in_flight_seqs: int | None = None,
+        now: Callable[[], float] = time.monotonic,
+        tick_s: float = 0.05,
+        store: RedisStore | None = None,
+    ):
         """max_in_flight_seqs: the global limit (default config.global_max_in_flight_seqs;
         both None: no global limit). tick_s: the refill/expiry timer period. store: tenant
         budgets shared with other replicas (None: this process's buckets are the truth)."""
@@ -104,8 +111,9 @@ class Admission:
 
     # --- the decision -------------------------------------------------------------
 
-    async def acquire(self, tenant: Tenant, cost: int, deadline_s: float | None = None, *,
-                      prompt_tokens: int = 0, seqs: int = 1) -> Ticket:
+    async def acquire(
+        self, tenant: Tenant, cost: int, deadline_s: float | None = None, *, prompt_tokens: int = 0, seqs: int = 1
+    ) -> Ticket:
         """Admit `cost` tokens for `tenant`, waiting if need be. deadline_s: the most this
         request may wait, in seconds from now (the tenant's max_wait_s still caps it).
         prompt_tokens: how much of cost is prompt, for the fair-share estimate. seqs: the
@@ -116,40 +124,65 @@ class Admission:
         if self._closed:
             raise self._reject(Rejected("server is shutting down", None, "shutting_down"))
         if cost > tenant.max_in_flight_tokens:
-            raise self._reject(Rejected(
-                f"request needs {cost} tokens but tenant {tenant.name!r} may have at most "
-                f"{tenant.max_in_flight_tokens} in flight; it can never be admitted", None, "too_large"))
+            raise self._reject(
+                Rejected(
+                    f"request needs {cost} tokens but tenant {tenant.name!r} may have at most "
+                    f"{tenant.max_in_flight_tokens} in flight; it can never be admitted",
+                    None,
+                    "too_large",
+                )
+            )
         if self.max_in_flight_seqs is not None and seqs > self.max_in_flight_seqs:
-            raise self._reject(Rejected(f"request needs {seqs} sequences but at most {self.max_in_flight_seqs} "
-                                        "may run at once; it can never be admitted", None, "too_large"))
+            raise self._reject(
+                Rejected(
+                    f"request needs {seqs} sequences but at most {self.max_in_flight_seqs} "
+                    "may run at once; it can never be admitted",
+                    None,
+                    "too_large",
+                )
+            )
         if self.store is not None and not self.store.available and cost > tenant.bucket.max_in_flight_tokens:
-            raise self._reject(Rejected(
-                f"request needs {cost} tokens; while the shared admission store is unreachable tenant "
-                f"{tenant.name!r} may have at most {tenant.bucket.max_in_flight_tokens} in flight on this replica",
-                5.0, "fallback_share"))
+            raise self._reject(
+                Rejected(
+                    f"request needs {cost} tokens; while the shared admission store is unreachable tenant "
+                    f"{tenant.name!r} may have at most {tenant.bucket.max_in_flight_tokens} in flight on this replica",
+                    5.0,
+                    "fallback_share",
+                )
+            )
         self.pump()  # refill may already have let waiters in; they go first
         direct = False
         if not tenant.queue:
             self.fair.lift(tenant, self.registry)
         # After pump, a free slot means no waiter of any tenant can use it now (what its own
         # tenant has queued does not fit), so taking it delays nobody.
-        if (tenant.may_pass_queue() and self._slot_free(seqs) and tenant.head_free()
-                and tenant.bucket.can_admit(cost)):
+        if tenant.may_pass_queue() and self._slot_free(seqs) and tenant.head_free() and tenant.bucket.can_admit(cost):
             if not self._shared():
                 self.decisions["admit"] += 1
                 return self._grant(tenant, cost, prompt_tokens, "admit", 0.0, seqs)
             direct = True  # admitted here; the fleet's answer is one round trip away
         max_wait = tenant.config.max_wait_s if deadline_s is None else min(deadline_s, tenant.config.max_wait_s)
         if max_wait <= 0 and not direct:
-            raise self._reject(Rejected(f"tenant {tenant.name!r}: cannot admit now and the request may not wait",
-                                        self._retry_after(tenant, cost), "timeout"))
+            raise self._reject(
+                Rejected(
+                    f"tenant {tenant.name!r}: cannot admit now and the request may not wait",
+                    self._retry_after(tenant, cost),
+                    "timeout",
+                )
+            )
         if len(tenant.queue) >= tenant.config.max_queue and not direct:
-            raise self._reject(Rejected(f"tenant {tenant.name!r}: wait queue is full ({tenant.config.max_queue})",
-                                        self._retry_after(tenant, cost), "queue_full"))
+            raise self._reject(
+                Rejected(
+                    f"tenant {tenant.name!r}: wait queue is full ({tenant.config.max_queue})",
+                    self._retry_after(tenant, cost),
+                    "queue_full",
+                )
+            )
 
         now = self._now()
-        waiter = Waiter(cost, prompt_tokens, now, now + max(max_wait, 0.0),
-                        asyncio.get_running_loop().create_future(), direct, seqs)
+        waiter = Waiter(
+            cost, prompt_tokens, now, now + max(max_wait, 0.0), asyncio.get_running_loop().create_future(), direct, seqs
+        )
         tenant.queue.append(waiter)
         if direct:
             self.pump()
@@ -174,12 +207,15 @@ class Admission:
         tenant = self.registry.get(ticket.tenant)
         assert tenant is not None, ticket.tenant
         tenant.bucket.settle(ticket.cost, prompt_tokens + output_tokens)
-        self.fair.settle(tenant, (ticket.prompt_tokens, ticket.cost - ticket.prompt_tokens),
-                         (prompt_tokens, output_tokens), device_s)
+        self.fair.settle(
+            tenant, (ticket.prompt_tokens, ticket.cost - ticket.prompt_tokens), (prompt_tokens, output_tokens), device_s
+        )
         self.in_flight_seqs -= ticket.seqs
         if self.store is not None and ticket.lease is not None:
-            self._spawn(self.store.settle(ticket.lease, ticket.cost, prompt_tokens + output_tokens, ticket.charged),
-                        then_pump=True)
+            self._spawn(
+                self.store.settle(ticket.lease, ticket.cost, prompt_tokens + output_tokens, ticket.charged),
+                then_pump=True,
+            )
         self.pump()
 
     def pump(self) -> None:
@@ -198,8 +234,9 @@ class Admission:
             if self._shared():
                 self._confirm(tenant, waiter)
                 continue
-            ticket = self._grant(tenant, waiter.cost, waiter.prompt_tokens, _decision(waiter),
-                                 now - waiter.enqueued_at, waiter.seqs)
+            ticket = self._grant(
+                tenant, waiter.cost, waiter.prompt_tokens, _decision(waiter), now - waiter.enqueued_at, waiter.seqs
+            )
             waiter.future.set_result(ticket)
         for tenant in self.registry:
             self._prune(tenant, now)
@@ -244,10 +281,13 @@ class Admission:
 
     def stats(self) -> AdmissionStats:
         return AdmissionStats(
-            decisions=dict(self.decisions), rejections=dict(self.rejections),
+            decisions=dict(self.decisions),
+            rejections=dict(self.rejections),
             waiting={t.name: len(t.queue) for t in self.registry},
             in_flight_tokens={t.name: t.bucket.in_flight for t in self.registry},
-            in_flight_seqs=self.in_flight_seqs, virtual_tokens={t.name: t.vtc for t in self.registry})
+            in_flight_seqs=self.in_flight_seqs,
+            virtual_tokens={t.name: t.vtc for t in self.registry},
+        )
 
     # --- internals ----------------------------------------------------------------
 
@@ -280,8 +320,15 @@ class Admission:
             else:
                 if _decision(waiter) == "admit":
                     self.decisions["admit"] += 1
-                ticket = self._grant(tenant, waiter.cost, waiter.prompt_tokens, _decision(waiter),
-                                     self._now() - waiter.enqueued_at, waiter.seqs, lease=answer)
+                ticket = self._grant(
+                    tenant,
+                    waiter.cost,
+                    waiter.prompt_tokens,
+                    _decision(waiter),
+                    self._now() - waiter.enqueued_at,
+                    waiter.seqs,
+                    lease=answer,
+                )
                 waiter.future.set_result(ticket)
         elif not waiter.future.done():
             if answer is not None:
@@ -303,8 +350,16 @@ class Admission:
     def _slot_free(self, seqs: int = 1) -> bool:
         return self.max_in_flight_seqs is None or self.in_flight_seqs + seqs <= self.max_in_flight_seqs
 
-    def _grant(self, tenant: Tenant, cost: int, prompt_tokens: int, decision: str, queued_s: float,
-               seqs: int = 1, lease: str | None = None) -> Ticket:
+    def _grant(
+        self,
+        tenant: Tenant,
+        cost: int,
+        prompt_tokens: int,
+        decision: str,
+        queued_s: float,
+        seqs: int = 1,
+        lease: str | None = None,
+    ) -> Ticket:
         """lease: the store's, when it granted the tokens fleet-wide; with a store and
         none, the grant was on the local share and gets a lease the store counts once back."""
         tenant.bucket.reserve(cost)
@@ -328,9 +383,15 @@ class Admission:
             if waiter.future.done():  # cancelled; its task has not run its cleanup yet
                 continue
             if now is not None and now >= waiter.expires_at:
-                waiter.future.set_exception(self._reject(Rejected(
-                    f"tenant {tenant.name!r}: not admitted within {waiter.expires_at - waiter.enqueued_at:g}s",
-                    self._retry_after(tenant, waiter.cost), "timeout")))
+                waiter.future.set_exception(
+                    self._reject(
+                        Rejected(
+                            f"tenant {tenant.name!r}: not admitted within {waiter.expires_at - waiter.enqueued_at:g}s",
+                            self._retry_after(tenant, waiter.cost),
+                            "timeout",
+                        )
+                    )
+                )
                 continue
             keep.append(waiter)
         if len(keep) != len(tenant.queue):

@@ -29,8 +29,15 @@ def row_messages(row: dict) -> list[dict]:
     return [{"role": "user", "content": row["prompt"]}]
 
 
-def calibrate(engine: Engine, rows: list[dict], out_path: str, default_max_tokens: int = 512,
-              concurrency: int = 64, log=sys.stderr, recorder: InflightRecorder | None = None) -> int:
+def calibrate(
+    engine: Engine,
+    rows: list[dict],
+    out_path: str,
+    default_max_tokens: int = 512,
+    concurrency: int = 64,
+    log=sys.stderr,
+    recorder: InflightRecorder | None = None,
+) -> int:
     """recorder: also record each sequence's in-flight features (see inflight.py)."""
     if recorder is not None:
         args = engine.loaded.args
@@ -51,12 +58,12 @@ def calibrate(engine: Engine, rows: list[dict], out_path: str, default_max_token
                 i, row = todo.popleft()
                 row = {**row, "id": str(row.get("id", i))}
                 prompt_ids = engine.tokenizer.apply_chat_template(row_messages(row))
-                max_tokens = min(int(row.get("max_tokens", default_max_tokens)),
-                                 engine.max_model_len - len(prompt_ids))
+                max_tokens = min(int(row.get("max_tokens", default_max_tokens)), engine.max_model_len - len(prompt_ids))
                 if max_tokens < 1:
                     continue
-                params = SamplingParams(max_tokens=max_tokens, temperature=float(row.get("temperature", 1.0)),
-                                        seed=row.get("seed"))
+                params = SamplingParams(
+                    max_tokens=max_tokens, temperature=float(row.get("temperature", 1.0)), seed=row.get("seed")
+                )
                 request = engine.new_request(prompt_ids, params)
                 row.update(prompt_tokens=len(prompt_ids), max_tokens=max_tokens)
                 engine.submit(request, lambda o, row=row: o.finished and finished.append((row, o)))

@@ -34,8 +34,9 @@ class ClassThresholds:
             )
 
 
-def classify(prompt_tokens: int, predicted_output_tokens: float,
-             thresholds: ClassThresholds = ClassThresholds()) -> SizeClass:
+def classify(
+    prompt_tokens: int, predicted_output_tokens: float, thresholds: ClassThresholds = ClassThresholds()
+) -> SizeClass:
     t = thresholds
     if prompt_tokens >= t.long_min_prompt or predicted_output_tokens >= t.long_min_output:
         return SizeClass.LONG

@@ -31,16 +31,27 @@ class SingleRowBooster:
         self._booster = ctypes.c_void_p()
         self._fast = ctypes.c_void_p()
         iterations = ctypes.c_int()
-        _check(_LIB.LGBM_BoosterLoadModelFromString(
-            ctypes.c_char_p(model.encode("utf-8")), ctypes.byref(iterations), ctypes.byref(self._booster)))
+        _check(
+            _LIB.LGBM_BoosterLoadModelFromString(
+                ctypes.c_char_p(model.encode("utf-8")), ctypes.byref(iterations), ctypes.byref(self._booster)
+            )
+        )
         n = ctypes.c_int()
         _check(_LIB.LGBM_BoosterGetNumFeature(self._booster, ctypes.byref(n)))
         if n.value != num_features:
             raise ValueError(f"model has {n.value} features, expected {num_features}")
-        _check(_LIB.LGBM_BoosterPredictForMatSingleRowFastInit(
-            self._booster, ctypes.c_int(_PREDICT_NORMAL), ctypes.c_int(0), ctypes.c_int(-1),
-            ctypes.c_int(_DTYPE_FLOAT32), ctypes.c_int32(num_features), ctypes.c_char_p(b"num_threads=1"),
-            ctypes.byref(self._fast)))
+        _check(
+            _LIB.LGBM_BoosterPredictForMatSingleRowFastInit(
+                self._booster,
+                ctypes.c_int(_PREDICT_NORMAL),
+                ctypes.c_int(0),
+                ctypes.c_int(-1),
+                ctypes.c_int(_DTYPE_FLOAT32),
+                ctypes.c_int32(num_features),
+                ctypes.c_char_p(b"num_threads=1"),
+                ctypes.byref(self._fast),
+            )
+        )
         self._out = np.zeros(1, dtype=np.float64)
         self._out_ptr = self._out.ctypes.data_as(ctypes.POINTER(ctypes.c_double))
         self._out_len = ctypes.c_int64()
@@ -52,8 +63,11 @@ class SingleRowBooster:
         if row.dtype != np.float32 or row.shape != (self.num_features,) or not row.flags.c_contiguous:
             raise ValueError(f"expected a contiguous float32 row of {self.num_features} features")
         with self._lock:
-            _check(_LIB.LGBM_BoosterPredictForMatSingleRowFast(
-                self._fast, row.ctypes.data_as(ctypes.c_void_p), ctypes.byref(self._out_len), self._out_ptr))
+            _check(
+                _LIB.LGBM_BoosterPredictForMatSingleRowFast(
+                    self._fast, row.ctypes.data_as(ctypes.c_void_p), ctypes.byref(self._out_len), self._out_ptr
+                )
+            )
             return float(self._out[0])
 
     def __del__(self) -> None:

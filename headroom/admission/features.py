@@ -39,8 +39,9 @@ class RequestFeatures:
     text: str  # the user turns, joined by newlines
 
     @classmethod
-    def from_messages(cls, messages: list[dict], prompt_tokens: int, max_tokens: int,
-                      temperature: float, tenant: str = "") -> RequestFeatures:
+    def from_messages(
+        cls, messages: list[dict], prompt_tokens: int, max_tokens: int, temperature: float, tenant: str = ""
+    ) -> RequestFeatures:
         user = [_content(m) for m in messages if m.get("role") == "user"]
         system_chars = sum(len(_content(m)) for m in messages if m.get("role") == "system")
         return cls(
@@ -78,15 +79,42 @@ def _content(message: dict) -> str:
 # and dict lookups keeps featurize near 50 us for a 1k-character prompt, where a dozen
 # alternation regexes cost several hundred.
 _NUM_WORDS = {
-    "one": 1, "single": 1, "two": 2, "couple": 2, "three": 3, "four": 4, "five": 5, "six": 6,
-    "seven": 7, "eight": 8, "nine": 9, "ten": 10, "few": 3, "several": 4, "eleven": 11,
-    "twelve": 12, "fifteen": 15, "twenty": 20, "thirty": 30, "fifty": 50, "hundred": 100,
+    "one": 1,
+    "single": 1,
+    "two": 2,
+    "couple": 2,
+    "three": 3,
+    "four": 4,
+    "five": 5,
+    "six": 6,
+    "seven": 7,
+    "eight": 8,
+    "nine": 9,
+    "ten": 10,
+    "few": 3,
+    "several": 4,
+    "eleven": 11,
+    "twelve": 12,
+    "fifteen": 15,
+    "twenty": 20,
+    "thirty": 30,
+    "fifty": 50,
+    "hundred": 100,
 }
 # unit word -> (code, rough output tokens per unit)
 _UNITS = {
-    "word": (1, 1.4), "sentence": (2, 25.0), "paragraph": (3, 110.0), "line": (4, 12.0),
-    "bullet": (5, 20.0), "point": (5, 20.0), "item": (6, 20.0), "step": (7, 30.0),
-    "page": (8, 600.0), "character": (9, 0.3), "tweet": (10, 50.0), "verse": (11, 40.0),
+    "word": (1, 1.4),
+    "sentence": (2, 25.0),
+    "paragraph": (3, 110.0),
+    "line": (4, 12.0),
+    "bullet": (5, 20.0),
+    "point": (5, 20.0),
+    "item": (6, 20.0),
+    "step": (7, 30.0),
+    "page": (8, 600.0),
+    "character": (9, 0.3),
+    "tweet": (10, 50.0),
+    "verse": (11, 40.0),
     "stanza": (11, 40.0),
 }
 _UNIT_WORDS = {w + s: v for w, v in _UNITS.items() for s in ("", "s")}
@@ -96,37 +124,201 @@ _A_UNITS = {"sentence", "paragraph", "tweet", "line"}
 _FILLERS = {"short", "brief", "long", "detailed", "bullet", "key", "main", "simple", "more", "concise"}
 _LIST_VERBS = {"list", "top", "give", "provide", "suggest", "generate", "name"}
 _LIST_NOUNS = {
-    "ideas", "examples", "tips", "ways", "reasons", "questions", "names", "titles", "suggestions",
-    "options", "headlines", "slogans", "taglines", "facts", "prompts", "things", "benefits",
-    "strategies", "features", "keywords", "topics", "hashtags",
+    "ideas",
+    "examples",
+    "tips",
+    "ways",
+    "reasons",
+    "questions",
+    "names",
+    "titles",
+    "suggestions",
+    "options",
+    "headlines",
+    "slogans",
+    "taglines",
+    "facts",
+    "prompts",
+    "things",
+    "benefits",
+    "strategies",
+    "features",
+    "keywords",
+    "topics",
+    "hashtags",
 }
 _SKIP_AFTER_VERB = {"me", "the", "us", "a", "list", "of"}
 
-_BRIEF_WORDS = {"briefly", "brief", "short", "shorter", "concise", "concisely", "tldr", "tl", "summary",
-                "summarize", "summarise", "summarizing", "summarization", "nutshell", "shortly"}
-_BRIEF_PHRASES = ("one sentence", "one word", "one line", "only answer", "just answer", "a few words",
-                  "single sentence", "single word", "tl;dr")
-_DETAILED_WORDS = {"detailed", "explain", "explaining", "explanation", "essay", "article", "story",
-                   "elaborate", "comprehensive", "thorough", "thoroughly", "blog", "long", "lengthy",
-                   "guide", "tutorial", "report", "novel", "chapter", "script", "plan", "outline"}
+_BRIEF_WORDS = {
+    "briefly",
+    "brief",
+    "short",
+    "shorter",
+    "concise",
+    "concisely",
+    "tldr",
+    "tl",
+    "summary",
+    "summarize",
+    "summarise",
+    "summarizing",
+    "summarization",
+    "nutshell",
+    "shortly",
+}
+_BRIEF_PHRASES = (
+    "one sentence",
+    "one word",
+    "one line",
+    "only answer",
+    "just answer",
+    "a few words",
+    "single sentence",
+    "single word",
+    "tl;dr",
+)
+_DETAILED_WORDS = {
+    "detailed",
+    "explain",
+    "explaining",
+    "explanation",
+    "essay",
+    "article",
+    "story",
+    "elaborate",
+    "comprehensive",
+    "thorough",
+    "thoroughly",
+    "blog",
+    "long",
+    "lengthy",
+    "guide",
+    "tutorial",
+    "report",
+    "novel",
+    "chapter",
+    "script",
+    "plan",
+    "outline",
+}
 _DETAILED_PHRASES = ("step by step", "step-by-step", "in detail", "in depth", "in-depth")
-_YES_NO_PHRASES = ("yes or no", "true or false", "yes/no", "true/false", "answer with yes",
-                   "answer with a number", "just say", "reply with", "respond with only",
-                   "only say", "only output", "only reply", "answer only")
-_CODE_WORDS = {"code", "function", "python", "javascript", "typescript", "sql", "implement", "script",
-               "regex", "java", "html", "css", "react", "class", "bash", "api", "program", "debug",
-               "error", "def", "return", "import", "const", "var", "int", "void", "json", "node",
-               "golang", "rust", "kotlin", "swift", "php", "query", "algorithm"}
-_WRITE_WORDS = {"write", "create", "generate", "draft", "compose", "make", "design", "develop", "build",
-                "plan", "outline", "describe", "tell", "give", "provide"}
-_REWRITE_WORDS = {"rewrite", "rephrase", "paraphrase", "translate", "correct", "proofread", "improve",
-                  "fix", "edit", "convert", "continue", "shorten", "expand"}
-_ROLEPLAY_PHRASES = ("act as", "pretend", "you are", "i want you to", "roleplay", "role-play",
-                     "let's play", "lets play", "game")
-_WH_WORDS = {"what", "who", "when", "where", "which", "why", "how", "is", "are", "can", "could", "does",
-             "do", "should", "will", "would"}
-_PHRASE_WORDS = {p: frozenset(re.findall(r"\w+", p)) for p in
-                 _BRIEF_PHRASES + _DETAILED_PHRASES + _YES_NO_PHRASES + _ROLEPLAY_PHRASES}
+_YES_NO_PHRASES = (
+    "yes or no",
+    "true or false",
+    "yes/no",
+    "true/false",
+    "answer with yes",
+    "answer with a number",
+    "just say",
+    "reply with",
+    "respond with only",
+    "only say",
+    "only output",
+    "only reply",
+    "answer only",
+)
+_CODE_WORDS = {
+    "code",
+    "function",
+    "python",
+    "javascript",
+    "typescript",
+    "sql",
+    "implement",
+    "script",
+    "regex",
+    "java",
+    "html",
+    "css",
+    "react",
+    "class",
+    "bash",
+    "api",
+    "program",
+    "debug",
+    "error",
+    "def",
+    "return",
+    "import",
+    "const",
+    "var",
+    "int",
+    "void",
+    "json",
+    "node",
+    "golang",
+    "rust",
+    "kotlin",
+    "swift",
+    "php",
+    "query",
+    "algorithm",
+}
+_WRITE_WORDS = {
+    "write",
+    "create",
+    "generate",
+    "draft",
+    "compose",
+    "make",
+    "design",
+    "develop",
+    "build",
+    "plan",
+    "outline",
+    "describe",
+    "tell",
+    "give",
+    "provide",
+}
+_REWRITE_WORDS = {
+    "rewrite",
+    "rephrase",
+    "paraphrase",
+    "translate",
+    "correct",
+    "proofread",
+    "improve",
+    "fix",
+    "edit",
+    "convert",
+    "continue",
+    "shorten",
+    "expand",
+}
+_ROLEPLAY_PHRASES = (
+    "act as",
+    "pretend",
+    "you are",
+    "i want you to",
+    "roleplay",
+    "role-play",
+    "let's play",
+    "lets play",
+    "game",
+)
+_WH_WORDS = {
+    "what",
+    "who",
+    "when",
+    "where",
+    "which",
+    "why",
+    "how",
+    "is",
+    "are",
+    "can",
+    "could",
+    "does",
+    "do",
+    "should",
+    "will",
+    "would",
+}
+_PHRASE_WORDS = {
+    p: frozenset(re.findall(r"\w+", p))
+    for p in _BRIEF_PHRASES + _DETAILED_PHRASES + _YES_NO_PHRASES + _ROLEPLAY_PHRASES
+}
 _TRIGGERS = frozenset(_UNIT_WORDS) | _LIST_VERBS | _LIST_NOUNS
 _WORD = re.compile(r"\w+")
 # On ASCII text, mapping every non-word character to a space and splitting gives the same
@@ -137,11 +329,37 @@ _UPPER = bytes(range(ord("A"), ord("Z") + 1))
 _DIGITS = b"0123456789"
 
 _NUMERIC = (
-    "prompt_tokens", "log_max_tokens", "temperature", "greedy", "turns", "system_chars",
-    "prompt_chars", "words", "chars_per_token", "question_marks", "newlines", "non_ascii_frac",
-    "digit_frac", "upper_frac", "code_fence", "ends_with_question", "wh_start",
-    "hint_number", "hint_unit", "hint_tokens", "hint_tokens_over_max", "brief", "detailed",
-    "list_n", "yes_no", "code_words", "write", "rewrite", "roleplay", "choices", "tenant_bucket",
+    "prompt_tokens",
+    "log_max_tokens",
+    "temperature",
+    "greedy",
+    "turns",
+    "system_chars",
+    "prompt_chars",
+    "words",
+    "chars_per_token",
+    "question_marks",
+    "newlines",
+    "non_ascii_frac",
+    "digit_frac",
+    "upper_frac",
+    "code_fence",
+    "ends_with_question",
+    "wh_start",
+    "hint_number",
+    "hint_unit",
+    "hint_tokens",
+    "hint_tokens_over_max",
+    "brief",
+    "detailed",
+    "list_n",
+    "yes_no",
+    "code_words",
+    "write",
+    "rewrite",
+    "roleplay",
+    "choices",
+    "tenant_bucket",
 )
 FEATURE_NAMES: tuple[str, ...] = _NUMERIC + tuple(f"h{i}" for i in range(HASH_BUCKETS))
 NUM_FEATURES = len(FEATURE_NAMES)
@@ -260,5 +478,5 @@ def featurize(f: RequestFeatures) -> np.ndarray:
         # string building.
         bigrams = hashes[:-1] * np.uint64(1_000_003) + hashes[1:]
         idx = np.concatenate((hashes, bigrams)) % np.uint64(HASH_BUCKETS)
-        out[len(_NUMERIC):] = np.bincount(idx.astype(np.intp), minlength=HASH_BUCKETS)
+        out[len(_NUMERIC) :] = np.bincount(idx.astype(np.intp), minlength=HASH_BUCKETS)
     return out

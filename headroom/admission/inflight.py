@@ -22,8 +22,16 @@ from headroom.runtime.request import Request
 POINTS = (0, 16, 32, 64, 128)  # generated tokens at which a sequence is described
 WINDOW = 32  # tokens of the recent output the loop signals look at
 PCA_DIMS = 64  # by measurement: 8 and 32 dims scored lower at 4 of 5 points (bench/RESULTS.md)
-PARAMS = {"learning_rate": 0.05, "num_leaves": 15, "min_data_in_leaf": 10, "bagging_fraction": 0.8,
-          "bagging_freq": 1, "feature_fraction": 0.8, "verbose": -1, "num_threads": 1}
+PARAMS = {
+    "learning_rate": 0.05,
+    "num_leaves": 15,
+    "min_data_in_leaf": 10,
+    "bagging_fraction": 0.8,
+    "bagging_freq": 1,
+    "feature_fraction": 0.8,
+    "verbose": -1,
+    "num_threads": 1,
+}
 ROUNDS = 200
 
 
@@ -31,7 +39,7 @@ def loop_signals(ids: list[int]) -> list[float]:
     """[share of the last WINDOW tokens that end a 4-gram already seen in the output,
     distinct tokens in that window / its length, the most repeated 4-gram's count / the
     number of 4-grams]: all 0 with fewer than 4 tokens."""
-    grams = [tuple(ids[i:i + 4]) for i in range(len(ids) - 3)]
+    grams = [tuple(ids[i : i + 4]) for i in range(len(ids) - 3)]
     if not grams:
         return [0.0, 0.0, 0.0]
     seen: set[tuple[int, ...]] = set()
@@ -41,8 +49,7 @@ def loop_signals(ids: list[int]) -> list[float]:
         seen.add(g)
     recent = repeated[-WINDOW:]
     window = ids[-WINDOW:]
-    return [sum(recent) / len(recent), len(set(window)) / len(window),
-            Counter(grams).most_common(1)[0][1] / len(grams)]
+    return [sum(recent) / len(recent), len(set(window)) / len(window), Counter(grams).most_common(1)[0][1] / len(grams)]
 
 
 @dataclass
@@ -72,15 +79,27 @@ class InflightRecorder:
         for point, (states, signals) in sorted(self._seen.pop(request.request_id, {}).items()):
             if point >= request.num_output_tokens:
                 continue  # nothing remains to predict
-            self.rows.append({"id": row["id"], "point": point, "states": states, "signals": signals,
-                              "prompt_tokens": request.num_prompt_tokens, "max_tokens": request.sampling.max_tokens,
-                              "temperature": request.sampling.temperature,
-                              "output_tokens": request.num_output_tokens, "capped": finish_reason == "length"})
+            self.rows.append(
+                {
+                    "id": row["id"],
+                    "point": point,
+                    "states": states,
+                    "signals": signals,
+                    "prompt_tokens": request.num_prompt_tokens,
+                    "max_tokens": request.sampling.max_tokens,
+                    "temperature": request.sampling.temperature,
+                    "output_tokens": request.num_output_tokens,
+                    "capped": finish_reason == "length",
+                }
+            )
 
     def save(self, path: str) -> None:
         rows = self.rows
         np.savez_compressed(
-            path, layers=np.array(self.layers), model_shape=np.array(self.model_shape), ids=np.array([r["id"] for r in rows]),
+            path,
+            layers=np.array(self.layers),
+            model_shape=np.array(self.model_shape),
+            ids=np.array([r["id"] for r in rows]),
             point=np.array([r["point"] for r in rows]),
             states=np.stack([np.stack(r["states"]) for r in rows]) if rows else np.zeros((0, len(self.layers), 0)),
             signals=np.array([r["signals"] for r in rows], dtype=np.float32).reshape(len(rows), 3),
@@ -88,7 +107,8 @@ class InflightRecorder:
             max_tokens=np.array([r["max_tokens"] for r in rows]),
             temperature=np.array([r["temperature"] for r in rows], dtype=np.float32),
             output_tokens=np.array([r["output_tokens"] for r in rows]),
-            capped=np.array([r["capped"] for r in rows]))
+            capped=np.array([r["capped"] for r in rows]),
+        )
 
 
 def _fit_pca(x: np.ndarray, dims: int) -> tuple[np.ndarray, np.ndarray]:
@@ -97,14 +117,28 @@ def _fit_pca(x: np.ndarray, dims: int) -> tuple[np.ndarray, np.ndarray]:
     return mean, vt[:dims]
 
 
-def feature_matrix(prompt_tokens, max_tokens, point, temperature, signals=None, states=None,
-                   pca: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+def feature_matrix(
+    prompt_tokens,
+    max_tokens,
+    point,
+    temperature,
+    signals=None,
+    states=None,
+    pca: tuple[np.ndarray, np.ndarray] | None = None,
+) -> np.ndarray:
     """One row per (sequence, point): lengths and temperature, then (with a probe layer)
     the loop signals and the hidden state projected on the PCA basis. Calibration and
     serving both build their rows here, so the two cannot drift apart."""
     max_tokens, point = np.asarray(max_tokens, dtype=np.float64), np.asarray(point, dtype=np.float64)
-    base = np.column_stack([np.log1p(np.asarray(prompt_tokens, dtype=np.float64)), np.log1p(max_tokens), point,
-                            np.log1p(max_tokens - point), np.asarray(temperature, dtype=np.float64)])
+    base = np.column_stack(
+        [
+            np.log1p(np.asarray(prompt_tokens, dtype=np.float64)),
+            np.log1p(max_tokens),
+            point,
+            np.log1p(max_tokens - point),
+            np.asarray(temperature, dtype=np.float64),
+        ]
+    )
     if states is None:
         return base
     mean, basis = pca
@@ -113,8 +147,15 @@ def feature_matrix(prompt_tokens, max_tokens, point, temperature, signals=None, 
 
 def features(data: dict, rows: np.ndarray, layer_index: int | None, pca: tuple[np.ndarray, np.ndarray] | None):
     states = None if layer_index is None else data["states"][rows, layer_index]
-    return feature_matrix(data["prompt_tokens"][rows], data["max_tokens"][rows], data["point"][rows],
-                          data["temperature"][rows], data["signals"][rows], states, pca)
+    return feature_matrix(
+        data["prompt_tokens"][rows],
+        data["max_tokens"][rows],
+        data["point"][rows],
+        data["temperature"][rows],
+        data["signals"][rows],
+        states,
+        pca,
+    )
 
 
 def fit(data: dict, rows: np.ndarray, layer_index: int | None, seed: int = 0):
@@ -175,8 +216,15 @@ def score(data: dict, p_cap: np.ndarray, p_remaining: np.ndarray) -> list[PointS
             continue
         pos, neg = p_cap[at & (capped == 1)], p_cap[at & (capped == 0)]
         auc = mannwhitneyu(pos, neg).statistic / (len(pos) * len(neg)) if len(pos) and len(neg) else float("nan")
-        scores.append(PointScore(point, int(at.sum()), float(capped[at].mean()), float(auc),
-                                 float(kendalltau(p_remaining[at], remaining[at]).statistic)))
+        scores.append(
+            PointScore(
+                point,
+                int(at.sum()),
+                float(capped[at].mean()),
+                float(auc),
+                float(kendalltau(p_remaining[at], remaining[at]).statistic),
+            )
+        )
     return scores
 
 

@@ -52,8 +52,14 @@ class InflightProbe:
         model = {"hidden_size": hidden, "num_layers": layers, "vocab_size": vocab}
         layer_index = list(data["layers"]).index(layer)
         (mean, basis), cap, remaining = fit(data, np.arange(len(data["ids"])), layer_index, seed)
-        meta = {"layer": layer, "pca_dims": PCA_DIMS, "points": list(POINTS), "rows": len(data["ids"]),
-                "requests": len(np.unique(data["ids"])), "model": model}
+        meta = {
+            "layer": layer,
+            "pca_dims": PCA_DIMS,
+            "points": list(POINTS),
+            "rows": len(data["ids"]),
+            "requests": len(np.unique(data["ids"])),
+            "model": model,
+        }
         return cls(layer, mean.astype(np.float32), basis.astype(np.float32), cap, remaining, meta)
 
     def save(self, path: str | Path) -> None:
@@ -70,8 +76,14 @@ class InflightProbe:
         meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
         with np.load(path / "pca.npz") as pca:
             mean, basis = pca["mean"], pca["basis"]
-        return cls(int(meta["layer"]), mean, basis, lgb.Booster(model_file=str(path / _FILES["cap"])),
-                   lgb.Booster(model_file=str(path / _FILES["remaining"])), meta)
+        return cls(
+            int(meta["layer"]),
+            mean,
+            basis,
+            lgb.Booster(model_file=str(path / _FILES["cap"])),
+            lgb.Booster(model_file=str(path / _FILES["remaining"])),
+            meta,
+        )
 
     @property
     def last_point(self) -> int:
@@ -85,8 +97,7 @@ class InflightProbe:
 
     def predict_rows(self, data: dict) -> tuple[np.ndarray, np.ndarray]:
         """(p_cap, expected remaining tokens) for calibration rows that hold this probe's layer."""
-        x = features(data, np.arange(len(data["ids"])), list(data["layers"]).index(self.layer),
-                     (self.mean, self.basis))
+        x = features(data, np.arange(len(data["ids"])), list(data["layers"]).index(self.layer), (self.mean, self.basis))
         return self._estimate(x, data["max_tokens"] - data["point"])
 
     def _estimate(self, x: np.ndarray, left: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -102,16 +113,22 @@ class InflightProbe:
     def predict(self, requests: list[Request], states: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """(remaining output tokens, probability of running to max_tokens) per request;
         states: (len(requests), hidden), the probe layer's rows for them."""
-        x = feature_matrix([r.num_prompt_tokens for r in requests], [r.max_tokens for r in requests],
-                           [r.num_output_tokens for r in requests], [r.sampling.temperature for r in requests],
-                           np.array([loop_signals(r.output_token_ids) for r in requests], dtype=np.float32),
-                           states.float().cpu().numpy(), (self.mean, self.basis))
+        x = feature_matrix(
+            [r.num_prompt_tokens for r in requests],
+            [r.max_tokens for r in requests],
+            [r.num_output_tokens for r in requests],
+            [r.sampling.temperature for r in requests],
+            np.array([loop_signals(r.output_token_ids) for r in requests], dtype=np.float32),
+            states.float().cpu().numpy(),
+            (self.mean, self.basis),
+        )
         p_cap, remaining = self._estimate(x, np.array([r.max_tokens - r.num_output_tokens for r in requests]))
         return remaining, p_cap
 
 
-def load_inflight_probe(path: str | Path | None, hidden_size: int, num_layers: int,
-                        vocab_size: int) -> InflightProbe | None:
+def load_inflight_probe(
+    path: str | Path | None, hidden_size: int, num_layers: int, vocab_size: int
+) -> InflightProbe | None:
     """The probe at path, or the packaged default when path is None, if it was trained for
     a model of this shape. A default that does not fit is skipped (serving must start);
     an explicit path that cannot be loaded or does not fit is an error."""

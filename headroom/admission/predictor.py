@@ -95,8 +95,7 @@ def _single_row_boosters(boosters: dict[str, lgb.Booster]) -> dict | None:
         return {name: SingleRowBooster(b.model_to_string(), NUM_FEATURES) for name, b in boosters.items()}
     except (ImportError, AttributeError, OSError, ValueError, lgb.basic.LightGBMError) as exc:
         # Correct but ~4x slower per request; see fastpredict.py.
-        log.warning("length predictor: LightGBM fast single-row path unavailable (%s); "
-                    "using Booster.predict", exc)
+        log.warning("length predictor: LightGBM fast single-row path unavailable (%s); using Booster.predict", exc)
         return None
 
 
@@ -121,14 +120,12 @@ def load_predictor(path: str | Path | None = None) -> LengthPredictor | Fallback
         log.info("length predictor: %s (%s)", path, _describe(predictor))
         return predictor
     if not (DEFAULT_PREDICTOR_DIR / "meta.json").exists():
-        log.warning("length predictor: no trained model at %s; using the max_tokens fallback",
-                    DEFAULT_PREDICTOR_DIR)
+        log.warning("length predictor: no trained model at %s; using the max_tokens fallback", DEFAULT_PREDICTOR_DIR)
         return FallbackPredictor()
     try:
         predictor = LengthPredictor.load(DEFAULT_PREDICTOR_DIR)
     except (ValueError, OSError, lgb.basic.LightGBMError) as exc:
-        log.warning("length predictor: cannot load the default model (%s); "
-                    "using the max_tokens fallback", exc)
+        log.warning("length predictor: cannot load the default model (%s); using the max_tokens fallback", exc)
         return FallbackPredictor()
     log.info("length predictor: packaged default %s (%s)", DEFAULT_PREDICTOR_DIR, _describe(predictor))
     return predictor

@@ -22,8 +22,14 @@ class RecordLog:
             with open(path, "rb") as f:
                 self.lines = sum(1 for _ in f)
 
-    def append(self, features: RequestFeatures, prediction: Prediction | None, request: Request,
-               output_tokens: int, finish_reason: str) -> None:
+    def append(
+        self,
+        features: RequestFeatures,
+        prediction: Prediction | None,
+        request: Request,
+        output_tokens: int,
+        finish_reason: str,
+    ) -> None:
         if self.lines >= self.max_lines:
             os.replace(self.path, self.path + ".1")  # keep one previous file, drop older
             self.lines = 0
@@ -56,8 +62,9 @@ def label(request: Request) -> tuple[int, str] | None:
     reason = request.status.finish_reason
     if reason == "stop":
         return request.num_output_tokens, "stop"
-    if request.loop_detected_at is not None and (reason == "repetition" or
-                                                 (reason == "length" and request.max_tokens_cap is not None)):
+    if request.loop_detected_at is not None and (
+        reason == "repetition" or (reason == "length" and request.max_tokens_cap is not None)
+    ):
         return request.sampling.max_tokens, "length"
     if reason == "length" and request.max_tokens_cap is None and request.stop_reason != "wall_clock_budget":
         return request.num_output_tokens, "length"

@@ -63,7 +63,9 @@ end
 """
 
 # ARGV: cost, rate, burst, max_in_flight, lease, ttl_ms -> {granted, wait_ms, in_flight}
-RESERVE = _PRELUDE + """
+RESERVE = (
+    _PRELUDE
+    + """
 local now = now_ms()
 reclaim(now)
 local cost, rate, burst, cap = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -82,10 +84,13 @@ local wait = 0
 if level < need then wait = math.ceil((need - level) / rate * 1000) end
 return {0, wait, in_flight}
 """
+)
 
 # ARGV: lease, refund ('' when the lease was granted locally and never charged here),
 # rate, burst -> 1 if the lease was still held, else 0
-SETTLE = _PRELUDE + """
+SETTLE = (
+    _PRELUDE
+    + """
 local now = now_ms()
 reclaim(now)
 local cost = redis.call('HGET', KEYS[3], ARGV[1])
@@ -102,6 +107,7 @@ end
 if cost then return 1 end
 return 0
 """
+)
 
 # ARGV: this replica's lease prefix, its run's epoch, the watermark (its leases of this
 # run numbered from it on were granted after the caller's snapshot: left alone), ttl_ms,
@@ -109,7 +115,9 @@ return 0
 # ones it has, so a lease settled meanwhile is not put back), the count of leases being
 # reserved now (left alone), those ids, then (lease, cost) pairs of the live ones
 # -> in_flight
-SYNC = _PRELUDE + """
+SYNC = (
+    _PRELUDE
+    + """
 local now = now_ms()
 reclaim(now)
 local prefix, epoch, watermark, ttl, mode = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
@@ -141,6 +149,7 @@ for id, cost in pairs(live) do
 end
 return redis.call('HINCRBY', KEYS[1], 'in_flight', delta)
 """
+)
 
 
 class StoreUnavailable(Exception):
@@ -164,8 +173,17 @@ class StoreStats:
 
 
 class RedisStore:
-    def __init__(self, url: str, registry: TenantRegistry, *, replica_id: str, fleet_size: int,
-                 lease_ttl_s: float = 10.0, timeout_s: float = 0.5, prefix: str = "headroom"):
+    def __init__(
+        self,
+        url: str,
+        registry: TenantRegistry,
+        *,
+        replica_id: str,
+        fleet_size: int,
+        lease_ttl_s: float = 10.0,
+        timeout_s: float = 0.5,
+        prefix: str = "headroom",
+    ):
         self.url = url
         self.registry = registry
         self.replica_id = replica_id
@@ -173,8 +191,13 @@ class RedisStore:
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
         self.prefix = prefix
         # No retries: a lost Redis is handled by falling back, at once.
-        self.client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                              retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        self.client = aioredis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
         self._reserve = self.client.register_script(RESERVE)
         self._settle = self.client.register_script(SETTLE)
         self._sync = self.client.register_script(SYNC)
@@ -196,8 +219,16 @@ class RedisStore:
         c = tenant.config
         self.pending.add(lease)
         try:
-            granted, wait_ms, _ = await self._call(self._reserve, tenant.name, cost, c.rate_tokens_per_s,
-                                                   c.burst_tokens, tenant.max_in_flight_tokens, lease, self.lease_ttl_ms)
+            granted, wait_ms, _ = await self._call(
+                self._reserve,
+                tenant.name,
+                cost,
+                c.rate_tokens_per_s,
+                c.burst_tokens,
+                tenant.max_in_flight_tokens,
+                lease,
+                self.lease_ttl_ms,
+            )
             if granted:
                 self.live[lease] = Lease(tenant.name, cost)
                 return lease
@@ -222,8 +253,9 @@ class RedisStore:
         c = tenant.config if tenant is not None else None
         refund = str(reserved - used) if charged else ""
         with contextlib.suppress(StoreUnavailable):
-            await self._call(self._settle, held.tenant, lease, refund,
-                             c.rate_tokens_per_s if c else 1, c.burst_tokens if c else 0)
+            await self._call(
+                self._settle, held.tenant, lease, refund, c.rate_tokens_per_s if c else 1, c.burst_tokens if c else 0
+            )
 
     async def sync(self, add: bool = False) -> None:
         """Renew this replica's leases for every tenant in one pipelined round trip, and
@@ -237,9 +269,20 @@ class RedisStore:
         try:
             async with self.client.pipeline(transaction=False) as pipe:
                 for name, pairs in by_tenant.items():
-                    await self._sync(keys=self._keys(name), client=pipe,
-                                     args=[self._lease_prefix(), self._epoch, watermark, self.lease_ttl_ms,
-                                           "add" if add else "renew", len(pending), *pending, *pairs])
+                    await self._sync(
+                        keys=self._keys(name),
+                        client=pipe,
+                        args=[
+                            self._lease_prefix(),
+                            self._epoch,
+                            watermark,
+                            self.lease_ttl_ms,
+                            "add" if add else "renew",
+                            len(pending),
+                            *pending,
+                            *pairs,
+                        ],
+                    )
                 await pipe.execute()
         except RedisError as exc:
             self._lost(exc)
@@ -254,8 +297,13 @@ class RedisStore:
             await self._recover()
         except StoreUnavailable:
             self.registry.set_share(1 / self.fleet_size)
-            log.error("admission store: Redis at %s unreachable (%s); admitting on this replica's share (1/%d) "
-                      "of every tenant budget until it is back", self._where(), self.reason, self.fleet_size)
+            log.error(
+                "admission store: Redis at %s unreachable (%s); admitting on this replica's share (1/%d) "
+                "of every tenant budget until it is back",
+                self._where(),
+                self.reason,
+                self.fleet_size,
+            )
 
     async def run(self) -> None:
         """Renew leases every ttl/3 while Redis is up; ping it every 0.5 s while it is not."""
@@ -285,8 +333,11 @@ class RedisStore:
         bucket_key, _, cost_key = self._keys(tenant)
         async with self.client.pipeline(transaction=True) as pipe:
             bucket, costs = await pipe.hgetall(bucket_key).hvals(cost_key).execute()
-        return {"level": float(bucket.get(b"level", math.nan)), "in_flight": int(bucket.get(b"in_flight", 0)),
-                "leased": sum(int(c) for c in costs)}
+        return {
+            "level": float(bucket.get(b"level", math.nan)),
+            "in_flight": int(bucket.get(b"in_flight", 0)),
+            "leased": sum(int(c) for c in costs),
+        }
 
     # --- internals ------------------------------------------------------------
 
@@ -322,8 +373,13 @@ class RedisStore:
             self.available = False
             self.fallbacks += 1
             self.registry.set_share(1 / self.fleet_size)
-            log.error("admission store: Redis at %s unreachable (%s); admitting on this replica's share "
-                      "(1/%d) of every tenant budget until it is back", self._where(), exc, self.fleet_size)
+            log.error(
+                "admission store: Redis at %s unreachable (%s); admitting on this replica's share "
+                "(1/%d) of every tenant budget until it is back",
+                self._where(),
+                exc,
+                self.fleet_size,
+            )
         self.reason = f"{type(exc).__name__}: {exc}"
 
     def _keys(self, tenant: str) -> list[str]:

@@ -36,8 +36,13 @@ class TenantBucket:
     on admission and settles it when done: the unused part comes back, overuse is
     charged, so the level can go negative (debt) and must refill before the next one."""
 
-    def __init__(self, rate_tokens_per_s: float, burst_tokens: int, max_in_flight_tokens: int,
-                 now: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        rate_tokens_per_s: float,
+        burst_tokens: int,
+        max_in_flight_tokens: int,
+        now: Callable[[], float] = time.monotonic,
+    ):
         self._now = now
         self.rate = rate_tokens_per_s
         self.burst = burst_tokens
@@ -170,8 +175,9 @@ class TenantRegistry:
     """The live tenants. Built from AdmissionConfig; after that, updates made here are the
     truth (the frozen config keeps the start-up values)."""
 
-    def __init__(self, config: AdmissionConfig, now: Callable[[], float] = time.monotonic,
-                 capacity_tokens: int | None = None):
+    def __init__(
+        self, config: AdmissionConfig, now: Callable[[], float] = time.monotonic, capacity_tokens: int | None = None
+    ):
         """capacity_tokens: what the engine's KV cache holds, the in-flight cap of a
         tenant whose config sets none (None: uncapped)."""
         self.config = config
@@ -219,8 +225,9 @@ class TenantRegistry:
         config = dataclasses.replace(self.default.config, name=name, api_keys=())
         cap = self._cap(config)
         bucket = TenantBucket(config.rate_tokens_per_s, config.burst_tokens, cap, self._now)
-        tenant = self._tenants[name] = Tenant(config, bucket, self.config.priority(config.tier), cap,
-                                               self.config.backfill_max_wait_s)
+        tenant = self._tenants[name] = Tenant(
+            config, bucket, self.config.priority(config.tier), cap, self.config.backfill_max_wait_s
+        )
         self._configure(tenant)  # a fleet replica's share applies to it too
         return tenant
 
@@ -245,15 +252,29 @@ class TenantRegistry:
             return self.default
         return tenant
 
-    def update(self, name: str, *, tier: str | None = None, rate_tokens_per_s: float | None = None,
-               burst_tokens: int | None = None, max_in_flight_tokens: int | None = None) -> Tenant:
+    def update(
+        self,
+        name: str,
+        *,
+        tier: str | None = None,
+        rate_tokens_per_s: float | None = None,
+        burst_tokens: int | None = None,
+        max_in_flight_tokens: int | None = None,
+    ) -> Tenant:
         """Change a tenant's limits in place; waiting and in-flight requests keep their
         reservations. Raises KeyError for an unknown tenant, ConfigError for bad values.
         Call Admission.pump() afterwards so raised limits admit waiters at once."""
         tenant = self._tenants[name]
-        changes = {k: v for k, v in (("tier", tier), ("rate_tokens_per_s", rate_tokens_per_s),
-                                     ("burst_tokens", burst_tokens),
-                                     ("max_in_flight_tokens", max_in_flight_tokens)) if v is not None}
+        changes = {
+            k: v
+            for k, v in (
+                ("tier", tier),
+                ("rate_tokens_per_s", rate_tokens_per_s),
+                ("burst_tokens", burst_tokens),
+                ("max_in_flight_tokens", max_in_flight_tokens),
+            )
+            if v is not None
+        }
         new = dataclasses.replace(tenant.config, **changes)  # validates
         priority = self.config.priority(new.tier)
         tenant.config = new
@@ -273,6 +294,8 @@ class TenantRegistry:
     def _configure(self, tenant: Tenant) -> None:
         c, share = tenant.config, self.share
         tenant.max_in_flight_tokens = self._cap(c)
-        tenant.bucket.configure(c.rate_tokens_per_s * share, max(1, int(c.burst_tokens * share)),
-                                max(1, int(tenant.max_in_flight_tokens * share)))
-
+        tenant.bucket.configure(
+            c.rate_tokens_per_s * share,
+            max(1, int(c.burst_tokens * share)),
+            max(1, int(tenant.max_in_flight_tokens * share)),
+        )

@@ -56,8 +56,11 @@ def split_records(records: list[dict], seed: int = 0) -> tuple[list[dict], list[
     if test:
         return [r for r in records if r.get("split") == "train"], test, "split field"
     held = _held_out(records, HOLDOUT_FRACTION, seed)
-    return ([r for r, h in zip(records, held) if not h], [r for r, h in zip(records, held) if h],
-            f"seeded {HOLDOUT_FRACTION:.0%} holdout")
+    return (
+        [r for r, h in zip(records, held) if not h],
+        [r for r, h in zip(records, held) if h],
+        f"seeded {HOLDOUT_FRACTION:.0%} holdout",
+    )
 
 
 def _held_out(records: list[dict], fraction: float, seed: int) -> np.ndarray:
@@ -93,14 +96,20 @@ def _fit(name: str, x: np.ndarray, y: np.ndarray, fold: np.ndarray, seed: int) -
     classifier stopped after a few rounds predicts the base rate for every request."""
     params = {**_PARAMS, **_OBJECTIVES[name], "seed": seed}
     folds = [(np.flatnonzero(fold != k), np.flatnonzero(fold == k)) for k in range(CV_FOLDS)]
-    history = lgb.cv(params, lgb.Dataset(x, y), MAX_ROUNDS, folds=folds,
-                     callbacks=[lgb.early_stopping(EARLY_STOPPING_ROUNDS, verbose=False)])
+    history = lgb.cv(
+        params,
+        lgb.Dataset(x, y),
+        MAX_ROUNDS,
+        folds=folds,
+        callbacks=[lgb.early_stopping(EARLY_STOPPING_ROUNDS, verbose=False)],
+    )
     rounds = max(len(next(iter(history.values()))), 10)
     return lgb.train(params, lgb.Dataset(x, y), rounds), rounds
 
 
-def train(records: list[dict], out_dir: str | Path, seed: int = 0,
-          thresholds: ClassThresholds = DEFAULT_THRESHOLDS) -> dict:
+def train(
+    records: list[dict], out_dir: str | Path, seed: int = 0, thresholds: ClassThresholds = DEFAULT_THRESHOLDS
+) -> dict:
     """Fit on the train rows, save to out_dir, and return held-out metrics."""
     train_rows, test_rows, how = split_records(records, seed)
     if len(train_rows) < 50:
@@ -111,8 +120,15 @@ def train(records: list[dict], out_dir: str | Path, seed: int = 0,
     boosters, rounds = {}, {}
     for name in ("p50", "p90", "cap"):
         boosters[name], rounds[name] = _fit(name, x, targets[name], fold, seed)
-    meta = {"n_train": len(train_rows), "n_test": len(test_rows), "holdout": how, "seed": seed,
-            "rounds": rounds, "params": _PARAMS, "feature_version": FEATURE_VERSION}
+    meta = {
+        "n_train": len(train_rows),
+        "n_test": len(test_rows),
+        "holdout": how,
+        "seed": seed,
+        "rounds": rounds,
+        "params": _PARAMS,
+        "feature_version": FEATURE_VERSION,
+    }
     predictor = LengthPredictor(meta=meta, **boosters)
     metrics = evaluate(predictor, test_rows, thresholds)
     metrics["holdout"] = how
@@ -121,8 +137,9 @@ def train(records: list[dict], out_dir: str | Path, seed: int = 0,
     return metrics
 
 
-def cross_validate(records: list[dict], k: int = CV_FOLDS, seed: int = 0,
-                   thresholds: ClassThresholds = DEFAULT_THRESHOLDS) -> list[dict]:
+def cross_validate(
+    records: list[dict], k: int = CV_FOLDS, seed: int = 0, thresholds: ClassThresholds = DEFAULT_THRESHOLDS
+) -> list[dict]:
     """k-fold CV over all records (a prompt's rows stay in one fold): each fold's metrics
     from a predictor fitted, as train() fits, on the other folds."""
     if len(records) < 50 * k // (k - 1):
@@ -140,20 +157,27 @@ def cross_validate(records: list[dict], k: int = CV_FOLDS, seed: int = 0,
 
 
 def format_cv(results: list[dict]) -> str:
-    rows = [("Kendall tau, predicted p50", lambda m: m["model"]["kendall_tau"]),
-            ("Kendall tau, max_tokens alone", lambda m: m["baseline_max_tokens"]["kendall_tau"]),
-            ("run-to-cap AUC", lambda m: m["model"]["cap_auc"]),
-            ("class accuracy (p50)", lambda m: m["model"]["class_accuracy"])]
-    lines = [f"{len(results)}-fold CV by prompt ({sum(m['n'] for m in results)} records)",
-             f"{'':<32}" + "".join(f"{'fold ' + str(i):>9}" for i in range(len(results))) + f"{'mean':>9}"]
+    rows = [
+        ("Kendall tau, predicted p50", lambda m: m["model"]["kendall_tau"]),
+        ("Kendall tau, max_tokens alone", lambda m: m["baseline_max_tokens"]["kendall_tau"]),
+        ("run-to-cap AUC", lambda m: m["model"]["cap_auc"]),
+        ("class accuracy (p50)", lambda m: m["model"]["class_accuracy"]),
+    ]
+    lines = [
+        f"{len(results)}-fold CV by prompt ({sum(m['n'] for m in results)} records)",
+        f"{'':<32}" + "".join(f"{'fold ' + str(i):>9}" for i in range(len(results))) + f"{'mean':>9}",
+    ]
     for label, get in rows:
         values = [get(m) for m in results]
         lines.append(f"{label:<32}" + "".join(f"{v:>9.3f}" for v in values) + f"{np.mean(values):>9.3f}")
     return "\n".join(lines)
 
 
-def evaluate(predictor: LengthPredictor | FallbackPredictor, records: list[dict],
-             thresholds: ClassThresholds = DEFAULT_THRESHOLDS) -> dict:
+def evaluate(
+    predictor: LengthPredictor | FallbackPredictor,
+    records: list[dict],
+    thresholds: ClassThresholds = DEFAULT_THRESHOLDS,
+) -> dict:
     if not records:
         return {}
     preds = [predictor.predict(RequestFeatures.from_record(r)) for r in records]
@@ -195,8 +219,10 @@ def evaluate(predictor: LengthPredictor | FallbackPredictor, records: list[dict]
 def _rank(score: np.ndarray, actual: np.ndarray) -> dict:
     if len(actual) < 2 or np.ptp(score) == 0 or np.ptp(actual) == 0:
         return {"kendall_tau": float("nan"), "spearman": float("nan")}
-    return {"kendall_tau": float(stats.kendalltau(score, actual).statistic),
-            "spearman": float(stats.spearmanr(score, actual).statistic)}
+    return {
+        "kendall_tau": float(stats.kendalltau(score, actual).statistic),
+        "spearman": float(stats.spearmanr(score, actual).statistic),
+    }
 
 
 def _auc(score: np.ndarray, label: np.ndarray) -> float:
@@ -214,13 +240,18 @@ def format_metrics(metrics: dict) -> str:
     classes = ", ".join(f"{k} {v}" for k, v in sorted(data["classes"].items()))
     lines = [
         f"held-out rows: {metrics['n']}" + (f" ({metrics['holdout']})" if "holdout" in metrics else ""),
-        (f"  run to cap {data['cap_rate']:.1%}, mean output {data['mean_output_tokens']:.0f} tokens; "
-         f"true classes: {classes}"),
+        (
+            f"  run to cap {data['cap_rate']:.1%}, mean output {data['mean_output_tokens']:.0f} tokens; "
+            f"true classes: {classes}"
+        ),
         "",
         f"{'ranking vs actual output_tokens':<34}{'kendall tau':>12}{'spearman':>10}",
     ]
-    for label, key in (("predictor p50", "model"), ("baseline: max_tokens", "baseline_max_tokens"),
-                       ("baseline: prompt_tokens", "baseline_prompt_tokens")):
+    for label, key in (
+        ("predictor p50", "model"),
+        ("baseline: max_tokens", "baseline_max_tokens"),
+        ("baseline: prompt_tokens", "baseline_prompt_tokens"),
+    ):
         lines.append(f"{label:<34}{metrics[key]['kendall_tau']:>12.3f}{metrics[key]['spearman']:>10.3f}")
     lines += [
         "",

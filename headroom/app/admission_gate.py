@@ -60,13 +60,17 @@ class AdmissionGate:
         self.registry = TenantRegistry(self.config, capacity_tokens=capacity_tokens)
         self.enabled = self.config.enabled
         self.store = _store(config, self.registry) if self.enabled else None
-        self.admission = Admission(self.config, self.registry, max_in_flight_seqs=max_in_flight_seqs,
-                                   store=self.store) if self.enabled else None
+        self.admission = (
+            Admission(self.config, self.registry, max_in_flight_seqs=max_in_flight_seqs, store=self.store)
+            if self.enabled
+            else None
+        )
         # LightGBM loads its models with OpenMP: off this (the event loop's) thread, see headroom/openmp.py.
         self.predictor = in_passing_thread(load_predictor, self.config.predictor_path) if self.enabled else None
         c = self.config
-        self.thresholds = ClassThresholds(c.short_max_prompt_tokens, c.short_max_output_tokens,
-                                          c.long_min_prompt_tokens, c.long_min_output_tokens)
+        self.thresholds = ClassThresholds(
+            c.short_max_prompt_tokens, c.short_max_output_tokens, c.long_min_prompt_tokens, c.long_min_output_tokens
+        )
         self.records = RecordLog(c.record_log_path, c.record_log_max_lines) if c.record_log_path else None
         self.decision_times: list[float] = []  # bounded ring of recent decision costs (s)
 
@@ -81,8 +85,9 @@ class AdmissionGate:
         registry = self.registry
         for header in ("X-Tenant", *FAIRNESS_HEADERS):
             if len(request.headers.get(header, "")) > MAX_TENANT_NAME:
-                raise BadRequest(f"{header} is longer than {MAX_TENANT_NAME} characters", param=header,
-                                 code="invalid_tenant")
+                raise BadRequest(
+                    f"{header} is longer than {MAX_TENANT_NAME} characters", param=header, code="invalid_tenant"
+                )
         tenant = registry.by_api_key(key) if key else None
         if tenant is None and (name := request.headers.get("X-Tenant")):
             tenant = registry.get_or_add(name) if registry.auto else registry.get(name)
@@ -100,8 +105,9 @@ class AdmissionGate:
         objective = None if self.config.auth else _first(request, OBJECTIVE_HEADERS)
         return (objective and self.config.objective_tier(objective)) or tenant.config.tier
 
-    async def admit(self, tenant: Tenant, engine_requests: list[Request], messages: list[dict],
-                    tier: str | None = None) -> Admitted:
+    async def admit(
+        self, tenant: Tenant, engine_requests: list[Request], messages: list[dict], tier: str | None = None
+    ) -> Admitted:
         """Predict, classify and wait for admission; sets the requests' admission fields.
         The n choices of one request share a prompt and parameters: one prediction, and
         one admission of n sequences at n times the cost (all or none, so that two
@@ -117,8 +123,9 @@ class AdmissionGate:
         engine_request = engine_requests[0]
         started = time.perf_counter()
         sampling = engine_request.sampling
-        features = RequestFeatures.from_messages(messages, engine_request.num_prompt_tokens, sampling.max_tokens,
-                                                 sampling.temperature, tenant.name)
+        features = RequestFeatures.from_messages(
+            messages, engine_request.num_prompt_tokens, sampling.max_tokens, sampling.temperature, tenant.name
+        )
         prediction = self.predictor.predict(features)
         # p50 classifies (p90 is max_tokens for most requests of a model that often runs to
         # the cap); p90 reserves, so a bucket is never short of what may really be used.
@@ -138,8 +145,9 @@ class AdmissionGate:
         cost = engine_request.num_prompt_tokens + min(sampling.max_tokens, math.ceil(prediction.p90))
         n = len(engine_requests)
         try:
-            ticket = await self.admission.acquire(tenant, cost * n, prompt_tokens=engine_request.num_prompt_tokens * n,
-                                                  seqs=n)
+            ticket = await self.admission.acquire(
+                tenant, cost * n, prompt_tokens=engine_request.num_prompt_tokens * n, seqs=n
+            )
         except Rejected as exc:
             for r in engine_requests:
                 r.admission_decision = "reject"

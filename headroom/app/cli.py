@@ -60,8 +60,16 @@ _FLAGS = {
     "log_format": ("observability", "log_format"),
     "log_prompts": ("observability", "log_prompts"),
 }
-_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "server": ServerConfig,
-             "admission": AdmissionConfig, "pools": PoolsConfig, "observability": ObservabilityConfig, "admin": AdminConfig}
+_SECTIONS = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "server": ServerConfig,
+    "admission": AdmissionConfig,
+    "pools": PoolsConfig,
+    "observability": ObservabilityConfig,
+    "admin": AdminConfig,
+}
 
 
 def _on_off(value: str) -> bool:
@@ -76,18 +84,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="GGUF file or HF checkpoint dir (default: SmolLM2-135M-Instruct)")
     g.add_argument("--served-model-name")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--quantization", choices=["auto", "none", "int8", "int4"],
-                   help="weight-only quantised linears on the CPU (auto: int4 for a float32 model on the CPU)")
+    g.add_argument(
+        "--quantization",
+        choices=["auto", "none", "int8", "int4"],
+        help="weight-only quantised linears on the CPU (auto: int4 for a float32 model on the CPU)",
+    )
     g.add_argument("--device", help="auto, cpu, cuda, cuda:N")
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--attention-backend", help="auto, torch, triton, flash_attn, xformers")
-    g.add_argument("--enforce-eager", action="store_true", default=None,
-                   help="on CUDA, run decode eagerly instead of replaying captured CUDA graphs")
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=None,
+        help="on CUDA, run decode eagerly instead of replaying captured CUDA graphs",
+    )
     g.add_argument("--block-size", type=int)
     g.add_argument("--num-kv-blocks", type=int)
     g.add_argument("--kv-cache-memory-gib", type=float)
-    g.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the KV cache's dtype (auto: float16 beside quantised CPU weights, else the model's)")
+    g.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the KV cache's dtype (auto: float16 beside quantised CPU weights, else the model's)",
+    )
     g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--max-num-seqs", type=int)
     g.add_argument("--max-num-batched-tokens", type=int)
@@ -156,8 +174,11 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     if out is not None and request.first_token_time and request.finished_time:
         decode_s = max(request.finished_time - request.first_token_time, 1e-9)
-        print(f"[{request.num_output_tokens} tokens, finish_reason={out.finish_reason}, "
-              f"{(request.num_output_tokens - 1) / decode_s:.1f} tokens/s decode]", file=sys.stderr)
+        print(
+            f"[{request.num_output_tokens} tokens, finish_reason={out.finish_reason}, "
+            f"{(request.num_output_tokens - 1) / decode_s:.1f} tokens/s decode]",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -170,16 +191,19 @@ def cmd_predictor_calibrate(ns: argparse.Namespace) -> int:
         rows = rows[: ns.limit]
     config = build_config(ns)
     # The labels are the model's own ends: no loop policy may cut a run short.
-    engine = Engine(dataclasses.replace(
-        config, scheduler=dataclasses.replace(config.scheduler, max_num_seqs=ns.concurrency),
-        admin=dataclasses.replace(config.admin, loop_policy="off")))
+    engine = Engine(
+        dataclasses.replace(
+            config,
+            scheduler=dataclasses.replace(config.scheduler, max_num_seqs=ns.concurrency),
+            admin=dataclasses.replace(config.admin, loop_policy="off"),
+        )
+    )
     recorder = None
     if ns.probe_layers:
         from headroom.admission.inflight import InflightRecorder
 
         recorder = InflightRecorder(tuple(int(x) for x in ns.probe_layers.split(",")))
-    n = calibrate(engine, rows, ns.out, default_max_tokens=ns.max_tokens, concurrency=ns.concurrency,
-                  recorder=recorder)
+    n = calibrate(engine, rows, ns.out, default_max_tokens=ns.max_tokens, concurrency=ns.concurrency, recorder=recorder)
     print(f"calibrate: wrote {n} records to {ns.out}", file=sys.stderr)
     if recorder is not None:
         recorder.save(ns.features)
@@ -252,8 +276,12 @@ def _train_inflight(ns: argparse.Namespace) -> int:
     if layer not in layers:
         print(f"headroom: {ns.inflight} has layers {layers}, not {layer}", file=sys.stderr)
         return 2
-    print(format_scores(f"layer {layer} (PCA {PCA_DIMS}) and loop signals, 4-fold CV by request",
-                        evaluate(data, layer, seed=ns.seed)))
+    print(
+        format_scores(
+            f"layer {layer} (PCA {PCA_DIMS}) and loop signals, 4-fold CV by request",
+            evaluate(data, layer, seed=ns.seed),
+        )
+    )
     InflightProbe.train(data, layer, seed=ns.seed).save(ns.out)
     print(f"\nin-flight probe (all {len(data['ids'])} rows) saved to {ns.out}", file=sys.stderr)
     return 0
@@ -269,13 +297,21 @@ def _eval_inflight(path: str, probe_dir: str | None) -> int:
 
         probe = InflightProbe.load(probe_dir)
         p_cap, p_remaining = probe.predict_rows(data)
-        print(format_scores(f"the probe in {probe_dir} (layer {probe.layer}) on every row of {path}",
-                            score(data, p_cap, p_remaining)))
+        print(
+            format_scores(
+                f"the probe in {probe_dir} (layer {probe.layer}) on every row of {path}",
+                score(data, p_cap, p_remaining),
+            )
+        )
         return 0
     print(format_scores("prompt and length features only (4-fold CV by request)", evaluate(data, None)))
     for layer in data["layers"]:
         print()
-        print(format_scores(f"+ layer {layer}'s residual stream (PCA {PCA_DIMS}) and loop signals", evaluate(data, int(layer))))
+        print(
+            format_scores(
+                f"+ layer {layer}'s residual stream (PCA {PCA_DIMS}) and loop signals", evaluate(data, int(layer))
+            )
+        )
     return 0
 
 
@@ -296,16 +332,30 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--max-body-bytes", type=int)
     srv.add_argument("--max-queue-len", type=int)
     srv.add_argument("--drain-timeout", type=float, help="seconds streams may run on after SIGTERM")
-    srv.add_argument("--unknown-fields", choices=["reject", "accept"],
-                     help="a request field no schema knows: 400 naming it (reject, as OpenAI) "
-                          "or ignored with a warning (accept, as vLLM)")
-    srv.add_argument("--request-metrics", action=argparse.BooleanOptionalAction, default=None,
-                     help="a metrics object (waits, TTFT, engine seconds ...) on final responses")
+    srv.add_argument(
+        "--unknown-fields",
+        choices=["reject", "accept"],
+        help="a request field no schema knows: 400 naming it (reject, as OpenAI) "
+        "or ignored with a warning (accept, as vLLM)",
+    )
+    srv.add_argument(
+        "--request-metrics",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a metrics object (waits, TTFT, engine seconds ...) on final responses",
+    )
     srv.add_argument("--admission", type=_on_off, metavar="on|off", help="per-tenant admission control")
-    srv.add_argument("--log-format", choices=["auto", "json", "console"],
-                     help="log lines as JSON (default when not a terminal) or for a human")
-    srv.add_argument("--log-prompts", action="store_true", default=None,
-                     help="put prompt messages into the per-request log line (off: prompts can hold secrets)")
+    srv.add_argument(
+        "--log-format",
+        choices=["auto", "json", "console"],
+        help="log lines as JSON (default when not a terminal) or for a human",
+    )
+    srv.add_argument(
+        "--log-prompts",
+        action="store_true",
+        default=None,
+        help="put prompt messages into the per-request log line (off: prompts can hold secrets)",
+    )
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
@@ -328,29 +378,42 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--max-tokens", type=int, default=512, help="cap for rows without their own max_tokens")
     cal.add_argument("--concurrency", type=int, default=64)
     cal.add_argument("--limit", type=int, default=None)
-    cal.add_argument("--probe-layers", default=None,
-                     help="comma-separated decoder layers whose last-token state to record in flight")
+    cal.add_argument(
+        "--probe-layers", default=None, help="comma-separated decoder layers whose last-token state to record in flight"
+    )
     cal.add_argument("--features", default="inflight.npz", help="where --probe-layers' rows go (.npz)")
     add_engine_args(cal)
     cal.set_defaults(func=cmd_predictor_calibrate)
     trn = pred_sub.add_parser("train", help="fit the predictor on calibration records; print held-out metrics")
     trn.add_argument("--data", default=None, help="calibration JSONL (split=train rows fit, split=test rows score)")
-    trn.add_argument("--inflight", default=None,
-                     help="in-flight rows from `calibrate --probe-layers`: train the in-flight probe instead")
+    trn.add_argument(
+        "--inflight",
+        default=None,
+        help="in-flight rows from `calibrate --probe-layers`: train the in-flight probe instead",
+    )
     trn.add_argument("--layer", type=int, default=None, help="with --inflight: the probe layer (default: the first)")
     trn.add_argument("--out", required=True, help="directory for the model files and meta.json")
     trn.add_argument("--seed", type=int, default=0)
     trn.set_defaults(func=cmd_predictor_train)
     evl = pred_sub.add_parser("eval", help="score a trained predictor on calibration records")
     evl.add_argument("--data", default=None, help="calibration JSONL; only split=test rows when it has any")
-    evl.add_argument("--inflight", default=None,
-                     help="in-flight rows from `calibrate --probe-layers`: AUC and tau by generated tokens")
+    evl.add_argument(
+        "--inflight",
+        default=None,
+        help="in-flight rows from `calibrate --probe-layers`: AUC and tau by generated tokens",
+    )
     evl.add_argument("--predictor", default=None, help="model directory (default: the packaged one)")
-    evl.add_argument("--probe", default=None,
-                     help="with --inflight: score this trained in-flight probe on the rows (held-out rows)")
+    evl.add_argument(
+        "--probe", default=None, help="with --inflight: score this trained in-flight probe on the rows (held-out rows)"
+    )
     evl.add_argument("--all-rows", action="store_true", help="score every row, not only split=test")
-    evl.add_argument("--cv", type=int, default=None, metavar="K",
-                     help="with --data: K-fold CV of the prompt-only predictor over every row (refitted per fold)")
+    evl.add_argument(
+        "--cv",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --data: K-fold CV of the prompt-only predictor over every row (refitted per fold)",
+    )
     evl.set_defaults(func=cmd_predictor_eval)
 
     top = sub.add_parser("top", help="live terminal view of the costliest sequences (admin API)")

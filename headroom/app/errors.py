@@ -17,8 +17,9 @@ class APIError(Exception):
     status = 500
     type = "server_error"
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self, message: str, param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None
+    ):
         super().__init__(message)
         self.message = message
         self.param = param
@@ -73,10 +74,14 @@ def validation_error(exc: ValidationError) -> BadRequest:
     if param is None and (named := re.match(r"(\w+): ", msg)):  # a model-level check names its field
         param = named.group(1)
     if first["type"] == "json_invalid":
-        return BadRequest(f"request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}",
-                          code="invalid_json")
-    return BadRequest(f"{param}: {msg}" if param and not msg.startswith(param) else msg, param=param,
-                      code="invalid_value" if first["type"] != "missing" else "missing_field")
+        return BadRequest(
+            f"request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}", code="invalid_json"
+        )
+    return BadRequest(
+        f"{param}: {msg}" if param and not msg.startswith(param) else msg,
+        param=param,
+        code="invalid_value" if first["type"] != "missing" else "missing_field",
+    )
 
 
 @web.middleware

@@ -66,15 +66,39 @@ class CompletionFormat(ResponseFormat):
     def start_chunks(self, index: int = 0) -> list[dict]:
         return []
 
-    def delta_chunk(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
-                    stop_reason: str | int | None = None, index: int = 0) -> dict:
-        return self.chunk({"index": index, "text": text, "logprobs": self._logprobs(text, logprobs, index),
-                           "finish_reason": finish_reason, "stop_reason": stop_reason})
+    def delta_chunk(
+        self,
+        text: str,
+        logprobs: list[TokenLogprob] | None,
+        finish_reason: str | None,
+        stop_reason: str | int | None = None,
+        index: int = 0,
+    ) -> dict:
+        return self.chunk(
+            {
+                "index": index,
+                "text": text,
+                "logprobs": self._logprobs(text, logprobs, index),
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+            }
+        )
 
-    def choice(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
-               stop_reason: str | int | None, index: int = 0) -> dict:
-        return {"index": index, "text": text, "logprobs": self._logprobs(text, logprobs, index),
-                "finish_reason": finish_reason, "stop_reason": stop_reason}
+    def choice(
+        self,
+        text: str,
+        logprobs: list[TokenLogprob] | None,
+        finish_reason: str | None,
+        stop_reason: str | int | None,
+        index: int = 0,
+    ) -> dict:
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": self._logprobs(text, logprobs, index),
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
 
     def _logprobs(self, text: str, logprobs: list[TokenLogprob] | None, index: int) -> dict | None:
         offset = self.text_offsets.get(index, 0)
@@ -101,23 +125,51 @@ class ChatFormat(ResponseFormat):
     object_chunk = "chat.completion.chunk"
 
     def start_chunks(self, index: int = 0) -> list[dict]:
-        return [self.chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None})]
+        return [
+            self.chunk(
+                {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            )
+        ]
 
-    def delta_chunk(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
-                    stop_reason: str | int | None = None, index: int = 0) -> dict:
+    def delta_chunk(
+        self,
+        text: str,
+        logprobs: list[TokenLogprob] | None,
+        finish_reason: str | None,
+        stop_reason: str | int | None = None,
+        index: int = 0,
+    ) -> dict:
         delta = {"content": text} if text or finish_reason is None else {}
-        return self.chunk({"index": index, "delta": delta, "logprobs": self._logprobs(logprobs),
-                           "finish_reason": finish_reason, "stop_reason": stop_reason})
+        return self.chunk(
+            {
+                "index": index,
+                "delta": delta,
+                "logprobs": self._logprobs(logprobs),
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+            }
+        )
 
-    def choice(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
-               stop_reason: str | int | None, index: int = 0) -> dict:
+    def choice(
+        self,
+        text: str,
+        logprobs: list[TokenLogprob] | None,
+        finish_reason: str | None,
+        stop_reason: str | int | None,
+        index: int = 0,
+    ) -> dict:
         message, finish_reason = self._message(text, finish_reason)
-        return {"index": index, "message": message, "logprobs": self._logprobs(logprobs),
-                "finish_reason": finish_reason, "stop_reason": stop_reason}
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": self._logprobs(logprobs),
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
 
-    def tool_chunks(self, text: str, finish_reason: str | None, stop_reason: str | int | None,
-                    index: int = 0) -> list[dict]:
+    def tool_chunks(
+        self, text: str, finish_reason: str | None, stop_reason: str | int | None, index: int = 0
+    ) -> list[dict]:
         """The held-back text of a stream, as OpenAI streams it: the content and each tool
         call (with its index) in one delta, then the finish."""
         message, finish_reason = self._message(text, finish_reason)
@@ -126,10 +178,20 @@ class ChatFormat(ResponseFormat):
             delta["content"] = message["content"]
         if "tool_calls" in message:
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-        chunks = [self.chunk({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})] \
-            if delta else []
-        chunks.append(self.chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason,
-                                  "stop_reason": stop_reason}))
+        chunks = (
+            [self.chunk({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})] if delta else []
+        )
+        chunks.append(
+            self.chunk(
+                {
+                    "index": index,
+                    "delta": {},
+                    "logprobs": None,
+                    "finish_reason": finish_reason,
+                    "stop_reason": stop_reason,
+                }
+            )
+        )
         return chunks
 
     def _message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
@@ -147,7 +209,9 @@ class ChatFormat(ResponseFormat):
     def _logprobs(self, logprobs: list[TokenLogprob] | None) -> dict | None:
         if logprobs is None:
             return None
-        return {"content": [
-            {**self._entry(lp.token_id, lp.logprob), "top_logprobs": [self._entry(t, v) for t, v in lp.top]}
-            for lp in logprobs
-        ]}
+        return {
+            "content": [
+                {**self._entry(lp.token_id, lp.logprob), "top_logprobs": [self._entry(t, v) for t, v in lp.top]}
+                for lp in logprobs
+            ]
+        }

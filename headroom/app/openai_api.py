@@ -39,6 +39,7 @@ from headroom.runtime.sampler import TokenLogprob
 
 log = logging.getLogger("headroom.api")
 
+
 def request_id(request: web.Request, prefix: str, tenant: Tenant) -> str:
     """As vLLM: the client's X-Request-Id, when given, becomes the response id's base
     (after `prefix`, which ends with its separator: "chatcmpl-", "resp_").
@@ -64,11 +65,11 @@ def caller(request: web.Request) -> Tenant:
 
 def check_accepting(request: web.Request) -> None:
     if request.app[keys.LIFECYCLE].draining:
-        raise Unavailable("the server is shutting down; retry on another instance", code="draining",
-                          headers={"Retry-After": "5"})
+        raise Unavailable(
+            "the server is shutting down; retry on another instance", code="draining", headers={"Retry-After": "5"}
+        )
     if request.app[keys.ENGINE].is_full:
-        raise QueueFull("the server's queue is full; retry shortly", code="queue_full",
-                        headers={"Retry-After": "1"})
+        raise QueueFull("the server's queue is full; retry shortly", code="queue_full", headers={"Retry-After": "1"})
 
 
 def check_model(request: web.Request, name: str | None) -> str:
@@ -78,14 +79,22 @@ def check_model(request: web.Request, name: str | None) -> str:
     return served
 
 
-def build_requests(request: web.Request, rid: str, body: SamplingFields, prompt_ids: list[int],
-                   max_tokens: int | None, logprobs: int | None, tenant: Tenant) -> list[Request]:
+def build_requests(
+    request: web.Request,
+    rid: str,
+    body: SamplingFields,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    logprobs: int | None,
+    tenant: Tenant,
+) -> list[Request]:
     """One engine request per choice (n); choice i > 0 is `rid-i`, with seed + i."""
     # Choice ids get a random part: a client's own X-Request-Id can never name another's choice.
     ids = [rid] + [f"{rid}-{i}-{uuid.uuid4().hex[:8]}" for i in range(1, body.n)]
     seeds = [None if body.seed is None else _wrap_seed(body.seed + i) for i in range(body.n)]
-    built = [build_request(request, ids[i], body, prompt_ids, max_tokens, logprobs, tenant,
-                           seeds[i]) for i in range(body.n)]
+    built = [
+        build_request(request, ids[i], body, prompt_ids, max_tokens, logprobs, tenant, seeds[i]) for i in range(body.n)
+    ]
     trace = request.get(keys.TRACE)
     if trace is not None:  # one arrival for the span, the ledger and /admin alike: the handler's
         for engine_request in built:
@@ -97,13 +106,20 @@ def _wrap_seed(seed: int) -> int:
     return seed - 2**64 if seed >= 2**64 else seed
 
 
-def build_request(request: web.Request, rid: str, body: SamplingFields, prompt_ids: list[int],
-                  max_tokens: int | None, logprobs: int | None, tenant: Tenant, seed: int | None) -> Request:
+def build_request(
+    request: web.Request,
+    rid: str,
+    body: SamplingFields,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    logprobs: int | None,
+    tenant: Tenant,
+    seed: int | None,
+) -> Request:
     client = request.app[keys.ENGINE]
     engine = client.engine
     if client.is_in_flight(rid):
-        raise Conflict(f"request id {rid!r} is already in flight", param="X-Request-Id",
-                       code="duplicate_request_id")
+        raise Conflict(f"request id {rid!r} is already in flight", param="X-Request-Id", code="duplicate_request_id")
     # The tenant's own limits, where set, are hard caps below the server's.
     max_len = min(engine.max_model_len, tenant.config.max_model_len or engine.max_model_len)
     room = max_len - len(prompt_ids)
@@ -112,7 +128,9 @@ def build_request(request: web.Request, rid: str, body: SamplingFields, prompt_i
             raise BadRequest(
                 f"This model's maximum context length is {max_len} tokens. However, your "
                 f"prompt has {len(prompt_ids)} tokens, leaving no room for completion tokens.",
-                param="messages", code="context_length_exceeded")
+                param="messages",
+                code="context_length_exceeded",
+            )
         max_tokens = room
     if tenant.config.max_tokens is not None:
         max_tokens = min(max_tokens, tenant.config.max_tokens)
@@ -140,7 +158,9 @@ def build_request(request: web.Request, rid: str, body: SamplingFields, prompt_i
             f"This model's maximum context length is {max_len} tokens. However, you requested "
             f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the "
             "completion). Please reduce the prompt or max_tokens.",
-            param="max_tokens", code="context_length_exceeded")
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     try:
         # vLLM's convention: a lower `priority` value is served earlier.
         built = engine.new_request(prompt_ids, sampling, request_id=rid, priority=-body.priority)
@@ -161,8 +181,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     note(request, request_id=rid)
     engine_requests = build_requests(request, rid, body, prompt_ids, body.max_tokens, body.logprobs, tenant)
     await constrain(request, engine_requests, grammar_spec(body), constraint_param(body))
-    fmt = CompletionFormat(rid, int(time.time()), model, _token_text(tokenizer), body.include_usage,
-                           report_metrics=reports_metrics(request.app[keys.CONFIG].server, tenant))
+    fmt = CompletionFormat(
+        rid,
+        int(time.time()),
+        model,
+        _token_text(tokenizer),
+        body.include_usage,
+        report_metrics=reports_metrics(request.app[keys.CONFIG].server, tenant),
+    )
     text = body.prompt if isinstance(body.prompt, str) else ""
     return await respond(request, engine_requests, fmt, body.stream, tenant, [{"role": "user", "content": text}])
 
@@ -175,20 +201,29 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await respond(request, engine_requests, fmt, body.stream, tenant, messages)
 
 
-async def prepare_chat(request: web.Request, body: ChatCompletionRequest, tenant: Tenant,
-                       id_prefix: str) -> tuple[list[Request], ChatFormat, list[dict]]:
+async def prepare_chat(
+    request: web.Request, body: ChatCompletionRequest, tenant: Tenant, id_prefix: str
+) -> tuple[list[Request], ChatFormat, list[dict]]:
     """A chat request up to admission: its engine requests (tokenised through the chat
     template, constrained by its grammar), its format and its messages."""
     model = check_model(request, body.model)
     tokenizer = request.app[keys.ENGINE].engine.tokenizer
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-                 **({"tool_calls": [c.model_dump() for c in m.tool_calls]} if m.tool_calls else {}),
-                 **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})} for m in body.messages]
+    messages = [
+        {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": m.text(),
+            **({"tool_calls": [c.model_dump() for c in m.tool_calls]} if m.tool_calls else {}),
+            **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {}),
+        }
+        for m in body.messages
+    ]
     tools, tool_grammar = tool_use(body, tokenizer.hf.chat_template)
     takes_tools = tokenizer.template_takes_tools
     try:
-        prompt_ids = tokenizer.apply_chat_template(template_messages(messages, tools, takes_tools),
-                                                   tools=tools.tools if tools is not None and takes_tools else None)
+        prompt_ids = tokenizer.apply_chat_template(
+            template_messages(messages, tools, takes_tools),
+            tools=tools.tools if tools is not None and takes_tools else None,
+        )
     except ValueError as exc:
         raise BadRequest(f"messages: {exc}", param="messages") from None
     rid = request_id(request, id_prefix, tenant)
@@ -198,13 +233,13 @@ async def prepare_chat(request: web.Request, body: ChatCompletionRequest, tenant
     spec = tool_grammar or grammar_spec(body)
     await constrain(request, engine_requests, spec, "tool_choice" if tool_grammar else constraint_param(body))
     report = reports_metrics(request.app[keys.CONFIG].server, tenant)
-    fmt = ChatFormat(rid, int(time.time()), model, _token_text(tokenizer), body.include_usage,
-                     tools=tools, report_metrics=report)
+    fmt = ChatFormat(
+        rid, int(time.time()), model, _token_text(tokenizer), body.include_usage, tools=tools, report_metrics=report
+    )
     return engine_requests, fmt, messages
 
 
-async def constrain(request: web.Request, engine_requests: list[Request], spec: GrammarSpec | None,
-                    param: str) -> None:
+async def constrain(request: web.Request, engine_requests: list[Request], spec: GrammarSpec | None, param: str) -> None:
     """Give each of `engine_requests` a matcher for `spec`. Compiling runs in a worker thread, so
     neither the event loop nor the engine's steps wait on it; a spec compiled before
     comes from xgrammar's cache."""
@@ -227,19 +262,32 @@ def _token_text(tokenizer):
 
 def usage_of(requests: list[Request]) -> Usage:
     # The prompt is counted once, as OpenAI counts it for n choices.
-    return Usage(requests[0].num_prompt_tokens, sum(r.num_output_tokens for r in requests),
-                 max(r.num_cached_tokens for r in requests))
+    return Usage(
+        requests[0].num_prompt_tokens,
+        sum(r.num_output_tokens for r in requests),
+        max(r.num_cached_tokens for r in requests),
+    )
 
 
 # What writes a response once admitted: _run for completions and chat, another for /v1/responses.
 Run = Callable[[web.Request, list[Request], Any, bool], Awaitable[web.StreamResponse]]
 
 
-async def respond(request: web.Request, engine_requests: list[Request], fmt: Any, stream: bool,
-                  tenant: Tenant, messages: list[dict], run: Run | None = None) -> web.StreamResponse:
+async def respond(
+    request: web.Request,
+    engine_requests: list[Request],
+    fmt: Any,
+    stream: bool,
+    tenant: Tenant,
+    messages: list[dict],
+    run: Run | None = None,
+) -> web.StreamResponse:
     gate = request.app[keys.GATE]
-    note(request, engine_request=engine_requests[0],
-         prompt=messages if request.app[keys.CONFIG].observability.log_prompts else None)
+    note(
+        request,
+        engine_request=engine_requests[0],
+        prompt=messages if request.app[keys.CONFIG].observability.log_prompts else None,
+    )
     # n choices: n sequences, admitted at once
     admitted = await gate.admit(tenant, engine_requests, messages, gate.tier(request, tenant))
     if admitted.route is not None:
@@ -298,8 +346,9 @@ async def outputs_of(client, requests: list[Request]):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _run(request: web.Request, engine_requests: list[Request], fmt: ResponseFormat,
-               stream: bool) -> web.StreamResponse:
+async def _run(
+    request: web.Request, engine_requests: list[Request], fmt: ResponseFormat, stream: bool
+) -> web.StreamResponse:
     client = request.app[keys.ENGINE]
     headers = {"X-Request-Id": engine_requests[0].request_id}
     n = len(engine_requests)
@@ -325,8 +374,12 @@ async def _run(request: web.Request, engine_requests: list[Request], fmt: Respon
         for out in last:
             if out.error:
                 raise APIError(out.error, code="engine_error")
-        choices = [fmt.choice("".join(text[i]), logprobs[i] if wants_logprobs else None, last[i].finish_reason,
-                              last[i].stop_reason, i) for i in range(n)]
+        choices = [
+            fmt.choice(
+                "".join(text[i]), logprobs[i] if wants_logprobs else None, last[i].finish_reason, last[i].stop_reason, i
+            )
+            for i in range(n)
+        ]
         body = closing(fmt.full(choices, usage_of(engine_requests)))
         return web.json_response(body, headers=headers)
 
@@ -348,14 +401,18 @@ async def _run(request: web.Request, engine_requests: list[Request], fmt: Respon
                 if fmt.holds_text:  # tool calls are known only once the whole text is
                     held[index].append(out.text)
                     if out.finished:
-                        chunks = fmt.tool_chunks("".join(held[index]), out.finish_reason,
-                                                 out.stop_reason, index)
+                        chunks = fmt.tool_chunks("".join(held[index]), out.finish_reason, out.stop_reason, index)
                         for chunk in chunks[:-1] + [closing(chunks[-1]) if last else chunks[-1]]:
                             await response.write(encode_event(chunk))
                     continue
                 if out.text or out.finished or out.logprobs:
-                    chunk = fmt.delta_chunk(out.text, out.logprobs, out.finish_reason if out.finished else None,
-                                            out.stop_reason if out.finished else None, index)
+                    chunk = fmt.delta_chunk(
+                        out.text,
+                        out.logprobs,
+                        out.finish_reason if out.finished else None,
+                        out.stop_reason if out.finished else None,
+                        index,
+                    )
                     await response.write(encode_event(closing(chunk) if last else chunk))
         if fmt.include_usage:
             await response.write(encode_event(closing(fmt.usage_chunk(usage_of(engine_requests)))))
@@ -368,7 +425,12 @@ async def _run(request: web.Request, engine_requests: list[Request], fmt: Respon
 
 async def list_models(request: web.Request) -> web.Response:
     engine = request.app[keys.ENGINE].engine
-    card = {"id": engine.loaded.name, "object": "model", "created": request.app[keys.LIFECYCLE].started_at,
-            "owned_by": "headroom", "root": engine.loaded.name, "max_model_len": engine.max_model_len}
+    card = {
+        "id": engine.loaded.name,
+        "object": "model",
+        "created": request.app[keys.LIFECYCLE].started_at,
+        "owned_by": "headroom",
+        "root": engine.loaded.name,
+        "max_model_len": engine.max_model_len,
+    }
     return web.json_response({"object": "list", "data": [card]})
-

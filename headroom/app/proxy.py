@@ -14,8 +14,16 @@ from headroom.app.errors import APIError
 
 log = logging.getLogger("headroom.proxy")
 
-FORWARDED = ("Authorization", "Content-Type", "X-Request-Id", "X-Tenant", *FAIRNESS_HEADERS,
-             *OBJECTIVE_HEADERS, "traceparent", "tracestate")
+FORWARDED = (
+    "Authorization",
+    "Content-Type",
+    "X-Request-Id",
+    "X-Tenant",
+    *FAIRNESS_HEADERS,
+    *OBJECTIVE_HEADERS,
+    "traceparent",
+    "tracestate",
+)
 RETURNED = ("Content-Type", "Cache-Control", "Retry-After", "X-Request-Id")
 
 

@@ -33,8 +33,12 @@ from headroom.runtime.request import Request
 log = logging.getLogger("headroom.api")
 
 # Where the chat path names a field of its own, the client sent this one.
-CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-               "response_format": "text.format"}
+CHAT_PARAMS = {
+    "messages": "input",
+    "max_completion_tokens": "max_output_tokens",
+    "max_tokens": "max_output_tokens",
+    "response_format": "text.format",
+}
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
@@ -56,32 +60,43 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         if item.type == "message":
             messages.append({"role": item.role, "content": item.text()})
         elif item.type == "function_call":
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
             if messages and messages[-1]["role"] == "assistant":  # calls of one turn are one assistant message
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
-    fields: dict = {"model": body.model, "messages": messages, "max_completion_tokens": body.max_output_tokens,
-                    "stream": body.stream, "parallel_tool_calls": body.parallel_tool_calls}
+    fields: dict = {
+        "model": body.model,
+        "messages": messages,
+        "max_completion_tokens": body.max_output_tokens,
+        "stream": body.stream,
+        "parallel_tool_calls": body.parallel_tool_calls,
+    }
     for name in ("temperature", "top_p"):  # null: the default
         if getattr(body, name) is not None:
             fields[name] = getattr(body, name)
     if body.tools:
-        fields["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-                           for t in body.tools]
+        fields["tools"] = [
+            {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in body.tools
+        ]
     choice = body.tool_choice
     if choice is not None:
-        fields["tool_choice"] = choice if isinstance(choice, str) else {"type": "function",
-                                                                       "function": {"name": choice.name}}
+        fields["tool_choice"] = (
+            choice if isinstance(choice, str) else {"type": "function", "function": {"name": choice.name}}
+        )
     fmt = body.text.format if body.text is not None else None
     if fmt is not None and fmt.type != "text":
         fields["response_format"] = {"type": fmt.type}
         if fmt.type == "json_schema":
-            fields["response_format"]["json_schema"] = fmt.model_dump(by_alias=True, exclude={"type"},
-                                                                      exclude_none=True)
+            fields["response_format"]["json_schema"] = fmt.model_dump(
+                by_alias=True, exclude={"type"}, exclude_none=True
+            )
     try:
         return ChatCompletionRequest.model_validate(fields)
     except ValidationError as exc:
@@ -96,7 +111,7 @@ def renamed(err: BadRequest) -> BadRequest:
     param = CHAT_PARAMS[chat_param]
     message = err.message
     if message.startswith(err.param + ":"):
-        message = param + message[len(err.param):]
+        message = param + message[len(err.param) :]
     return BadRequest(message, param=param, code=err.code, headers=err.headers)
 
 
@@ -122,8 +137,9 @@ def echo(body: ResponsesRequest, chat_body: ChatCompletionRequest) -> dict:
     }
 
 
-async def _run(request: web.Request, engine_requests: list[Request], fmt: ResponsesFormat,
-               stream: bool) -> web.StreamResponse:
+async def _run(
+    request: web.Request, engine_requests: list[Request], fmt: ResponsesFormat, stream: bool
+) -> web.StreamResponse:
     headers = {"X-Request-Id": engine_requests[0].request_id}
     outputs = outputs_of(request.app[keys.ENGINE], engine_requests)
     text: list[str] = []
@@ -161,8 +177,11 @@ async def _run(request: web.Request, engine_requests: list[Request], fmt: Respon
                 if out.text and not fmt.holds_text:
                     await send([events.delta(out.text)])
             else:
-                await send(events.finish("".join(text), last.finish_reason, last.stop_reason,
-                                         usage_of(engine_requests), metrics()))
+                await send(
+                    events.finish(
+                        "".join(text), last.finish_reason, last.stop_reason, usage_of(engine_requests), metrics()
+                    )
+                )
         await response.write_eof()
     except ConnectionResetError:  # the client left; aclosing has already aborted the sequence
         log.info("client disconnected mid-stream: %s", engine_requests[0].request_id)

@@ -42,19 +42,38 @@ class ResponsesFormat:
         """Stream nothing until the end: the text may turn out to be function calls."""
         return self.chat.holds_text
 
-    def response(self, status: str, output: list[dict], usage: Usage | None = None,
-                 error: dict | None = None, metrics: dict | None = None) -> dict:
+    def response(
+        self,
+        status: str,
+        output: list[dict],
+        usage: Usage | None = None,
+        error: dict | None = None,
+        metrics: dict | None = None,
+    ) -> dict:
         """metrics: the request's, on a final response where the server reports them."""
         incomplete = {"reason": self.incomplete_reason} if status == "incomplete" else None
-        out = {"id": self.chat.id, "object": "response", "created_at": self.chat.created,
-               "status": status, "error": error, "incomplete_details": incomplete,
-               "model": self.chat.model, "output": output,
-               "usage": usage_dict(usage) if usage is not None else None, **self.echo}
+        out = {
+            "id": self.chat.id,
+            "object": "response",
+            "created_at": self.chat.created,
+            "status": status,
+            "error": error,
+            "incomplete_details": incomplete,
+            "model": self.chat.model,
+            "output": output,
+            "usage": usage_dict(usage) if usage is not None else None,
+            **self.echo,
+        }
         return out if metrics is None else {**out, "metrics": metrics}
 
     def message(self, text: str, status: str) -> dict:
-        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
-                "content": [text_part(text)] if status != "in_progress" else []}
+        return {
+            "type": "message",
+            "id": self.message_id,
+            "status": status,
+            "role": "assistant",
+            "content": [text_part(text)] if status != "in_progress" else [],
+        }
 
     def finished(self, text: str, finish_reason: str | None, stop_reason: str | int | None) -> tuple[str, list[dict]]:
         """The status and output items of a response whose text is all there."""
@@ -62,11 +81,22 @@ class ResponsesFormat:
         self.incomplete_reason = INCOMPLETE_REASONS.get(finish_reason or "", "max_output_tokens")
         message = self.chat.choice(text, None, finish_reason, stop_reason)["message"]
         calls = message.get("tool_calls", [])
-        items = [self.message(message["content"] or "", "completed" if status == "completed" else "incomplete")] \
-            if message["content"] is not None or not calls else []
-        items += [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
-                   "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-                   "status": "completed"} for call in calls]
+        items = (
+            [self.message(message["content"] or "", "completed" if status == "completed" else "incomplete")]
+            if message["content"] is not None or not calls
+            else []
+        )
+        items += [
+            {
+                "type": "function_call",
+                "id": f"fc_{uuid.uuid4().hex}",
+                "call_id": call["id"],
+                "name": call["function"]["name"],
+                "arguments": call["function"]["arguments"],
+                "status": "completed",
+            }
+            for call in calls
+        ]
         return status, items
 
 
@@ -86,16 +116,30 @@ class ResponseEvents:
 
     def start(self) -> list[dict]:
         snapshot = self.fmt.response("in_progress", [])
-        events = [self.event("response.created", response=snapshot),
-                  self.event("response.in_progress", response=snapshot)]
+        events = [
+            self.event("response.created", response=snapshot),
+            self.event("response.in_progress", response=snapshot),
+        ]
         return events if self.fmt.holds_text else events + self._open_message(0)
 
     def delta(self, text: str, output_index: int = 0) -> dict:
-        return self.event("response.output_text.delta", item_id=self.fmt.message_id, output_index=output_index,
-                          content_index=0, delta=text, logprobs=[])
+        return self.event(
+            "response.output_text.delta",
+            item_id=self.fmt.message_id,
+            output_index=output_index,
+            content_index=0,
+            delta=text,
+            logprobs=[],
+        )
 
-    def finish(self, text: str, finish_reason: str | None, stop_reason: str | int | None,
-               usage: Usage, metrics: dict | None = None) -> list[dict]:
+    def finish(
+        self,
+        text: str,
+        finish_reason: str | None,
+        stop_reason: str | int | None,
+        usage: Usage,
+        metrics: dict | None = None,
+    ) -> list[dict]:
         status, items = self.fmt.finished(text, finish_reason, stop_reason)
         events = []
         for index, item in enumerate(items):
@@ -106,14 +150,22 @@ class ResponseEvents:
     def failed(self, message: str) -> list[dict]:
         """An engine error after the stream began: the error, then the response, failed."""
         final = self.fmt.response("failed", [], error={"code": "server_error", "message": message})
-        return [self.event("error", code="engine_error", message=message, param=None),
-                self.event("response.failed", response=final)]
+        return [
+            self.event("error", code="engine_error", message=message, param=None),
+            self.event("response.failed", response=final),
+        ]
 
     def _open_message(self, index: int) -> list[dict]:
-        return [self.event("response.output_item.added", output_index=index,
-                           item=self.fmt.message("", "in_progress")),
-                self.event("response.content_part.added", item_id=self.fmt.message_id, output_index=index,
-                           content_index=0, part=text_part(""))]
+        return [
+            self.event("response.output_item.added", output_index=index, item=self.fmt.message("", "in_progress")),
+            self.event(
+                "response.content_part.added",
+                item_id=self.fmt.message_id,
+                output_index=index,
+                content_index=0,
+                part=text_part(""),
+            ),
+        ]
 
     def _message(self, index: int, item: dict) -> list[dict]:
         text = item["content"][0]["text"]
@@ -121,14 +173,21 @@ class ResponseEvents:
         if self.fmt.holds_text:  # not opened yet: all of it now
             events += self._open_message(index) + ([self.delta(text, index)] if text else [])
         ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
-        return events + [self.event("response.output_text.done", **ids, text=text, logprobs=[]),
-                         self.event("response.content_part.done", **ids, part=text_part(text)),
-                         self.event("response.output_item.done", output_index=index, item=item)]
+        return events + [
+            self.event("response.output_text.done", **ids, text=text, logprobs=[]),
+            self.event("response.content_part.done", **ids, part=text_part(text)),
+            self.event("response.output_item.done", output_index=index, item=item),
+        ]
 
     def _function_call(self, index: int, item: dict) -> list[dict]:
         ids = {"item_id": item["id"], "output_index": index}
-        return [self.event("response.output_item.added", output_index=index,
-                           item={**item, "arguments": "", "status": "in_progress"}),
-                self.event("response.function_call_arguments.delta", **ids, delta=item["arguments"]),
-                self.event("response.function_call_arguments.done", **ids, arguments=item["arguments"]),
-                self.event("response.output_item.done", output_index=index, item=item)]
+        return [
+            self.event(
+                "response.output_item.added",
+                output_index=index,
+                item={**item, "arguments": "", "status": "in_progress"},
+            ),
+            self.event("response.function_call_arguments.delta", **ids, delta=item["arguments"]),
+            self.event("response.function_call_arguments.done", **ids, arguments=item["arguments"]),
+            self.event("response.output_item.done", output_index=index, item=item),
+        ]

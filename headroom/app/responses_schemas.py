@@ -20,8 +20,16 @@ from pydantic import (
 
 # Refused when set: no stored state (responses, conversations, prompt templates), no
 # images, no server-side moderation, context management or background runs here.
-NOT_IMPLEMENTED = ("previous_response_id", "conversation", "context_management", "prompt", "moderation", "image",
-                   "background_options", "prompt_cache_options")
+NOT_IMPLEMENTED = (
+    "previous_response_id",
+    "conversation",
+    "context_management",
+    "prompt",
+    "moderation",
+    "image",
+    "background_options",
+    "prompt_cache_options",
+)
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
@@ -58,8 +66,11 @@ class InputItem(BaseModel):
 
     @model_validator(mode="after")
     def _fields_of_its_type(self):
-        required = {"message": ("role", "content"), "function_call": ("call_id", "name", "arguments"),
-                    "function_call_output": ("call_id", "output")}[self.type]
+        required = {
+            "message": ("role", "content"),
+            "function_call": ("call_id", "name", "arguments"),
+            "function_call_output": ("call_id", "output"),
+        }[self.type]
         for name in required:
             if getattr(self, name) is None:
                 raise ValueError(f"{name}: required in an item of type {self.type!r}")
@@ -128,8 +139,11 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
-    input: Annotated[list[InputItem], BeforeValidator(_user_message, json_schema_input_type=str | list[InputItem]),
-                     Field(min_length=1)]
+    input: Annotated[
+        list[InputItem],
+        BeforeValidator(_user_message, json_schema_input_type=str | list[InputItem]),
+        Field(min_length=1),
+    ]
     instructions: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
@@ -140,8 +154,12 @@ class ResponsesRequest(BaseModel):
     tools: Annotated[list[FunctionTool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = None
-    metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
-                        Field(max_length=16)] | None = None
+    metadata: (
+        Annotated[
+            dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]], Field(max_length=16)
+        ]
+        | None
+    ) = None
     # Accepted, with no effect here: bookkeeping of OpenAI's own platform, or (max_tool_calls)
     # a cap on built-in tools, of which there are none here.
     user: str | None = None
@@ -180,8 +198,11 @@ class ResponsesRequest(BaseModel):
     def _supported(self):
         for name in NOT_IMPLEMENTED:
             if getattr(self, name) is not None:
-                raise ValueError(f"{name}: not supported: nothing is stored here, and every request stands alone"
-                                 if name in ("previous_response_id", "conversation") else f"{name}: not supported")
+                raise ValueError(
+                    f"{name}: not supported: nothing is stored here, and every request stands alone"
+                    if name in ("previous_response_id", "conversation")
+                    else f"{name}: not supported"
+                )
         if self.store:
             raise ValueError("store: responses are never stored here; send false or leave it out")
         if self.background:

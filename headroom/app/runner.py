@@ -15,8 +15,9 @@ from headroom.app.errors import error_body
 
 
 class JsonErrorRequestHandler(RequestHandler):
-    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
         super().handle_error(request, status, exc, message)  # logs; raises if a reply has begun
         if isinstance(exc, LineTooLong):
             status, code = 431, "headers_too_large"
@@ -40,6 +41,10 @@ class JsonErrorServer(web.Server):
 class Runner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         plain = await super()._make_server()
-        return JsonErrorServer(plain.request_handler, request_factory=plain.request_factory,
-                               handler_cancellation=plain.handler_cancellation,
-                               loop=asyncio.get_running_loop(), **plain._kwargs)
+        return JsonErrorServer(
+            plain.request_handler,
+            request_factory=plain.request_factory,
+            handler_cancellation=plain.handler_cancellation,
+            loop=asyncio.get_running_loop(),
+            **plain._kwargs,
+        )

@@ -15,8 +15,15 @@ MAX_CHOICES = 16  # n: each choice is a sequence of its own
 # OpenAI fields not implemented: refused with a 400 naming them when set, never ignored
 # (docs/OPENAI_API.md lists every field and what headroom does with it).
 NOT_IMPLEMENTED = ("functions", "function_call", "best_of")
-CHAT_NOT_IMPLEMENTED = ("audio", "prediction", "reasoning_effort", "verbosity",
-                        "web_search_options", "moderation", "prompt_cache_options")
+CHAT_NOT_IMPLEMENTED = (
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "verbosity",
+    "web_search_options",
+    "moderation",
+    "prompt_cache_options",
+)
 
 
 class JSONSchemaSpec(BaseModel):
@@ -138,8 +145,12 @@ class SamplingFields(BaseModel):
                 raise ValueError(f"{name}: not supported yet")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
-        constrained = self.guided_json is not None or self.guided_regex is not None or \
-            self.guided_choice is not None or (self.response_format is not None and self.response_format.type != "text")
+        constrained = (
+            self.guided_json is not None
+            or self.guided_regex is not None
+            or self.guided_choice is not None
+            or (self.response_format is not None and self.response_format.type != "text")
+        )
         for name in ("ignore_eos", "min_tokens"):
             if constrained and getattr(self, name):
                 raise ValueError(f"{name}: not allowed with a structured output, which ends where its grammar does")
@@ -284,7 +295,7 @@ class ChatCompletionRequest(SamplingFields):
         if self.store:
             raise ValueError("store: completions are never stored here")
         if self.modalities is not None and self.modalities != ["text"]:
-            raise ValueError("modalities: only [\"text\"] is supported")
+            raise ValueError('modalities: only ["text"] is supported')
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             raise ValueError("tool_choice: needs tools")
         forced = self.tools and self.tool_choice not in (None, "none", "auto")

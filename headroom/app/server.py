@@ -36,9 +36,12 @@ async def health(request: web.Request) -> web.Response:
     engine = request.app[keys.ENGINE].engine
     ex = engine.executor
     backend = {"name": ex.backend.name, "reason": getattr(ex.backend, "reason", None), "block_size": ex.block_size}
-    weights = {"dtype": str(ex.dtype).removeprefix("torch."), "quantization": ex.loaded.quantization,
-               "reason": ex.quantization_reason,
-               "kv_cache": {"dtype": str(ex.kv_dtype).removeprefix("torch."), "reason": ex.kv_dtype_reason}}
+    weights = {
+        "dtype": str(ex.dtype).removeprefix("torch."),
+        "quantization": ex.loaded.quantization,
+        "reason": ex.quantization_reason,
+        "kv_cache": {"dtype": str(ex.kv_dtype).removeprefix("torch."), "reason": ex.kv_dtype_reason},
+    }
     body = {"status": "ok", "attention_backend": backend, "cuda_graphs": ex.cuda_graphs, "weights": weights}
     store = request.app[keys.GATE].store
     if store is not None:
@@ -68,23 +71,26 @@ def setup_routes(app: web.Application) -> None:
 def create_app(config: Config, engine: Engine) -> web.Application:
     """The app runs `engine`'s step thread for as long as the app is up."""
     # observe_middleware is outermost, so it sees the status error_middleware chose.
-    app = web.Application(middlewares=[observe_middleware, error_middleware],
-                          client_max_size=config.server.max_body_bytes)
+    app = web.Application(
+        middlewares=[observe_middleware, error_middleware], client_max_size=config.server.max_body_bytes
+    )
     app[keys.CONFIG] = config
     max_in_flight = config.scheduler.max_num_seqs + config.server.max_queue_len
     app[keys.ENGINE] = AsyncEngine(engine, max_in_flight)
     # Admission holds back what the engine cannot seat soon, so that fairness across
     # tenants decides who goes next rather than arrival order in the engine's queue.
     admission_seats = config.admission.global_max_in_flight_seqs or config.scheduler.max_num_seqs + 8
-    app[keys.GATE] = AdmissionGate(config, admission_seats,
-                                   engine.block_manager.num_blocks * engine.block_manager.block_size)
+    app[keys.GATE] = AdmissionGate(
+        config, admission_seats, engine.block_manager.num_blocks * engine.block_manager.block_size
+    )
     if config.admission.enabled and config.admission.inflight and engine.inflight is None:
         _use_inflight(config, engine)
     app[keys.LIFECYCLE] = keys.Lifecycle()
     app[keys.OBSERVABILITY] = Observability(config.observability, engine, app[keys.GATE].admission)
     app[keys.ENGINE].on_closed = app[keys.OBSERVABILITY].charge
-    app[keys.OPENAPI] = build_openapi(package_version(), admin=admin_token(config) is not None,
-                                      unknown_fields=config.server.unknown_fields)
+    app[keys.OPENAPI] = build_openapi(
+        package_version(), admin=admin_token(config) is not None, unknown_fields=config.server.unknown_fields
+    )
     app.cleanup_ctx.append(_observability)  # first in, last out: flushes the final spans
     if app[keys.GATE].store is not None:
         app.cleanup_ctx.append(_admission_store)  # out after the engine: its last settles reach Redis
@@ -107,8 +113,9 @@ def _use_inflight(config: Config, engine: Engine) -> None:
     from headroom.admission.inflight_model import load_inflight_probe
 
     c, args = config.admission, engine.loaded.args
-    probe = in_passing_thread(load_inflight_probe, c.inflight_probe_path, args.hidden_size, args.num_layers,
-                              args.vocab_size)  # LightGBM's loading runs OpenMP: see headroom/openmp.py
+    probe = in_passing_thread(
+        load_inflight_probe, c.inflight_probe_path, args.hidden_size, args.num_layers, args.vocab_size
+    )  # LightGBM's loading runs OpenMP: see headroom/openmp.py
     if probe is not None:
         engine.use_inflight(probe, c.inflight_every, c.runaway_threshold, c.long_min_output_tokens)
 
@@ -161,8 +168,9 @@ async def _observability(app: web.Application):
 
 
 async def _policies(app: web.Application):
-    task = asyncio.create_task(policies.enforce(app[keys.CONFIG].admin, app[keys.ENGINE].engine),
-                               name="headroom-policies")
+    task = asyncio.create_task(
+        policies.enforce(app[keys.CONFIG].admin, app[keys.ENGINE].engine), name="headroom-policies"
+    )
     yield
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):

@@ -18,8 +18,6 @@ DONE = b"data: [DONE]\n\n"
 
 
 async def open_stream(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
-    )
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
     await response.prepare(request)
     return response

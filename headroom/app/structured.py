@@ -25,8 +25,11 @@ HERMES_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
 def grammar_spec(body) -> GrammarSpec | None:
     """The grammar `body` asks for: response_format or one guided_* field (not both)."""
-    asked = [name for name in ("response_format", "guided_json", "guided_regex", "guided_choice")
-             if getattr(body, name, None) is not None]
+    asked = [
+        name
+        for name in ("response_format", "guided_json", "guided_regex", "guided_choice")
+        if getattr(body, name, None) is not None
+    ]
     fmt = body.response_format
     if fmt is not None and fmt.type == "text":
         asked.remove("response_format")
@@ -109,11 +112,22 @@ def tool_use(body, template: str | None) -> tuple[ToolUse | None, GrammarSpec | 
     else:
         chosen = [t for t in body.tools if t.function.name == choice.function.name]
         if not chosen:
-            raise BadRequest(f"tool_choice: no function named {choice.function.name!r} in tools "
-                             f"({', '.join(names)})", param="tool_choice")
-    options = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                                 "arguments": t.function.parameters or {"type": "object"}},
-                "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
+            raise BadRequest(
+                f"tool_choice: no function named {choice.function.name!r} in tools ({', '.join(names)})",
+                param="tool_choice",
+            )
+    options = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t.function.name},
+                "arguments": t.function.parameters or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in chosen
+    ]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     return ToolUse(tools, forced=True, hermes=False), GrammarSpec.json_schema(schema)
 
@@ -122,14 +136,25 @@ def template_messages(messages: list[dict], use: ToolUse | None, template_takes_
     """Messages as the chat template gets them. A template that takes no tools gets them,
     and earlier tool calls, written out as text."""
     if template_takes_tools:  # such templates write the arguments out themselves (Qwen's with tojson)
-        return [{**m, "tool_calls": [{**c, "function": {**c["function"],
-                                                        "arguments": _arguments(c["function"]["arguments"])}}
-                                     for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages]
+        return [
+            {
+                **m,
+                "tool_calls": [
+                    {**c, "function": {**c["function"], "arguments": _arguments(c["function"]["arguments"])}}
+                    for c in m["tool_calls"]
+                ],
+            }
+            if m.get("tool_calls")
+            else m
+            for m in messages
+        ]
     out = []
     for m in messages:
         if m.get("tool_calls"):
-            calls = [{"name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])}
-                     for c in m["tool_calls"]]
+            calls = [
+                {"name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])}
+                for c in m["tool_calls"]
+            ]
             m = {"role": "assistant", "content": json.dumps(calls[0] if len(calls) == 1 else calls)}
         elif m["role"] == "tool":
             m = {"role": "tool", "content": m["content"]}
@@ -138,8 +163,10 @@ def template_messages(messages: list[dict], use: ToolUse | None, template_takes_
         out.append(m)
     if use is not None:
         listing = "\n".join(json.dumps(t["function"]) for t in use.tools)
-        note = ("You can call these functions:\n" + listing + "\nTo call one, answer with only a JSON object: "
-                '{"name": <function name>, "arguments": <its arguments>}.')
+        note = (
+            "You can call these functions:\n" + listing + "\nTo call one, answer with only a JSON object: "
+            '{"name": <function name>, "arguments": <its arguments>}.'
+        )
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + note}
         else:

@@ -33,6 +33,7 @@ from headroom.models.llama import ForwardContext, Llama
 
 log = logging.getLogger(__name__)
 
+
 def capture_sizes(max_num_seqs: int, sizes: Sequence[int]) -> tuple[int, ...]:
     """The batch sizes to capture when at most max_num_seqs sequences run: every listed
     size below it, and max_num_seqs itself so the largest batch never runs eagerly."""
@@ -153,8 +154,12 @@ class DecodeGraphs:
                 self.graphs[size] = graph
             torch.cuda.synchronize(dev)
             used = (free_before - torch.cuda.mem_get_info(dev)[0]) / 2**20
-        log.info("captured CUDA graphs for decode batch sizes %s in %.1f s (%.0f MiB)",
-                 ",".join(map(str, self.sizes)), time.perf_counter() - started, used)
+        log.info(
+            "captured CUDA graphs for decode batch sizes %s in %.1f s (%.0f MiB)",
+            ",".join(map(str, self.sizes)),
+            time.perf_counter() - started,
+            used,
+        )
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of a pure-decode batch: its rows padded up to a captured size,

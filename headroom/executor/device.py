@@ -32,15 +32,19 @@ def large_batch_dtype(device: torch.device) -> tuple[torch.dtype, str]:
     kernels, _ = cpu_kernels()
     tiled = device.type == "cpu" and kernels is not None and kernels.qdot_available()
     native = [flag for flag in BF16_FLAGS if flag in cpu_flags()] if device.type == "cpu" else []
-    dtype, why = ((torch.bfloat16, f"bfloat16 matmuls ({native[0]})") if native
-                  else (torch.float32, "float32 matmuls (no native bf16 on this CPU)"))
+    dtype, why = (
+        (torch.bfloat16, f"bfloat16 matmuls ({native[0]})")
+        if native
+        else (torch.float32, "float32 matmuls (no native bf16 on this CPU)")
+    )
     if tiled:
         return dtype, f"the tiled int8 kernel above it (AVX-512 VNNI; {why} for shapes it does not tile)"
     return dtype, f"{why} above it"
 
 
-def resolve_quantization(name: str, device: torch.device, dtype: torch.dtype, hidden_size: int,
-                         intermediate_size: int) -> tuple[str, int, torch.dtype, str]:
+def resolve_quantization(
+    name: str, device: torch.device, dtype: torch.dtype, hidden_size: int, intermediate_size: int
+) -> tuple[str, int, torch.dtype, str]:
     """(mode, largest batch served from packed weights, dtype of the matmuls above that
     batch, why) for the log and /health."""
     if name == "none":
@@ -56,11 +60,15 @@ def resolve_quantization(name: str, device: torch.device, dtype: torch.dtype, hi
         raise ConfigError(f"quantization {name} needs headroom's CPU kernels: {why}")
     large, large_why = large_batch_dtype(device)
     # The MLP's gate/up projection, the largest linear of a layer, stands for all of them.
-    found = {mode: measure_crossover(hidden_size, 2 * intermediate_size, 4 if mode == "int4" else 8, large)
-             for mode in (("int4", "int8") if name == "auto" else (name,))}
-    said = "; ".join(f"{mode} {1e3 * c.packed_s[1]:.3f} ms vs float {1e3 * c.float_s[1]:.3f} ms at batch 1, "
-                     f"{c.relative_cost:.2f}x float's time over batches 1-64, packed up to batch {c.small_batch}"
-                     for mode, c in found.items())
+    found = {
+        mode: measure_crossover(hidden_size, 2 * intermediate_size, 4 if mode == "int4" else 8, large)
+        for mode in (("int4", "int8") if name == "auto" else (name,))
+    }
+    said = "; ".join(
+        f"{mode} {1e3 * c.packed_s[1]:.3f} ms vs float {1e3 * c.float_s[1]:.3f} ms at batch 1, "
+        f"{c.relative_cost:.2f}x float's time over batches 1-64, packed up to batch {c.small_batch}"
+        for mode, c in found.items()
+    )
     said = f"{why}; {said}; {large_why}"
     if name != "auto":
         return name, max(1, found[name].small_batch), large, f"chosen by flag or config ({said})"
@@ -68,7 +76,12 @@ def resolve_quantization(name: str, device: torch.device, dtype: torch.dtype, hi
     if not useful:
         return "none", 0, dtype, f"auto: no packed kernel beats float32 here ({said})"
     best = min(useful, key=lambda mode: useful[mode].relative_cost)
-    return best, useful[best].small_batch, large, f"auto: fastest against the float matmuls over batch sizes 1-64 ({said})"
+    return (
+        best,
+        useful[best].small_batch,
+        large,
+        f"auto: fastest against the float matmuls over batch sizes 1-64 ({said})",
+    )
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -108,7 +121,8 @@ def prepare_model(config: ModelConfig) -> tuple[LoadedModel, str]:
     loaded = load_model(config, device, dtype)
     args = loaded.args
     loaded.quantization, small_batch, large_dtype, reason = resolve_quantization(
-        config.quantization, device, dtype, args.hidden_size, args.intermediate_size)
+        config.quantization, device, dtype, args.hidden_size, args.intermediate_size
+    )
     quantize_model(loaded.model, loaded.quantization, small_batch, large_dtype)
     kernels, _ = cpu_kernels()
     if device.type == "cpu" and dtype == torch.float32 and kernels is not None:

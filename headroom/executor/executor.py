@@ -53,11 +53,31 @@ class Executor:
         )
         max_model_len = config.model.max_model_len or args.max_position_embeddings
         graph_sizes, cuda_graphs = graph_plan(config, device, backend)
-        runner = ModelRunner(loaded.model, backend, num_blocks, block_size, device, kv_dtype,
-                             graph_sizes=graph_sizes, max_model_len=max_model_len)
+        runner = ModelRunner(
+            loaded.model,
+            backend,
+            num_blocks,
+            block_size,
+            device,
+            kv_dtype,
+            graph_sizes=graph_sizes,
+            max_model_len=max_model_len,
+        )
         cuda_graphs = runner.capture_graphs() or cuda_graphs
-        return cls(loaded, quantization_reason, device, dtype, backend, block_size, kv_dtype, kv_dtype_reason,
-                   num_blocks, max_model_len, runner, cuda_graphs)
+        return cls(
+            loaded,
+            quantization_reason,
+            device,
+            dtype,
+            backend,
+            block_size,
+            kv_dtype,
+            kv_dtype_reason,
+            num_blocks,
+            max_model_len,
+            runner,
+            cuda_graphs,
+        )
 
     def describe(self) -> str:
         """The start line's account of what was chosen and why."""

@@ -25,8 +25,13 @@ def kv_block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
 
 
 class ModelOutput:
-    def __init__(self, logits: torch.Tensor, sample_indices: list[int], timer: StepTimer,
-                 probes: dict[int, torch.Tensor] | None = None):
+    def __init__(
+        self,
+        logits: torch.Tensor,
+        sample_indices: list[int],
+        timer: StepTimer,
+        probes: dict[int, torch.Tensor] | None = None,
+    ):
         self.logits = logits  # (S, V) float32 for the S sampling requests
         self.sample_indices = sample_indices  # positions in SchedulerOutput.requests that sample
         self.timer = timer  # device time of the forward pass
@@ -110,8 +115,16 @@ class ModelRunner:
         # (ModelOutput.probes), for the in-flight length probe and its calibration.
         self.probe_layers: frozenset[int] = frozenset()
         if graph_sizes:
-            self.graphs = DecodeGraphs(model, backend, self.kv_caches, graph_sizes, block_size,
-                                       max_model_len or args.max_position_embeddings, num_blocks, device)
+            self.graphs = DecodeGraphs(
+                model,
+                backend,
+                self.kv_caches,
+                graph_sizes,
+                block_size,
+                max_model_len or args.max_position_embeddings,
+                num_blocks,
+                device,
+            )
 
     def capture_graphs(self) -> str | None:
         """Capture the decode graphs; on failure, say why and run every step eagerly."""
@@ -186,8 +199,13 @@ class ModelRunner:
         timer = StepTimer(self.device)
         meta = batch.meta
         probing = probe and bool(self.probe_layers) and bool(batch.sample_indices)
-        ctx = ForwardContext(meta=meta, kv_caches=self.kv_caches, backend=self.backend,
-                             probe_rows=batch.logits_rows if probing else None, probe_layers=self.probe_layers)
+        ctx = ForwardContext(
+            meta=meta,
+            kv_caches=self.kv_caches,
+            backend=self.backend,
+            probe_rows=batch.logits_rows if probing else None,
+            probe_layers=self.probe_layers,
+        )
         if self.graphs is not None and not probing and self.graphs.can_run(meta.num_seqs, meta.num_decodes):
             hidden = self.graphs.run(batch.input_ids, batch.positions, meta)
         else:

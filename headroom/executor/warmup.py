@@ -34,8 +34,9 @@ def time_step(runner: ModelRunner, block_manager: BlockManager, tokens: int, con
     try:
         request.num_computed_tokens = context
         pairs = attention_pairs(tokens, context)
-        out = SchedulerOutput(requests=[request], num_scheduled_tokens=[tokens], num_decodes=int(tokens == 1),
-                              attention_pairs=pairs)
+        out = SchedulerOutput(
+            requests=[request], num_scheduled_tokens=[tokens], num_decodes=int(tokens == 1), attention_pairs=pairs
+        )
         times = []
         for _ in range(1 + TIMED_RUNS):
             started = time.perf_counter()
@@ -57,6 +58,8 @@ def measure_step_cost(runner: ModelRunner, block_manager: BlockManager) -> list[
         shapes.append((CHUNK, min(DEEP, room - CHUNK)))
     samples = [time_step(runner, block_manager, tokens, context) for tokens, context in shapes]
     samples = [s for s in samples if s is not None]
-    log.info("step cost at start: %s", ", ".join(
-        f"{s.num_tokens} tokens/{s.pairs} pairs {s.seconds * 1e3:.1f} ms" for s in samples))
+    log.info(
+        "step cost at start: %s",
+        ", ".join(f"{s.num_tokens} tokens/{s.pairs} pairs {s.seconds * 1e3:.1f} ms" for s in samples),
+    )
     return samples

@@ -68,9 +68,7 @@ def _config(reader: GGUFReader) -> dict[str, Any]:
     fields = reader.fields
     arch = _value(fields, "general.architecture")
     if arch not in ARCHITECTURES:
-        raise ValueError(
-            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"
-        )
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
     hf_arch, model_type = ARCHITECTURES[arch]
 
     def get(key: str, default: Any = None) -> Any:
@@ -81,9 +79,7 @@ def _config(reader: GGUFReader) -> dict[str, Any]:
     head_dim = get("attention.key_length") or hidden // heads
     rotary_dim = get("rope.dimension_count", head_dim)
     if rotary_dim != head_dim:
-        raise ValueError(
-            f"partial rotary embeddings (rope.dimension_count={rotary_dim}) are not supported"
-        )
+        raise ValueError(f"partial rotary embeddings (rope.dimension_count={rotary_dim}) are not supported")
     config: dict[str, Any] = {
         "architectures": [hf_arch],
         "model_type": model_type,
@@ -101,9 +97,7 @@ def _config(reader: GGUFReader) -> dict[str, Any]:
     if rope_scaling:
         config["rope_scaling"] = rope_scaling
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise ValueError(
-            "GGUF files with per-frequency RoPE factors (rope_freqs, e.g. Llama 3.1) are not supported"
-        )
+        raise ValueError("GGUF files with per-frequency RoPE factors (rope_freqs, e.g. Llama 3.1) are not supported")
     if "tokenizer.ggml.tokens" in fields:
         config["vocab_size"] = len(fields["tokenizer.ggml.tokens"].data)
     bos = _value(fields, "tokenizer.ggml.bos_token_id")

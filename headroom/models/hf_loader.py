@@ -41,7 +41,5 @@ def _shard_files(path: str) -> list[str]:
         return shards
     shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not shards:
-        raise FileNotFoundError(
-            f"no *.safetensors weights in {path} (PyTorch .bin checkpoints are not supported)"
-        )
+        raise FileNotFoundError(f"no *.safetensors weights in {path} (PyTorch .bin checkpoints are not supported)")
     return shards

@@ -50,9 +50,7 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
     if path.endswith(".gguf"):
         config, state = load_gguf(path)
         args = _model_args(config, model_config.max_model_len)
-        tokenizer = Tokenizer.from_gguf(
-            path, extra_eos_ids=token_id_list(config.get("eos_token_id"))
-        )
+        tokenizer = Tokenizer.from_gguf(path, extra_eos_ids=token_id_list(config.get("eos_token_id")))
         default_name = os.path.splitext(os.path.basename(path))[0]
     elif os.path.isdir(path):
         config, state = load_hf_dir(path)
@@ -60,9 +58,7 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
         tokenizer = Tokenizer.from_dir(path)
         default_name = os.path.basename(os.path.normpath(os.path.abspath(path)))
     else:
-        raise FileNotFoundError(
-            f"model not found: {path} (expected a .gguf file or a checkpoint directory)"
-        )
+        raise FileNotFoundError(f"model not found: {path} (expected a .gguf file or a checkpoint directory)")
 
     with torch.device("meta"):
         model = Llama(args)
@@ -103,7 +99,6 @@ def _model_args(config: dict[str, Any], max_model_len: int | None) -> ModelArgs:
         return args
     if max_model_len > args.max_position_embeddings:
         raise ConfigError(
-            f"max_model_len={max_model_len} is larger than the model's context length "
-            f"({args.max_position_embeddings})"
+            f"max_model_len={max_model_len} is larger than the model's context length ({args.max_position_embeddings})"
         )
     return dataclasses.replace(args, max_position_embeddings=max_model_len)

@@ -101,8 +101,11 @@ class LargeBatchMatmul:
         self.dtype = dtype
         self.weight = weight if weight.dtype == dtype else weight.to(dtype)
         # oneDNN's bf16 kernels need a CPU it has them for (AVX-512 or later); elsewhere F.linear.
-        self.onednn = (dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-                       and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        self.onednn = (
+            dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        )
         if self.onednn:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32)
 
@@ -114,8 +117,15 @@ class LargeBatchMatmul:
 
 
 class QuantLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bits: int, small_batch: int,
-                 large_dtype: torch.dtype = torch.float32, tiled: bool = True):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        bits: int,
+        small_batch: int,
+        large_dtype: torch.dtype = torch.float32,
+        tiled: bool = True,
+    ):
         """Batches over small_batch: with tiled (and AVX-512 VNNI), the packed path's integer
         arithmetic laid out for many rows; otherwise a float matmul in large_dtype (bfloat16
         where the CPU multiplies it natively; the weight is copied once to it)."""
@@ -135,8 +145,9 @@ class QuantLinear(nn.Module):
             self.qweight, self.scales, self.mins = pack_nibbles(q, self.nibble_chunk), scale, low
         else:
             symmetric, with_min = (*int8_groups(weight), None), asymmetric_groups(weight, 255)
-            q, scale, low = min((symmetric, with_min),
-                                key=lambda form: (rebuild(*form) - weight.float()).abs().max().item())
+            q, scale, low = min(
+                (symmetric, with_min), key=lambda form: (rebuild(*form) - weight.float()).abs().max().item()
+            )
             if self.qdot and low is None:  # scale * q == scale * (q + 128) - 128 * scale, exactly
                 q, low = (q.to(torch.int16) + 128).to(torch.uint8), -128 * scale
             self.qweight, self.scales, self.mins = q, scale, low
@@ -211,8 +222,9 @@ class Crossover:
         return best
 
 
-def measure_crossover(in_features: int, out_features: int, bits: int, large_dtype: torch.dtype = torch.float32,
-                      repeats: int = 7) -> Crossover:
+def measure_crossover(
+    in_features: int, out_features: int, bits: int, large_dtype: torch.dtype = torch.float32, repeats: int = 7
+) -> Crossover:
     """Time linears of the model's shape at each batch size: float, packed, and the path
     above small_batch (tiled where the CPU has the integer kernel). The
     weights span more than a last-level cache, as a model's do, so that the float path
@@ -241,8 +253,9 @@ def measure_crossover(in_features: int, out_features: int, bits: int, large_dtyp
     return Crossover(float_s, packed_s, large_s)
 
 
-def quantize_model(model: nn.Module, mode: str, small_batch: int, large_dtype: torch.dtype = torch.float32,
-                   tiled: bool = True) -> None:
+def quantize_model(
+    model: nn.Module, mode: str, small_batch: int, large_dtype: torch.dtype = torch.float32, tiled: bool = True
+) -> None:
     """Swap the model's linears for packed ones in place: int4 for the decoder's linears
     and int8 for the output head in "int4" mode, int8 for all in "int8" mode. Batches over
     small_batch rows take the tiled integer kernel where tiled and the CPU has it, else

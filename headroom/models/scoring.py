@@ -28,10 +28,17 @@ def sequence_logits(model, ids: list[int], kv_dtype: torch.dtype = torch.float32
     shape = (blocks, BLOCK, args.num_kv_heads, args.head_dim)
     caches = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)) for _ in range(args.num_layers)]
     meta = AttentionMetadata(
-        slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        seq_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([n], dtype=torch.int32),
-        block_tables=torch.arange(blocks, dtype=torch.int32)[None], max_query_len=n, max_seq_len=n,
-        num_decodes=0, query_lens_cpu=[n], seq_lens_cpu=[n])
+        slot_mapping=torch.arange(n),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+        max_query_len=n,
+        max_seq_len=n,
+        num_decodes=0,
+        query_lens_cpu=[n],
+        seq_lens_cpu=[n],
+    )
     hidden = model(torch.tensor(ids), torch.arange(n), ForwardContext(meta, caches, TorchAttention()))
     return model.compute_logits(hidden)
 
@@ -49,6 +56,6 @@ def chunked_perplexity(model, chunks: list[list[int]], kv_dtype: torch.dtype = t
     for ids in chunks:
         first = len(ids) // 2
         logits = sequence_logits(model, ids, kv_dtype)
-        total += F.cross_entropy(logits[first:-1], torch.tensor(ids[first + 1:]), reduction="sum").item()
+        total += F.cross_entropy(logits[first:-1], torch.tensor(ids[first + 1 :]), reduction="sum").item()
         count += len(ids) - 1 - first
     return math.exp(total / count)

@@ -59,9 +59,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
         if not self.hf.chat_template:
-            raise ValueError(
-                "this model's tokenizer has no chat template; use the completions API instead"
-            )
+            raise ValueError("this model's tokenizer has no chat template; use the completions API instead")
         text = self.hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         # The template writes any BOS itself; adding special tokens again would double it.
         return self.hf.encode(text, add_special_tokens=False)

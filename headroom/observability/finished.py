@@ -55,11 +55,30 @@ class FinishedRequest:
     loop_detected_at: int | None = None  # output tokens when the server's loop detector fired
 
     @classmethod
-    def build(cls, *, request_id: str, endpoint: str, model: str, http_status: int, arrival: float, end: float,
-              request: Request | None, tenant: str | None, tier: str | None, error: str | None = None,
-              ) -> FinishedRequest:
-        common = {"request_id": request_id, "endpoint": endpoint, "model": model, "http_status": http_status,
-                  "tenant": tenant, "tier": tier, "error": error, "e2e_s": end - arrival}
+    def build(
+        cls,
+        *,
+        request_id: str,
+        endpoint: str,
+        model: str,
+        http_status: int,
+        arrival: float,
+        end: float,
+        request: Request | None,
+        tenant: str | None,
+        tier: str | None,
+        error: str | None = None,
+    ) -> FinishedRequest:
+        common = {
+            "request_id": request_id,
+            "endpoint": endpoint,
+            "model": model,
+            "http_status": http_status,
+            "tenant": tenant,
+            "tier": tier,
+            "error": error,
+            "e2e_s": end - arrival,
+        }
         if request is None:
             return cls(size_class=NO_CLASS, ran=False, **common)
         stop = request.stop_reason

@@ -74,8 +74,7 @@ class HolMonitor:
         for s in snapshot.sequences:
             used = s.device_time_s - self._device.get(s.request_id, 0.0)
             if live_busy > 0 and used > 0:
-                offenders.append(Offender(s.request_id, s.tenant, s.size_class, used / live_busy, s.kv_share,
-                                          s.age_s))
+                offenders.append(Offender(s.request_id, s.tenant, s.size_class, used / live_busy, s.kv_share, s.age_s))
         self._device = device
         offenders.sort(key=lambda o: (o.device_share, o.kv_share), reverse=True)
 
@@ -85,12 +84,19 @@ class HolMonitor:
         coupled = short_p99 is not None and short_p99 > self.config.hol_short_ttft_p99_s and dominated
         state = HolState(coupled, short_p99, long_device_share, long_kv_share, quantiles, tuple(offenders[:5]))
         if coupled and not self.state.coupled:
-            named = ", ".join(f"{o.request_id} (tenant {o.tenant}, {o.size_class}, {o.device_share:.0%} of engine "
-                              f"time, {o.kv_share:.0%} of KV)" for o in state.offenders[:3])
+            named = ", ".join(
+                f"{o.request_id} (tenant {o.tenant}, {o.size_class}, {o.device_share:.0%} of engine "
+                f"time, {o.kv_share:.0%} of KV)"
+                for o in state.offenders[:3]
+            )
             log.warning(
                 "head-of-line coupling: short p99 TTFT %.2fs > %.2fs while long sequences take %.0f%% of engine "
-                "time and %.0f%% of KV; dominant: %s", short_p99, self.config.hol_short_ttft_p99_s,
-                100 * long_device_share, 100 * long_kv_share, named or "none running",
+                "time and %.0f%% of KV; dominant: %s",
+                short_p99,
+                self.config.hol_short_ttft_p99_s,
+                100 * long_device_share,
+                100 * long_kv_share,
+                named or "none running",
                 extra={"hol_offenders": [o.request_id for o in state.offenders[:3]]},
             )
         elif self.state.coupled and not coupled:
@@ -121,8 +127,11 @@ class HolFeedback:
         self.actions[action] += 1
         log.warning(
             "head-of-line loop: %s the long lane to %.3g of its prefill allowance (short p99 TTFT %s, long "
-            "sequences %.0f%% of engine time)", "tightened" if action == "tighten" else "relaxed", factor,
+            "sequences %.0f%% of engine time)",
+            "tightened" if action == "tighten" else "relaxed",
+            factor,
             "n/a" if state.short_ttft_p99_s is None else f"{state.short_ttft_p99_s:.2f}s",
-            100 * state.long_device_share, extra={"hol_action": action, "long_lane_factor": factor},
+            100 * state.long_device_share,
+            extra={"hol_action": action, "long_lane_factor": factor},
         )
         return action

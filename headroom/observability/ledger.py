@@ -16,8 +16,14 @@ from headroom.observability.finished import FinishedRequest
 from headroom.runtime.request import Request
 
 OUTCOMES = ("stop", "length", "repetition", "abort", "rejected", "invalid", "routed", "error")
-SUMS = ("prompt_tokens", "cached_prompt_tokens", "output_tokens", "device_seconds", "kv_block_seconds",
-        "admission_wait_seconds")
+SUMS = (
+    "prompt_tokens",
+    "cached_prompt_tokens",
+    "output_tokens",
+    "device_seconds",
+    "kv_block_seconds",
+    "admission_wait_seconds",
+)
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
     finished_at REAL NOT NULL,            -- unix seconds
@@ -55,10 +61,17 @@ class Usage:
         """A request the engine ran, once the engine is done with it (a client that left
         early is charged for the step that aborted it too)."""
         admitted = request.admitted_time
-        return cls(request.request_id, request.tenant or "none", request.status.finish_reason or "error",
-                   request.num_prompt_tokens, request.num_cached_tokens, request.num_output_tokens,
-                   request.device_time_s, request.kv_block_seconds,
-                   0.0 if admitted is None else admitted - request.arrival_time)
+        return cls(
+            request.request_id,
+            request.tenant or "none",
+            request.status.finish_reason or "error",
+            request.num_prompt_tokens,
+            request.num_cached_tokens,
+            request.num_output_tokens,
+            request.device_time_s,
+            request.kv_block_seconds,
+            0.0 if admitted is None else admitted - request.arrival_time,
+        )
 
     @classmethod
     def of_refused(cls, done: FinishedRequest, outcome: str) -> Usage:
@@ -106,8 +119,9 @@ class UsageLedger:
         """Delete rows past the retention; returns how many."""
         with self._lock:
             self._since_prune = 0
-            return self._db.execute("DELETE FROM requests WHERE finished_at < ?",
-                                    (self.clock() - self.retention_s,)).rowcount
+            return self._db.execute(
+                "DELETE FROM requests WHERE finished_at < ?", (self.clock() - self.retention_s,)
+            ).rowcount
 
     def usage(self, since: float, until: float) -> list[TenantUsage]:
         """Per-tenant totals of the requests that finished in [since, until)."""
@@ -116,7 +130,8 @@ class UsageLedger:
             rows = self._db.execute(
                 f"SELECT tenant, outcome, COUNT(*), {sums} FROM requests "
                 "WHERE finished_at >= ? AND finished_at < ? GROUP BY tenant, outcome ORDER BY tenant, outcome",
-                (since, until)).fetchall()
+                (since, until),
+            ).fetchall()
         by_tenant: dict[str, TenantUsage] = {}
         for tenant, outcome, count, *totals in rows:
             usage = by_tenant.setdefault(tenant, TenantUsage(tenant, dict.fromkeys(OUTCOMES, 0)))

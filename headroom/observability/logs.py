@@ -30,8 +30,11 @@ def configure_logging(log_format: str = "auto", level: str = "INFO", stream: Tex
     renderer = structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer()
     formatter = structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=pre_chain,
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                    structlog.processors.format_exc_info, renderer],
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
     )
     handler = logging.StreamHandler(stream)
     handler.setFormatter(formatter)

@@ -52,16 +52,17 @@ class RequestTrace:
 
 
 class Observability:
-    def __init__(self, config: ObservabilityConfig, engine: Engine, admission: Admission | None,
-                 tracing: Tracing | None = None):
+    def __init__(
+        self, config: ObservabilityConfig, engine: Engine, admission: Admission | None, tracing: Tracing | None = None
+    ):
         self.config = config
         self.engine = engine
         self.tracing = tracing if tracing is not None else Tracing(exporter_from_env(), package_version())
-        self.predictor_health = PredictorHealth(config.predictor_health_window,
-                                                config.predictor_health_min_requests)
+        self.predictor_health = PredictorHealth(config.predictor_health_window, config.predictor_health_min_requests)
         self.metrics = Metrics(engine, admission, self.tracing.dropped_spans, self.predictor_health)
-        self.ledger = UsageLedger(config.usage_ledger_path, config.usage_retention_days) \
-            if config.usage_ledger_path else None
+        self.ledger = (
+            UsageLedger(config.usage_ledger_path, config.usage_retention_days) if config.usage_ledger_path else None
+        )
         self.windows = LatencyWindows()
         self.split = SplitSignal()
         self.split_state: SplitState | None = None
@@ -77,15 +78,23 @@ class Observability:
         end = time.monotonic()
         model = self.engine.loaded.name
         done = FinishedRequest.build(
-            request_id=trace.request_id or "", endpoint=trace.endpoint, model=model, http_status=http_status,
-            arrival=trace.arrival, end=end, request=trace.engine_request, tenant=trace.tenant, tier=trace.tier,
+            request_id=trace.request_id or "",
+            endpoint=trace.endpoint,
+            model=model,
+            http_status=http_status,
+            arrival=trace.arrival,
+            end=end,
+            request=trace.engine_request,
+            tenant=trace.tenant,
+            tier=trace.tier,
             error=error,
         )
         self.metrics.observe(done)
         self.predictor_health.observe(done)
         if done.ran and done.finish_reason in ("stop", "length", "repetition"):
-            self.split.observe(done.prompt_tokens + done.output_tokens, done.device_time_s, done.size_class,
-                               done.tenant or "none")
+            self.split.observe(
+                done.prompt_tokens + done.output_tokens, done.device_time_s, done.size_class, done.tenant or "none"
+            )
         if not done.ran:  # one that ran is charged when the engine is done with it (charge)
             self.record_usage(Usage.of_refused(done, refused_outcome(done)))
         if done.ttft_s is not None and done.first_token_at is not None:
@@ -99,15 +108,25 @@ class Observability:
         span, request = trace.span, trace.engine_request
         if request is not None and done.ran:
             admitted = request.admitted_time
-            self.tracing.phase(span, "admission", trace.arrival, admitted,
-                               {"headroom.admission.decision": done.admission_decision or "off"})
+            self.tracing.phase(
+                span,
+                "admission",
+                trace.arrival,
+                admitted,
+                {"headroom.admission.decision": done.admission_decision or "off"},
+            )
             scheduled = request.first_scheduled_time
             if scheduled is not None:
                 self.tracing.phase(span, "queue", admitted, scheduled)
                 first = request.first_token_time
                 finished = request.finished_time if request.finished_time is not None else end
-                self.tracing.phase(span, "prefill", scheduled, first if first is not None else finished,
-                                   {"headroom.cached_tokens": done.cached_tokens})
+                self.tracing.phase(
+                    span,
+                    "prefill",
+                    scheduled,
+                    first if first is not None else finished,
+                    {"headroom.cached_tokens": done.cached_tokens},
+                )
                 if first is not None:
                     self.tracing.phase(span, "decode", first, finished)
         # As the HTTP conventions say: a 4xx is the caller's error, not the server span's.

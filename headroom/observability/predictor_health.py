@@ -40,11 +40,15 @@ class Outcome:
             return None
         if done.predicted_output_tokens is None and done.runaway_probability is None:
             return None
-        return cls(tenant=done.tenant or NO_TENANT, output_tokens=done.requested_max_tokens,
-                   max_tokens=done.requested_max_tokens, ran_to_cap=True,
-                   predicted_tokens=done.predicted_output_tokens,
-                   runaway_probability=done.runaway_probability,
-                   flagged=done.runaway_flagged_at is not None)
+        return cls(
+            tenant=done.tenant or NO_TENANT,
+            output_tokens=done.requested_max_tokens,
+            max_tokens=done.requested_max_tokens,
+            ran_to_cap=True,
+            predicted_tokens=done.predicted_output_tokens,
+            runaway_probability=done.runaway_probability,
+            flagged=done.runaway_flagged_at is not None,
+        )
 
     @classmethod
     def of(cls, done: FinishedRequest) -> Outcome | None:
@@ -54,8 +58,9 @@ class Outcome:
         detector capped or stopped counts as one that ran to its requested max_tokens:
         loops rarely end on their own (bench/RESULTS.md, loop detection), and leaving
         them out would hide most runaways from the window once the detector acts."""
-        if done.loop_detected_at is not None and (done.finish_reason == "repetition"
-                                                  or done.max_tokens_cap is not None):
+        if done.loop_detected_at is not None and (
+            done.finish_reason == "repetition" or done.max_tokens_cap is not None
+        ):
             return cls.of_loop(done)
         if not done.ran or done.finish_reason not in ("stop", "length") or done.max_tokens is None:
             return None
@@ -63,11 +68,15 @@ class Outcome:
             return None
         if done.predicted_output_tokens is None and done.runaway_probability is None:
             return None
-        return cls(tenant=done.tenant or NO_TENANT, output_tokens=done.output_tokens,
-                   max_tokens=done.max_tokens, ran_to_cap=done.finish_reason == "length",
-                   predicted_tokens=done.predicted_output_tokens,
-                   runaway_probability=done.runaway_probability,
-                   flagged=done.runaway_flagged_at is not None)
+        return cls(
+            tenant=done.tenant or NO_TENANT,
+            output_tokens=done.output_tokens,
+            max_tokens=done.max_tokens,
+            ran_to_cap=done.finish_reason == "length",
+            predicted_tokens=done.predicted_output_tokens,
+            runaway_probability=done.runaway_probability,
+            flagged=done.runaway_flagged_at is not None,
+        )
 
 
 @dataclass(frozen=True)
@@ -96,8 +105,9 @@ class Figures:
             share = guess / np.array([o.max_tokens for o in predicted], dtype=np.float64)
             admission_auc = auc(share, np.array([o.ran_to_cap for o in predicted]))
         if len(probed) >= min_requests:
-            inflight_auc = auc(np.array([o.runaway_probability for o in probed]),
-                               np.array([o.ran_to_cap for o in probed]))
+            inflight_auc = auc(
+                np.array([o.runaway_probability for o in probed]), np.array([o.ran_to_cap for o in probed])
+            )
         if len(flagged) >= min_requests:
             precision = sum(o.ran_to_cap for o in flagged) / len(flagged)
         cap_rate = None

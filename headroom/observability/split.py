@@ -58,12 +58,17 @@ class SplitSignal:
         ratio = max(tokens) / median_tokens if median_tokens > 0 else 0.0
         over = [s for s in self._samples if s[1] >= LEVELS[0] * median_tokens]
         state = SplitState(
-            requests=len(tokens), max_tokens=max(tokens), median_tokens=median_tokens, tokens_ratio=ratio,
-            max_device_s=max(device), median_device_s=median_device,
+            requests=len(tokens),
+            max_tokens=max(tokens),
+            median_tokens=median_tokens,
+            tokens_ratio=ratio,
+            max_device_s=max(device),
+            median_device_s=median_device,
             device_ratio=max(device) / median_device if median_device > 0 else 0.0,
             level=max((level for level in LEVELS if ratio >= level), default=0.0),
             drivers_by_class=tuple(Counter(s[3] for s in over).most_common()),
-            drivers_by_tenant=tuple(Counter(s[4] for s in over).most_common()))
+            drivers_by_tenant=tuple(Counter(s[4] for s in over).most_common()),
+        )
         if state.level != self._level:
             self._log_crossing(state)
             self._level = state.level
@@ -72,9 +77,18 @@ class SplitSignal:
     def _log_crossing(self, state: SplitState) -> None:
         classes = ", ".join(f"{name} ({n})" for name, n in state.drivers_by_class) or "none"
         tenants = ", ".join(f"{name} ({n})" for name, n in state.drivers_by_tenant) or "none"
-        what = {0.0: "back under 10x", 10.0: "over 10x: plan a split",
-                50.0: "over 50x: two services on one pool"}[state.level]
-        log.warning("pool split signal %s: largest request %d tokens, median %.0f (%.1fx) over the last %d "
-                    "requests; over 10x the median: classes %s; tenants %s", what, state.max_tokens,
-                    state.median_tokens, state.tokens_ratio, state.requests, classes, tenants,
-                    extra={"split_ratio": round(state.tokens_ratio, 2), "split_level": state.level})
+        what = {0.0: "back under 10x", 10.0: "over 10x: plan a split", 50.0: "over 50x: two services on one pool"}[
+            state.level
+        ]
+        log.warning(
+            "pool split signal %s: largest request %d tokens, median %.0f (%.1fx) over the last %d "
+            "requests; over 10x the median: classes %s; tenants %s",
+            what,
+            state.max_tokens,
+            state.median_tokens,
+            state.tokens_ratio,
+            state.requests,
+            classes,
+            tenants,
+            extra={"split_ratio": round(state.tokens_ratio, 2), "split_level": state.level},
+        )

@@ -40,8 +40,9 @@ def exporter_from_env(environ: Mapping[str, str] = os.environ) -> SpanExporter |
         return None
     # grpc is the Python SDK's long-standing default; the spec's default (http/protobuf)
     # is one variable away.
-    protocol = (environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-                or "grpc").strip()
+    protocol = (
+        environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
+    ).strip()
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     elif protocol == "http/protobuf":
@@ -146,8 +147,7 @@ class Tracing:
         """A finished child span of `parent` between two monotonic times."""
         assert self._tracer is not None
         context = trace.set_span_in_context(parent)
-        child = self._tracer.start_span(name, context=context, start_time=self.wall_ns(start_s),
-                                        attributes=attributes)
+        child = self._tracer.start_span(name, context=context, start_time=self.wall_ns(start_s), attributes=attributes)
         child.end(end_time=self.wall_ns(max(end_s, start_s)))
 
     def end(self, span: Span, end_s: float, attributes: dict, error: str | None = None) -> None:

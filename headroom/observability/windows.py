@@ -44,8 +44,13 @@ class LatencyWindows:
             per_class = {}
             for size_class, samples in self._recent(window_s).items():
                 ttft, e2e = _p50_p99([s[1] for s in samples]), _p50_p99([s[2] for s in samples])
-                per_class[size_class] = {"count": len(samples), "ttft_p50_s": ttft[0], "ttft_p99_s": ttft[1],
-                                         "e2e_p50_s": e2e[0], "e2e_p99_s": e2e[1]}
+                per_class[size_class] = {
+                    "count": len(samples),
+                    "ttft_p50_s": ttft[0],
+                    "ttft_p99_s": ttft[1],
+                    "e2e_p50_s": e2e[0],
+                    "e2e_p99_s": e2e[1],
+                }
             out[name] = per_class
         return out
 

@@ -66,8 +66,14 @@ def on_loop(request: Request, finding: Finding, cap_tokens: int) -> RequestStatu
     return None
 
 
-def apply(request_id: str, action: str, args: dict[str, Any], scheduler: Scheduler, outputs: OutputProcessor,
-          stats: EngineStats) -> SequenceSnapshot:
+def apply(
+    request_id: str,
+    action: str,
+    args: dict[str, Any],
+    scheduler: Scheduler,
+    outputs: OutputProcessor,
+    stats: EngineStats,
+) -> SequenceSnapshot:
     """An operator's or a policy's action on a live sequence; its snapshot as the action
     took effect. Raises SequenceFinished or UnknownSequence where there is none."""
     request = scheduler.requests.get(request_id)
@@ -109,8 +115,13 @@ def check_loops(loops: LoopPolicy, requests: list[Request], scheduler: Scheduler
         status = on_loop(request, finding, loops.cap_tokens)
         if status is not None:
             scheduler.finish_request(request.request_id, status)
-        log.warning("loop %s on %s: %s", finding.action, request.request_id, finding.what,
-                    extra={"sequence": request.request_id, "action": finding.action})
+        log.warning(
+            "loop %s on %s: %s",
+            finding.action,
+            request.request_id,
+            finding.what,
+            extra={"sequence": request.request_id, "action": finding.action},
+        )
 
 
 def enforce_deadlines(scheduler: Scheduler, outputs: OutputProcessor, stats: EngineStats) -> None:
@@ -120,7 +131,9 @@ def enforce_deadlines(scheduler: Scheduler, outputs: OutputProcessor, stats: Eng
     for request in late:
         log.warning(
             "request %s exceeded its wall-clock budget after %.1fs (%d output tokens); finishing it as length",
-            request.request_id, now - request.arrival_time, request.num_output_tokens,
+            request.request_id,
+            now - request.arrival_time,
+            request.num_output_tokens,
         )
         request.stop_reason = request.abort_cause = "wall_clock_budget"
         stats.aborts["wall_clock_budget"] += 1

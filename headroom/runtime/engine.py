@@ -57,8 +57,9 @@ class Engine:
         self.executor = Executor.build(config, loaded)
         self.loaded, self.runner = self.executor.loaded, self.executor.runner
         self.tokenizer, self.max_model_len = self.loaded.tokenizer, self.executor.max_model_len
-        self.block_manager = BlockManager(self.executor.num_blocks, self.executor.block_size,
-                                          config.cache.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.executor.num_blocks, self.executor.block_size, config.cache.enable_prefix_caching
+        )
         eos = self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos)
         self.sampler = Sampler(eos, seed=config.seed, device=self.executor.device)
@@ -73,7 +74,9 @@ class Engine:
         self._inbox: list[Command] = []
         self._wakeup = threading.Condition()
         self._state_lock = threading.Lock()
-        self._running_step: tuple[SchedulerOutput, float] | None = None  # (out, perf_counter start) while the model runs
+        self._running_step: tuple[SchedulerOutput, float] | None = (
+            None  # (out, perf_counter start) while the model runs
+        )
         # Tests set this to inject a fault into a step (it may raise); never set in serving.
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
         # Set with watch_hidden: called on the engine thread after each forward pass with the
@@ -213,8 +216,9 @@ class Engine:
                     self.output_processor.abort(request_id, cause, self.stats)
                 case Control(request_id, action, args, future):
                     try:
-                        future.set_result(actions.apply(request_id, action, args, self.scheduler,
-                                                        self.output_processor, self.stats))
+                        future.set_result(
+                            actions.apply(request_id, action, args, self.scheduler, self.output_processor, self.stats)
+                        )
                     except (UnknownSequence, SequenceFinished) as exc:
                         future.set_exception(exc)
                 case SetLongLaneFactor(factor):
@@ -256,8 +260,9 @@ class Engine:
         try:
             if self.fault_hook is not None:
                 self.fault_hook(out)
-            model_out = self.runner.execute(out, self.block_manager,
-                                            probe=self.probe_due is None or self.probe_due(out))
+            model_out = self.runner.execute(
+                out, self.block_manager, probe=self.probe_due is None or self.probe_due(out)
+            )
             sampling = [out.requests[i] for i in model_out.sample_indices]
             samples = self.sampler(model_out.logits, sampling)
         except Exception as exc:  # a failed step fails its own sequences, not the engine
@@ -274,8 +279,9 @@ class Engine:
                 self.output_processor.close_finished(out.requests, self.stats)
                 raise
 
-    def _complete_step(self, out: SchedulerOutput, model_out: ModelOutput, samples: SampleResult,
-                       started: float) -> None:
+    def _complete_step(
+        self, out: SchedulerOutput, model_out: ModelOutput, samples: SampleResult, started: float
+    ) -> None:
         self._running_step = None
         self._observe_probes(out, model_out)
         # The tokens exist from here on; update_from_output stamps finished_time later.
@@ -312,8 +318,9 @@ class Engine:
         with self._state_lock:
             return engine_counters(self.stats, self.scheduler, self.inflight)
 
-    def use_inflight(self, probe: LengthProbe, every: int, runaway_threshold: float,
-                     long_min_output: int) -> InflightRefiner:
+    def use_inflight(
+        self, probe: LengthProbe, every: int, runaway_threshold: float, long_min_output: int
+    ) -> InflightRefiner:
         """Estimate each running sequence's remaining length in flight with `probe`, from
         the hidden state its forward pass computes anyway (runtime/inflight.py)."""
         refiner = InflightRefiner(probe, self.scheduler.policy, every, runaway_threshold, long_min_output)
@@ -322,8 +329,9 @@ class Engine:
             self.inflight = refiner
         return refiner
 
-    def watch_hidden(self, layers: frozenset[int], hook: ProbeHook | None,
-                     due: Callable[[SchedulerOutput], bool] | None = None) -> None:
+    def watch_hidden(
+        self, layers: frozenset[int], hook: ProbeHook | None, due: Callable[[SchedulerOutput], bool] | None = None
+    ) -> None:
         """Keep the rows of `layers` for the sequences that sample and pass them to `hook`
         after each forward pass (when `due` says the step needs them); empty layers: stop."""
         with self._state_lock:  # the engine may be stepping already
@@ -338,8 +346,7 @@ class Engine:
     def snapshot(self) -> EngineSnapshot:
         """Every live sequence's cost, and the pool's, at one consistent instant."""
         with self._state_lock:
-            return engine_snapshot(self.stats, self.scheduler, self.block_manager, self._running_step,
-                                   time.monotonic())
+            return engine_snapshot(self.stats, self.scheduler, self.block_manager, self._running_step, time.monotonic())
 
     # ---- conveniences for the CLI, tests and benchmarks --------------------------------
 

@@ -47,17 +47,25 @@ class Grammars:
     """Compiles specs for one tokenizer (xgrammar's compiler is thread-safe: compile runs
     in worker threads)."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: set[int], max_threads: int = 2,
-                 cache_limit_bytes: int = 256 * 2**20):
+    def __init__(
+        self,
+        hf_tokenizer,
+        vocab_size: int,
+        stop_token_ids: set[int],
+        max_threads: int = 2,
+        cache_limit_bytes: int = 256 * 2**20,
+    ):
         import xgrammar as xgr  # imported on first use: a server that never sees a grammar never loads it
 
         self._xgr = xgr
         self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=sorted(stop_token_ids))
+        info = xgr.TokenizerInfo.from_huggingface(
+            hf_tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
+        )
         # Bounded: every distinct schema a client sends is compiled and cached.
-        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=True,
-                                             cache_limit_bytes=cache_limit_bytes)
+        self._compiler = xgr.GrammarCompiler(
+            info, max_threads=max_threads, cache_enabled=True, cache_limit_bytes=cache_limit_bytes
+        )
 
     def compile(self, spec: GrammarSpec):
         """The compiled grammar for `spec` (from the cache when it was compiled before).
@@ -74,8 +82,9 @@ class Grammars:
                 compiled = c.compile_regex(spec.source)
             elif spec.kind == "choice":
                 choices = json.loads(spec.source)
-                compiled = c.compile_grammar("root ::= " + " | ".join(json.dumps(x, ensure_ascii=False)
-                                                                      for x in choices))
+                compiled = c.compile_grammar(
+                    "root ::= " + " | ".join(json.dumps(x, ensure_ascii=False) for x in choices)
+                )
             else:
                 raise GrammarError(f"unknown grammar kind {spec.kind!r}")
         except RuntimeError as exc:
@@ -102,7 +111,7 @@ def mask(logits: torch.Tensor, matchers: list[tuple[int, Any]]) -> None:
         return
     # xgrammar's CPU apply costs ~0.2 ms a row at this vocabulary; unpacking the bits with
     # numpy (bit j of 32-bit word w is token 32w + j; little-endian bytes) is 2.4x faster.
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :logits.shape[1]]
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")[:, : logits.shape[1]]
     forbidden = torch.from_numpy(bits) == 0
     if len(rows) == len(logits):
         logits.masked_fill_(forbidden, float("-inf"))

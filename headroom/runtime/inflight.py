@@ -48,14 +48,17 @@ class InflightRefiner:
         # (a sequence 1,000 tokens into a 1,536 cap looks like a fresh 512-token one), so
         # the last estimate counts down from there (Request.estimated_remaining_tokens).
         self.last_point = self.probe.last_point
+
     def _is_due(self, request: Request) -> bool:
         generated = request.num_output_tokens
         return generated % self.every == 0 and generated <= self.last_point
 
     def due(self, out: SchedulerOutput) -> bool:
         """Engine.probe_due: does any sequence that samples in this step need an estimate?"""
-        return any(r.num_computed_tokens + n == r.num_tokens and self._is_due(r)
-                   for r, n in zip(out.requests, out.num_scheduled_tokens, strict=True))
+        return any(
+            r.num_computed_tokens + n == r.num_tokens and self._is_due(r)
+            for r, n in zip(out.requests, out.num_scheduled_tokens, strict=True)
+        )
 
     def observe(self, requests: list[Request], probes: dict[int, torch.Tensor]) -> None:
         """Engine.probe_hook: each request has generated num_output_tokens before this
@@ -84,9 +87,15 @@ class InflightRefiner:
             request.size_class = LONG
             self.policy.inflight_decisions["long_lane"] += 1
             moved = "; moved to the long lane"
-        log.info("%s predicted to run to its %d-token cap (p=%.2f) at %d tokens%s", request.request_id,
-                 request.max_tokens, p, request.num_output_tokens, moved,
-                 extra={"sequence": request.request_id, "runaway_probability": round(p, 3)})
+        log.info(
+            "%s predicted to run to its %d-token cap (p=%.2f) at %d tokens%s",
+            request.request_id,
+            request.max_tokens,
+            p,
+            request.num_output_tokens,
+            moved,
+            extra={"sequence": request.request_id, "runaway_probability": round(p, 3)},
+        )
 
 
 def _runs_to_cap(request: Request) -> bool:

@@ -35,8 +35,12 @@ class LoopPolicy:
         params = request.sampling
         # A grammar ends a structured output where it must, and a valid one may repeat
         # itself (a JSON array of equal items): cutting it would leave invalid JSON.
-        return ((request.loop_policy or self.policy) != "off" and params.repetition_detection is None
-                and not params.ignore_eos and request.grammar is None)
+        return (
+            (request.loop_policy or self.policy) != "off"
+            and params.repetition_detection is None
+            and not params.ignore_eos
+            and request.grammar is None
+        )
 
     def attach(self, request: Request) -> None:
         """Give request the tracker its detectors need, if any."""
@@ -49,13 +53,19 @@ class LoopPolicy:
 
     def check(self, request: Request) -> Finding | None:
         """What to do about request now: the first time its output is found looping."""
-        if (request.loop_detected_at is not None or request.loop is None or not self.watches(request)
-                or request.num_output_tokens < request.sampling.min_tokens):
+        if (
+            request.loop_detected_at is not None
+            or request.loop is None
+            or not self.watches(request)
+            or request.num_output_tokens < request.sampling.min_tokens
+        ):
             return None
         period = request.loop.period(self.detection)
         if period is None:
             return None
         request.loop_period, request.loop_detected_at = period, request.num_output_tokens
-        what = (f"a {period}-token pattern repeated {self.detection.min_count} times "
-                f"at {request.num_output_tokens} output tokens")
+        what = (
+            f"a {period}-token pattern repeated {self.detection.min_count} times "
+            f"at {request.num_output_tokens} output tokens"
+        )
         return Finding(request.loop_policy or self.policy, what)

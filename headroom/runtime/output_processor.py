@@ -63,8 +63,9 @@ class OutputProcessor:
     def finish(self, request: Request, stats: EngineStats, error: str | None = None) -> None:
         """Close a request the scheduler has finished without a new token."""
         rid = request.request_id
-        self._close(request, RequestOutput(rid, [], self.detokenizers[rid].finish(), error=error, request=request),
-                    stats)
+        self._close(
+            request, RequestOutput(rid, [], self.detokenizers[rid].finish(), error=error, request=request), stats
+        )
 
     def close(self, request_id: str, status: RequestStatus, stats: EngineStats, error: str | None = None) -> None:
         """Finish a live request in the scheduler and send its last output."""

@@ -54,10 +54,15 @@ class EngineStats:
     kv_blocks_total: int = 0
 
     def copy(self) -> EngineStats:
-        return replace(self, finished=Counter(self.finished), aborts=Counter(self.aborts),
-                       device_time_by_class=Counter(self.device_time_by_class),
-                       inflight_decisions=Counter(self.inflight_decisions), loops=Counter(self.loops),
-                       policy_actions=Counter(self.policy_actions))
+        return replace(
+            self,
+            finished=Counter(self.finished),
+            aborts=Counter(self.aborts),
+            device_time_by_class=Counter(self.device_time_by_class),
+            inflight_decisions=Counter(self.inflight_decisions),
+            loops=Counter(self.loops),
+            policy_actions=Counter(self.policy_actions),
+        )
 
 
 @dataclass(frozen=True)
@@ -107,8 +112,9 @@ class SequenceSnapshot:
     ladder: tuple[str, ...] | None = None  # the tenant's remediation ladder (None: the server's)
 
     @classmethod
-    def of(cls, request: Request, now: float, busy_s: float, blocks_held: int, num_blocks: int,
-           in_step_s: float = 0.0) -> SequenceSnapshot:
+    def of(
+        cls, request: Request, now: float, busy_s: float, blocks_held: int, num_blocks: int, in_step_s: float = 0.0
+    ) -> SequenceSnapshot:
         """request at `now`, with the engine busy busy_s in all (the step running now counted
         as far as it has got, in_step_s of it this request's)."""
         lifetime_busy = busy_s - request.busy_at_arrival
@@ -137,7 +143,8 @@ class SequenceSnapshot:
             budget_left_s=None if request.deadline is None else request.deadline - now,
             deprioritized=request.deprioritized,
             admin_actions=tuple(request.admin_actions),
-            predicted_remaining_tokens=request.estimated_remaining_tokens() if request.estimated_at_tokens is not None
+            predicted_remaining_tokens=request.estimated_remaining_tokens()
+            if request.estimated_at_tokens is not None
             else None,
             runaway_probability=request.runaway_probability,
             runaway_flagged_at=request.runaway_flagged_at,

@@ -60,8 +60,10 @@ class SchedulingPolicy:
     def choose_victim(self, victims: list[Request]) -> Request:
         """The victim; counts the choices the in-flight estimate changed."""
         victim = min(victims, key=self.victim_key)
-        if (any(r.predicted_remaining_tokens is not None for r in victims)
-                and min(victims, key=lambda r: self.victim_key(r, in_flight=False)) is not victim):
+        if (
+            any(r.predicted_remaining_tokens is not None for r in victims)
+            and min(victims, key=lambda r: self.victim_key(r, in_flight=False)) is not victim
+        ):
             self.inflight_decisions["victim"] += 1
         return victim
 
@@ -69,8 +71,11 @@ class SchedulingPolicy:
         """Counts admissions whose first pick the in-flight estimate changed (waiting as
         it was sorted before the step admitted `first`): the head by the estimate went,
         and the head without it was another. A head the lane held back counts nothing."""
-        if (first is waiting[0] and any(r.predicted_remaining_tokens is not None for r in waiting)
-                and min(waiting, key=lambda r: self.order_key(r, now, in_flight=False)) is not first):
+        if (
+            first is waiting[0]
+            and any(r.predicted_remaining_tokens is not None for r in waiting)
+            and min(waiting, key=lambda r: self.order_key(r, now, in_flight=False)) is not first
+        ):
             self.inflight_decisions["order"] += 1
 
     def lane_admits(self, request: Request, running: list[Request], block_manager: BlockManager) -> bool:
@@ -90,8 +95,9 @@ class SchedulingPolicy:
                 return False
         return True
 
-    def long_prefill_allowance(self, running: list[Request], waiting: list[Request], now: float,
-                               base_s: float = 0.0) -> float | None:
+    def long_prefill_allowance(
+        self, running: list[Request], waiting: list[Request], now: float, base_s: float = 0.0
+    ) -> float | None:
         """Seconds that long-class prefill chunks may add to this step (None: no limit).
 
         A short request meets at most two steps before its first token: the one running
@@ -117,8 +123,14 @@ class SchedulingPolicy:
             # Nobody to protect now; one may arrive during the step, unless none has for
             # long_lane_quiet_s: then long work runs at the step's full token budget.
             return None if now - self.last_short_arrival >= config.long_lane_quiet_s else full
-        waited = max((now - r.arrival_time for r in (*running, *waiting)
-                      if r.size_class == LONG and r.num_tokens - r.num_computed_tokens > 1), default=0.0)
+        waited = max(
+            (
+                now - r.arrival_time
+                for r in (*running, *waiting)
+                if r.size_class == LONG and r.num_tokens - r.num_computed_tokens > 1
+            ),
+            default=0.0,
+        )
         floor = min(1.0, waited / config.long_ttft_target_s)
         if any(r.size_class != LONG for r in waiting):
             # A shorter request starts in this step: its first token comes at the step's
@@ -128,8 +140,9 @@ class SchedulingPolicy:
             return full if floor >= 1.0 else 0.0
         return full * max(floor, self.long_lane_factor)
 
-    def long_decode_allowance(self, running: list[Request], waiting: list[Request],
-                              block_manager: BlockManager, now: float) -> float | None:
+    def long_decode_allowance(
+        self, running: list[Request], waiting: list[Request], block_manager: BlockManager, now: float
+    ) -> float | None:
         """Seconds that long-class decode rows may add to this step (None: no limit).
 
         None in a step that starts a shorter request (long_decodes_sit_out). Else, while
@@ -148,8 +161,9 @@ class SchedulingPolicy:
         base_s = self.cost.predict(len(shorts), sum(attention_pairs(1, r.num_computed_tokens) for r in shorts))
         return self.config.short_tpot_stretch * base_s
 
-    def long_decodes_sit_out(self, running: list[Request], waiting: list[Request],
-                             block_manager: BlockManager, now: float) -> bool:
+    def long_decodes_sit_out(
+        self, running: list[Request], waiting: list[Request], block_manager: BlockManager, now: float
+    ) -> bool:
         """Do long-class decodes sit out this step (up to long_decode_max_skip in a row)?
 
         They do where the step starts a shorter request: its first token comes at the
@@ -171,7 +185,10 @@ class SchedulingPolicy:
         if not admissible:
             return False
         head = min(admissible, key=lambda r: self.order_key(r, now))
-        return head.size_class != LONG and block_manager.blocks_needed(head.num_tokens) + longs <= block_manager.num_free_blocks
+        return (
+            head.size_class != LONG
+            and block_manager.blocks_needed(head.num_tokens) + longs <= block_manager.num_free_blocks
+        )
 
     def long_chunk(self, context: int, allowance_s: float, limit: int) -> int:
         """Prefill tokens a long request at `context` may take within allowance_s."""
@@ -185,4 +202,3 @@ class SchedulingPolicy:
         # whole context) for almost nothing, and the prefill then crawled; with the floor it
         # finishes within ceil(prompt / MIN_LONG_CHUNK) steps that allow it anything.
         return min(limit, max(MIN_LONG_CHUNK, self.cost.tokens_within(allowance_s, context, limit)))
-

@@ -101,8 +101,9 @@ class Sampler:
             logits[rows] = part
         if biased:
             index = torch.tensor([(i, t) for i, t, _ in biased], device=device)
-            logits.index_put_((index[:, 0], index[:, 1]), torch.tensor([b for _, _, b in biased], device=device),
-                              accumulate=True)
+            logits.index_put_(
+                (index[:, 0], index[:, 1]), torch.tensor([b for _, _, b in biased], device=device), accumulate=True
+            )
         return logits
 
     def _scatter(self, rows: list[list[int]], vocab: int, dtype: torch.dtype, reduce: str = "set") -> torch.Tensor:

@@ -43,6 +43,7 @@ class SchedulerOutput:
 @dataclass
 class _Step:
     """One schedule() call: what it may still hand out, and what it decided so far."""
+
     now: float
     budget: int  # tokens left in this step
     long_left: float | None  # seconds long prefill chunks may still add (None: no limit)
@@ -54,8 +55,13 @@ class _Step:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: set[int],
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        eos_token_ids: set[int],
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.config = config
         self.clock = clock
         self.block_manager = block_manager
@@ -98,8 +104,12 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
-        step = _Step(now, self.config.max_num_batched_tokens, self.long_prefill_allowance(now),
-                     self.policy.long_decode_allowance(self.running, self.waiting, self.block_manager, now))
+        step = _Step(
+            now,
+            self.config.max_num_batched_tokens,
+            self.long_prefill_allowance(now),
+            self.policy.long_decode_allowance(self.running, self.waiting, self.block_manager, now),
+        )
         self._schedule_running(step)
         self._schedule_waiting(step)
         return self._output(step)
@@ -117,8 +127,9 @@ class Scheduler:
                 break
             if self._sits_out(step, request):
                 continue
-            num_tokens = self._chunk(step, request, request.num_tokens - request.num_computed_tokens,
-                                     request.num_computed_tokens)
+            num_tokens = self._chunk(
+                step, request, request.num_tokens - request.num_computed_tokens, request.num_computed_tokens
+            )
             if num_tokens == 0:
                 continue
             if not self._make_room(step, request, num_tokens, None, list(self.running)):
@@ -133,8 +144,11 @@ class Scheduler:
         """Does a long decode sit this step out? Only when its row does not fit what long
         decodes may still add, and it has not sat out long_decode_max_skip steps in a row
         already. A long decode that goes uses its row's seconds up."""
-        if (step.decode_left is None or request.size_class != LONG
-                or request.num_tokens - request.num_computed_tokens != 1):
+        if (
+            step.decode_left is None
+            or request.size_class != LONG
+            or request.num_tokens - request.num_computed_tokens != 1
+        ):
             return False
         row_s = self.policy.cost.chunk_seconds(1, request.num_computed_tokens)
         skipped = self._sat_out.get(request.request_id, 0)
@@ -153,8 +167,9 @@ class Scheduler:
             step.long_left -= self.policy.cost.chunk_seconds(n, context)
         return n
 
-    def _make_room(self, step: _Step, request: Request, num_tokens: int, computed: list[int] | None,
-                   victims: list[Request]) -> bool:
+    def _make_room(
+        self, step: _Step, request: Request, num_tokens: int, computed: list[int] | None, victims: list[Request]
+    ) -> bool:
         """Allocates the request's slots, preempting the policy's victims until they fit.
         False when no victim is left or the policy picks the request itself. A victim
         already scheduled in this step gives its tokens back to the budget."""
@@ -197,8 +212,9 @@ class Scheduler:
                 break
             self._admit(step, request, num_cached, num_tokens, candidates)
 
-    def _admit(self, step: _Step, request: Request, num_cached: int, num_tokens: int,
-               candidates: list[Request]) -> None:
+    def _admit(
+        self, step: _Step, request: Request, num_cached: int, num_tokens: int, candidates: list[Request]
+    ) -> None:
         """Moves a waiting request whose slots are allocated to running, with num_cached
         prompt tokens found in the prefix cache and num_tokens scheduled in this step."""
         self.waiting.remove(request)
@@ -267,8 +283,11 @@ class Scheduler:
         if request.num_output_tokens >= request.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         detection = params.repetition_detection
-        if (detection is not None and request.num_output_tokens >= params.min_tokens
-                and request.loop.period(detection) is not None):
+        if (
+            detection is not None
+            and request.num_output_tokens >= params.min_tokens
+            and request.loop.period(detection) is not None
+        ):
             request.stop_reason = "repetition_detected"
             return RequestStatus.FINISHED_REPETITION
         return None

@@ -25,8 +25,9 @@ class StepAccounting:
         self.cost = cost
         self._timers: deque[StepTimer] = deque()  # forward passes whose device time is not yet read
 
-    def step_done(self, stats: EngineStats, out: SchedulerOutput, held: list[int], elapsed: float,
-                  timer: StepTimer) -> None:
+    def step_done(
+        self, stats: EngineStats, out: SchedulerOutput, held: list[int], elapsed: float, timer: StepTimer
+    ) -> None:
         """`held`: the blocks each request of `out` held for the step."""
         total = out.total_tokens
         stats.steps += 1
@@ -50,14 +51,21 @@ class StepAccounting:
             request.num_processed_tokens += n
 
 
-def sequence_snapshot(request: Request, now: float, busy_s: float, block_manager: BlockManager,
-                      in_step_s: float = 0.0) -> SequenceSnapshot:
-    return SequenceSnapshot.of(request, now, busy_s, len(block_manager.block_table(request.request_id)),
-                               block_manager.num_blocks, in_step_s)
+def sequence_snapshot(
+    request: Request, now: float, busy_s: float, block_manager: BlockManager, in_step_s: float = 0.0
+) -> SequenceSnapshot:
+    return SequenceSnapshot.of(
+        request, now, busy_s, len(block_manager.block_table(request.request_id)), block_manager.num_blocks, in_step_s
+    )
 
 
-def engine_snapshot(stats: EngineStats, scheduler: Scheduler, block_manager: BlockManager,
-                    running_step: tuple[SchedulerOutput, float] | None, now: float) -> EngineSnapshot:
+def engine_snapshot(
+    stats: EngineStats,
+    scheduler: Scheduler,
+    block_manager: BlockManager,
+    running_step: tuple[SchedulerOutput, float] | None,
+    now: float,
+) -> EngineSnapshot:
     """`running_step`: the step whose model call is under way and its perf_counter start."""
     # The step running now counts as far as it has got, shared by its tokens as
     # it will be when it completes: a sequence's cost shows from its first step.
@@ -69,8 +77,10 @@ def engine_snapshot(stats: EngineStats, scheduler: Scheduler, block_manager: Blo
         busy += elapsed
         for request, n in zip(out.requests, out.num_scheduled_tokens, strict=True):
             in_step[request.request_id] = elapsed * n / out.total_tokens
-    sequences = tuple(sequence_snapshot(r, now, busy, block_manager, in_step.get(r.request_id, 0.0))
-                      for r in scheduler.requests.values())
+    sequences = tuple(
+        sequence_snapshot(r, now, busy, block_manager, in_step.get(r.request_id, 0.0))
+        for r in scheduler.requests.values()
+    )
     return EngineSnapshot(now, busy, stats.steps, block_manager.num_blocks, block_manager.num_used_blocks, sequences)
 
 
@@ -92,8 +102,13 @@ def long_lane_state(config: SchedulerConfig, scheduler: Scheduler, now: float) -
     # The chunk a long prompt would get with shorter requests running and none waiting.
     sized = allowance if allowance is not None else config.short_ttft_target_s / 4 * policy.long_lane_factor
     return LongLaneState(
-        enabled=config.long_lane, factor=policy.long_lane_factor, short_ttft_target_s=config.short_ttft_target_s,
-        allowance_s=allowance, step_cost=policy.cost.cost(), steps_observed=policy.cost.num_steps,
-        chunk_tokens={context: policy.long_chunk(context, sized, config.max_num_batched_tokens)
-                      for context in (0, 1024, 4096)},
+        enabled=config.long_lane,
+        factor=policy.long_lane_factor,
+        short_ttft_target_s=config.short_ttft_target_s,
+        allowance_s=allowance,
+        step_cost=policy.cost.cost(),
+        steps_observed=policy.cost.num_steps,
+        chunk_tokens={
+            context: policy.long_chunk(context, sized, config.max_num_batched_tokens) for context in (0, 1024, 4096)
+        },
     )

@@ -73,8 +73,11 @@ class StepCostModel:
 
     def prime(self, samples: list[StepSample]) -> None:
         """Seed the fit with steps timed at start-up (replacing any earlier seed)."""
-        self._prior = [(float(s.num_tokens), s.pairs / PAIRS_SCALE, s.seconds)
-                       for s in samples if s.num_tokens > 0 and s.seconds > 0]
+        self._prior = [
+            (float(s.num_tokens), s.pairs / PAIRS_SCALE, s.seconds)
+            for s in samples
+            if s.num_tokens > 0 and s.seconds > 0
+        ]
         self._dirty = True
         self._largest = None
 

@@ -24,11 +24,18 @@ def admin_config(**admin) -> Config:
     return Config(
         cache=CacheConfig(num_blocks=512),
         scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512),
-        admission=AdmissionConfig(tenants=(
-            TenantConfig("default"),
-            TenantConfig("acme", api_keys=(TENANT_KEY,), rate_tokens_per_s=1e6, burst_tokens=10**6,
-                         max_in_flight_tokens=10**6),
-        )),
+        admission=AdmissionConfig(
+            tenants=(
+                TenantConfig("default"),
+                TenantConfig(
+                    "acme",
+                    api_keys=(TENANT_KEY,),
+                    rate_tokens_per_s=1e6,
+                    burst_tokens=10**6,
+                    max_in_flight_tokens=10**6,
+                ),
+            )
+        ),
         admin=AdminConfig(token=ADMIN_TOKEN, **admin),
     )
 
@@ -87,13 +94,14 @@ def start_stream(server, body: dict, request_id: str | None = None, api_key: str
 
     def run() -> None:
         try:
-            with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True},
-                              headers=headers, timeout=300) as r:
+            with httpx.stream(
+                "POST", server.url + "/v1/completions", json={**body, "stream": True}, headers=headers, timeout=300
+            ) as r:
                 stream.id = r.headers.get("X-Request-Id")
                 stream.started.set()
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
-                        stream.chunks.append(json.loads(line[len("data: "):]))
+                        stream.chunks.append(json.loads(line[len("data: ") :]))
         finally:
             stream.started.set()
             stream.done.set()
@@ -109,8 +117,12 @@ RUNAWAY_PROMPT = [(13 * i) % 30000 + 100 for i in range(1500)]
 
 def plant_runaway(server, request_id: str = "runaway", api_key: str | None = None) -> Stream:
     """A long prompt that never stops on its own: ignore_eos and a large max_tokens."""
-    return start_stream(server, {"prompt": RUNAWAY_PROMPT, "max_tokens": 4000, "ignore_eos": True},
-                        request_id=request_id, api_key=api_key)
+    return start_stream(
+        server,
+        {"prompt": RUNAWAY_PROMPT, "max_tokens": 4000, "ignore_eos": True},
+        request_id=request_id,
+        api_key=api_key,
+    )
 
 
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05):

@@ -22,11 +22,20 @@ def error(r) -> dict:
     return r.json()["error"]
 
 
-@pytest.mark.parametrize("method,path", [
-    ("GET", "/sequences"), ("GET", "/sequences/x"), ("POST", "/sequences/x/abort"),
-    ("POST", "/sequences/x/deprioritize"), ("POST", "/sequences/x/cap"), ("GET", "/tenants"),
-    ("PATCH", "/tenants/default"), ("POST", "/predictor/reload"), ("GET", "/stats"),
-])
+@pytest.mark.parametrize(
+    "method,path",
+    [
+        ("GET", "/sequences"),
+        ("GET", "/sequences/x"),
+        ("POST", "/sequences/x/abort"),
+        ("POST", "/sequences/x/deprioritize"),
+        ("POST", "/sequences/x/cap"),
+        ("GET", "/tenants"),
+        ("PATCH", "/tenants/default"),
+        ("POST", "/predictor/reload"),
+        ("GET", "/stats"),
+    ],
+)
 def test_every_endpoint_needs_the_admin_token(admin_server, method, path):
     r = admin(admin_server, method, path, token=None)
     assert r.status_code == 401 and error(r)["code"] == "invalid_admin_token"
@@ -34,13 +43,20 @@ def test_every_endpoint_needs_the_admin_token(admin_server, method, path):
     assert r.status_code == 401 and error(r)["code"] == "invalid_admin_token"
     r = admin(admin_server, method, path, token=TENANT_KEY)
     assert r.status_code == 403
-    assert error(r) == {"message": "tenant API keys cannot use the admin API", "type": "permission_error",
-                        "param": None, "code": "admin_forbidden"}
+    assert error(r) == {
+        "message": "tenant API keys cannot use the admin API",
+        "type": "permission_error",
+        "param": None,
+        "code": "admin_forbidden",
+    }
 
 
 def test_unknown_sequence_is_404_everywhere(admin_server):
-    for method, path in [("GET", "/sequences/nope"), ("POST", "/sequences/nope/abort"),
-                         ("POST", "/sequences/nope/deprioritize")]:
+    for method, path in [
+        ("GET", "/sequences/nope"),
+        ("POST", "/sequences/nope/abort"),
+        ("POST", "/sequences/nope/deprioritize"),
+    ]:
         r = admin(admin_server, method, path)
         assert r.status_code == 404 and error(r)["code"] == "sequence_not_found", path
     r = admin(admin_server, "POST", "/sequences/nope/cap", json={"max_tokens": 3})
@@ -74,8 +90,7 @@ def test_abort_ends_the_stream_frees_blocks_and_settles_tokens(admin_server):
     gate = admin_server.app[keys.GATE]
     runaway = plant_runaway(admin_server, "abort-me")
     rid = "cmpl-abort-me"
-    assert wait_until(lambda: any(s.request_id == rid and s.blocks_held > 0
-                                  for s in engine.snapshot().sequences))
+    assert wait_until(lambda: any(s.request_id == rid and s.blocks_held > 0 for s in engine.snapshot().sequences))
     r = admin(admin_server, "GET", f"/sequences/{rid}")
     assert r.status_code == 200 and r.json()["id"] == rid and r.json()["tenant"] == "default"
     held = r.json()["kv_blocks"]
@@ -101,21 +116,27 @@ def test_abort_ends_the_stream_frees_blocks_and_settles_tokens(admin_server):
 
 
 def test_cap_stops_a_running_sequence_at_the_new_limit(admin_server):
-    stream = start_stream(admin_server, {"prompt": "Count slowly:", "max_tokens": 3000, "ignore_eos": True},
-                          request_id="cap-me")
+    stream = start_stream(
+        admin_server, {"prompt": "Count slowly:", "max_tokens": 3000, "ignore_eos": True}, request_id="cap-me"
+    )
     rid = "cmpl-cap-me"
-    assert wait_until(lambda: any(s.request_id == rid and s.output_tokens >= 2
-                                  for s in admin_server.engine.snapshot().sequences))
+    assert wait_until(
+        lambda: any(s.request_id == rid and s.output_tokens >= 2 for s in admin_server.engine.snapshot().sequences)
+    )
     r = admin(admin_server, "POST", f"/sequences/{rid}/cap", json={"max_tokens": 40})
     assert r.status_code == 200 and r.json()["sequence"]["max_tokens"] == 40
     stream.wait()
     assert stream.finish_reason == "length"
     assert sum(1 for c in stream.chunks if c["choices"] and c["choices"][0]["text"]) <= 40
     # A cap below what it already produced finishes it at once.
-    stream2 = start_stream(admin_server, {"prompt": "Count:", "max_tokens": 3000, "ignore_eos": True},
-                           request_id="cap-now")
-    assert wait_until(lambda: any(s.request_id == "cmpl-cap-now" and s.output_tokens >= 5
-                                  for s in admin_server.engine.snapshot().sequences))
+    stream2 = start_stream(
+        admin_server, {"prompt": "Count:", "max_tokens": 3000, "ignore_eos": True}, request_id="cap-now"
+    )
+    assert wait_until(
+        lambda: any(
+            s.request_id == "cmpl-cap-now" and s.output_tokens >= 5 for s in admin_server.engine.snapshot().sequences
+        )
+    )
     r = admin(admin_server, "POST", "/sequences/cmpl-cap-now/cap", json={"max_tokens": 1})
     assert r.status_code == 200
     stream2.wait()
@@ -123,8 +144,9 @@ def test_cap_stops_a_running_sequence_at_the_new_limit(admin_server):
 
 
 def test_deprioritize_drops_it_below_every_tier(admin_server):
-    stream = start_stream(admin_server, {"prompt": "Go on:", "max_tokens": 3000, "ignore_eos": True},
-                          request_id="slow-me")
+    stream = start_stream(
+        admin_server, {"prompt": "Go on:", "max_tokens": 3000, "ignore_eos": True}, request_id="slow-me"
+    )
     rid = "cmpl-slow-me"
     assert wait_until(lambda: any(s.request_id == rid for s in admin_server.engine.snapshot().sequences))
     r = admin(admin_server, "POST", f"/sequences/{rid}/deprioritize", json={"long_lane": True})
@@ -142,11 +164,19 @@ def test_tenants_list_and_live_patch(admin_server):
     assert r.status_code == 200
     acme = {t["name"]: t for t in r.json()["data"]}["acme"]
     assert acme["tier"] == "standard" and acme["max_in_flight_tokens"] == 10**6
-    r = admin(admin_server, "PATCH", "/tenants/acme", json={"tier": "premium", "max_in_flight_tokens": 5000,
-                                                              "rate_tokens_per_s": 250.0})
+    r = admin(
+        admin_server,
+        "PATCH",
+        "/tenants/acme",
+        json={"tier": "premium", "max_in_flight_tokens": 5000, "rate_tokens_per_s": 250.0},
+    )
     assert r.status_code == 200
-    assert (r.json()["tier"], r.json()["priority"], r.json()["max_in_flight_tokens"],
-            r.json()["rate_tokens_per_s"]) == ("premium", 2, 5000, 250.0)
+    assert (
+        r.json()["tier"],
+        r.json()["priority"],
+        r.json()["max_in_flight_tokens"],
+        r.json()["rate_tokens_per_s"],
+    ) == ("premium", 2, 5000, 250.0)
     tenant = admin_server.app[keys.GATE].registry.get("acme")
     assert tenant.bucket.max_in_flight_tokens == 5000 and tenant.priority == 2
     assert admin(admin_server, "PATCH", "/tenants/nobody", json={"tier": "batch"}).status_code == 404

@@ -24,8 +24,9 @@ LADDER = ("deprioritize", "cap", "abort")
 
 def looping(rid: str, ladder: tuple[str, ...] | None = None, policy: str | None = None):
     s = seq(rid, output=60)
-    return s.__class__(**{**s.__dict__, "loop_period": 8, "loop_detected_at": 40, "ladder": ladder,
-                          "loop_policy": policy})
+    return s.__class__(
+        **{**s.__dict__, "loop_period": 8, "loop_detected_at": 40, "ladder": ladder, "loop_policy": policy}
+    )
 
 
 def test_each_violation_climbs_one_step_no_sooner_than_the_step_interval():
@@ -83,7 +84,7 @@ def metric(text: str, name: str) -> dict[str, float]:
     found = {}
     for line in text.splitlines():
         if line.startswith(name + "{"):
-            label, value = line[len(name) + 1:].split("} ")
+            label, value = line[len(name) + 1 :].split("} ")
             found[label.split('"')[1]] = float(value)
     return found
 
@@ -97,14 +98,25 @@ def test_a_planted_loop_climbs_the_whole_ladder_on_the_real_server(monkeypatch, 
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
     # The engine flags the loop; the ladder acts on it. The cap leaves room, so that the
     # ladder reaches its last step while the loop still runs.
-    config = admin_config(loop_policy="flag", loop_max_pattern_size=8, loop_min_pattern_size=1, loop_min_count=4,
-                          ladder=LADDER, ladder_step_s=0.5, policy_interval_s=0.1, cap_tokens=3000)
+    config = admin_config(
+        loop_policy="flag",
+        loop_max_pattern_size=8,
+        loop_min_pattern_size=1,
+        loop_min_count=4,
+        ladder=LADDER,
+        ladder_step_s=0.5,
+        policy_interval_s=0.1,
+        cap_tokens=3000,
+    )
     server = BackgroundServer(config, Engine(config, loaded=default_model)).start()
     caplog.set_level(logging.WARNING, logger="headroom.admin")
     try:
         the = server.engine.tokenizer.encode(" the")[-1]
-        stream = start_stream(server, {"prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0,
-                                       "logit_bias": {str(the): 100}}, request_id="loops")
+        stream = start_stream(
+            server,
+            {"prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0, "logit_bias": {str(the): 100}},
+            request_id="loops",
+        )
         rid = "cmpl-loops"
         seen: list[dict] = []
 
@@ -129,10 +141,15 @@ def test_a_planted_loop_climbs_the_whole_ladder_on_the_real_server(monkeypatch, 
     assert cap.startswith("cap by policy at ") and cap.endswith(" tokens")
     assert (last["deprioritized"], last["loop_period"], last["loop_detected_at"]) == (True, 1, 4)
     assert stream.final_choice["stop_reason"] == f"aborted by policy: {rule}"
-    assert [r.getMessage() for r in caplog.records if r.name == "headroom.admin" and rid in r.getMessage()] == \
-        [f"policy {action} on {rid}: {rule}" for action in LADDER]
+    assert [r.getMessage() for r in caplog.records if r.name == "headroom.admin" and rid in r.getMessage()] == [
+        f"policy {action} on {rid}: {rule}" for action in LADDER
+    ]
     assert metric(metrics, "headroom:policy_actions_total") == {"deprioritize": 1.0, "cap": 1.0, "abort": 1.0}
     assert metric(metrics, "headroom:loops_detected_total") == {"flag": 1.0, "cap": 0.0, "stop": 0.0}
     [span] = [s for _, s in collected.spans if s.name == "POST /v1/completions"]
-    assert attributes(span.attributes)["headroom.admin_actions"] == [flag, deprioritized, cap,
-                                                                     f"abort by policy: {rule}"]
+    assert attributes(span.attributes)["headroom.admin_actions"] == [
+        flag,
+        deprioritized,
+        cap,
+        f"abort by policy: {rule}",
+    ]

@@ -36,8 +36,12 @@ class ShortLoad:
         self.threads = [threading.Thread(target=self.work, args=(i,), daemon=True) for i in range(WORKERS)]
 
     def work(self, i: int) -> None:
-        body = {"messages": [{"role": "user", "content": f"Say hello to friend {i}."}], "max_tokens": 16,
-                "stream": True, "ignore_eos": True}
+        body = {
+            "messages": [{"role": "user", "content": f"Say hello to friend {i}."}],
+            "max_tokens": 16,
+            "stream": True,
+            "ignore_eos": True,
+        }
         with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {TENANT_KEY}"}) as client:
             while not self.stop.is_set():
                 start = time.monotonic()
@@ -137,12 +141,17 @@ def test_planted_offender_is_found_aborted_and_forgotten(admin_server):
     assert not load.errors, load.errors
     # The abort answers after the engine applied it: no step from then on carried it.
     assert steps_with_offender and max(steps_with_offender) <= aborted_at_step
-    before, during, after = (load.ttfts_between(a, sent), load.ttfts_between(sent, aborted),
-                             load.ttfts_between(aborted + 0.5, c))
-    print(f"short TTFT p50: short-only {statistics.median(before):.3f}s over {len(before)}, "
-          f"with offender {statistics.median(during) if during else float('nan'):.3f}s over {len(during)}, "
-          f"after abort {statistics.median(after):.3f}s over {len(after)}; "
-          f"offender first by cost {found_after_steps} steps ({found_after_s:.2f}s) after admission")
+    before, during, after = (
+        load.ttfts_between(a, sent),
+        load.ttfts_between(sent, aborted),
+        load.ttfts_between(aborted + 0.5, c),
+    )
+    print(
+        f"short TTFT p50: short-only {statistics.median(before):.3f}s over {len(before)}, "
+        f"with offender {statistics.median(during) if during else float('nan'):.3f}s over {len(during)}, "
+        f"after abort {statistics.median(after):.3f}s over {len(after)}; "
+        f"offender first by cost {found_after_steps} steps ({found_after_s:.2f}s) after admission"
+    )
     assert len(before) >= PHASE_REQUESTS and len(after) >= PHASE_REQUESTS
     wait_idle(engine)
     engine.block_manager.check_invariants()

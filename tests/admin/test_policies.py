@@ -13,11 +13,39 @@ from headroom.config import AdminConfig, ConfigError
 from headroom.runtime.outputs import EngineSnapshot, SequenceSnapshot
 
 
-def seq(rid: str, *, age: float = 1.0, kv_share: float = 0.01, output: int = 10, predicted: float | None = 50.0,
-        deprioritized: bool = False, runaway: float | None = None) -> SequenceSnapshot:
-    return SequenceSnapshot(rid, "t", "standard", "short", "running", 0, age, 100, output, 1000, predicted,
-                            int(kv_share * 100), kv_share, 0.1, 0.1, 0.0, 110, 0, 0.1,
-                            deprioritized=deprioritized, runaway_probability=runaway)
+def seq(
+    rid: str,
+    *,
+    age: float = 1.0,
+    kv_share: float = 0.01,
+    output: int = 10,
+    predicted: float | None = 50.0,
+    deprioritized: bool = False,
+    runaway: float | None = None,
+) -> SequenceSnapshot:
+    return SequenceSnapshot(
+        rid,
+        "t",
+        "standard",
+        "short",
+        "running",
+        0,
+        age,
+        100,
+        output,
+        1000,
+        predicted,
+        int(kv_share * 100),
+        kv_share,
+        0.1,
+        0.1,
+        0.0,
+        110,
+        0,
+        0.1,
+        deprioritized=deprioritized,
+        runaway_probability=runaway,
+    )
 
 
 def snap(*sequences: SequenceSnapshot) -> EngineSnapshot:
@@ -31,13 +59,16 @@ def test_off_by_default():
 
 def test_each_rule_names_what_was_broken():
     config = AdminConfig(max_wall_s=30, max_kv_share=0.25, max_predicted_ratio=4, policy_action="abort")
-    found = violations(config, snap(
-        seq("old", age=31.5),
-        seq("fat", kv_share=0.5),
-        seq("overrun", output=201, predicted=50.0),
-        seq("fine", age=29, kv_share=0.25, output=200, predicted=50.0),
-        seq("unpredicted", output=10**5, predicted=None),
-    ))
+    found = violations(
+        config,
+        snap(
+            seq("old", age=31.5),
+            seq("fat", kv_share=0.5),
+            seq("overrun", output=201, predicted=50.0),
+            seq("fine", age=29, kv_share=0.25, output=200, predicted=50.0),
+            seq("unpredicted", output=10**5, predicted=None),
+        ),
+    )
     assert found == [
         Violation("old", "ran 31.5s, over the 30s budget"),
         Violation("fat", "holds 50% of the KV pool, over 25%"),
@@ -48,8 +79,14 @@ def test_each_rule_names_what_was_broken():
 def test_the_runaway_rule_reads_the_in_flight_estimate():
     config = AdminConfig(max_runaway_probability=0.9)
     assert enabled(config)
-    found = violations(config, snap(seq("loops", runaway=0.93, output=64), seq("fine", runaway=0.89),
-                                    seq("unseen", runaway=None, output=10**5, predicted=None)))
+    found = violations(
+        config,
+        snap(
+            seq("loops", runaway=0.93, output=64),
+            seq("fine", runaway=0.89),
+            seq("unseen", runaway=None, output=10**5, predicted=None),
+        ),
+    )
     assert found == [Violation("loops", "predicted to run to its 1000-token cap (p=0.93 at 64 tokens)", runaway=True)]
     assert violations(config, snap(seq("loops", runaway=0.99, deprioritized=True))) == []
 
@@ -62,13 +99,16 @@ def test_deprioritize_acts_once():
     assert [v.request_id for v in violations(aborting, snap(seq("a", age=11, deprioritized=True)))] == ["a"]
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"policy_action": "kill"}, "policy_action must be one of deprioritize, cap, abort, got 'kill'"),
-    ({"max_kv_share": 1.5}, "max_kv_share must be in (0, 1], got 1.5"),
-    ({"max_runaway_probability": 0}, "max_runaway_probability must be in (0, 1], got 0"),
-    ({"max_wall_s": 0}, "max_wall_s must be > 0, got 0"),
-    ({"token": "short"}, "admin token must be at least 16 characters"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"policy_action": "kill"}, "policy_action must be one of deprioritize, cap, abort, got 'kill'"),
+        ({"max_kv_share": 1.5}, "max_kv_share must be in (0, 1], got 1.5"),
+        ({"max_runaway_probability": 0}, "max_runaway_probability must be in (0, 1], got 0"),
+        ({"max_wall_s": 0}, "max_wall_s must be > 0, got 0"),
+        ({"token": "short"}, "admin token must be at least 16 characters"),
+    ],
+)
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ConfigError) as exc:
         AdminConfig(**kwargs)
@@ -131,8 +171,11 @@ def test_the_runaway_policy_moves_a_probed_runaway_to_the_long_lane(default_mode
     server = BackgroundServer(config, engine).start()  # it keeps the engine's probe
     try:
         the = engine.tokenizer.encode(" the")[-1]
-        runaway = start_stream(server, {"prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0,
-                                        "logit_bias": {str(the): 100}}, request_id="loops")
+        runaway = start_stream(
+            server,
+            {"prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0, "logit_bias": {str(the): 100}},
+            request_id="loops",
+        )
         rid = "cmpl-loops"
 
         def sequence() -> dict:
@@ -146,13 +189,21 @@ def test_the_runaway_policy_moves_a_probed_runaway_to_the_long_lane(default_mode
         assert [at for at, _, _ in estimates] == list(range(0, probe.last_point + 1, a.inflight_every))
         assert estimates[0][2] < a.runaway_threshold <= estimates[1][2]  # no loop at prefill, one at 16
         at, remaining, p = estimates[-1]
-        assert (seq["size_class"], seq["priority"], seq["runaway_probability"], seq["runaway_flagged_at"]) == \
-            ("long", -(2**31), p, 16)
+        assert (seq["size_class"], seq["priority"], seq["runaway_probability"], seq["runaway_flagged_at"]) == (
+            "long",
+            -(2**31),
+            p,
+            16,
+        )
         assert seq["predicted_remaining_tokens"] == pytest.approx(
-            min(remaining - (seq["output_tokens"] - at), 4000 - seq["output_tokens"]), rel=1e-9)
+            min(remaining - (seq["output_tokens"] - at), 4000 - seq["output_tokens"]), rel=1e-9
+        )
         [action] = seq["admin_actions"]
-        acted = re.fullmatch(r"deprioritize by policy to the long lane: predicted to run to its 4000-token cap "
-                             r"\(p=(\d\.\d\d) at (\d+) tokens\)", action)
+        acted = re.fullmatch(
+            r"deprioritize by policy to the long lane: predicted to run to its 4000-token cap "
+            r"\(p=(\d\.\d\d) at (\d+) tokens\)",
+            action,
+        )
         assert acted, action
         # The estimate in force when the policy read it: the last made before that token count.
         in_force = [q for made_at, _, q in estimates if made_at < int(acted[2])][-1]

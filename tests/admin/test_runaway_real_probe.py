@@ -44,8 +44,13 @@ def test_the_probe_catches_a_looping_sequence_and_the_policy_moves_it(default_mo
     try:
         assert server.engine.inflight is not None, "the packaged probe is not in use"
         with ThreadPoolExecutor(1) as pool:
-            reply = pool.submit(httpx.post, server.url + "/v1/chat/completions", json=body,
-                                headers={"X-Request-Id": "loops"}, timeout=300)
+            reply = pool.submit(
+                httpx.post,
+                server.url + "/v1/chat/completions",
+                json=body,
+                headers={"X-Request-Id": "loops"},
+                timeout=300,
+            )
 
             def acted_on() -> dict | None:
                 seq = admin(server, "GET", f"/sequences/{rid}").json()
@@ -56,8 +61,11 @@ def test_the_probe_catches_a_looping_sequence_and_the_policy_moves_it(default_mo
             response = reply.result(timeout=300)
 
         [action] = seq["admin_actions"]
-        found = re.fullmatch(r"deprioritize by policy to the long lane: predicted to run to its 128-token cap "
-                             r"\(p=(0\.9\d|1\.00) at (\d+) tokens\)", action)
+        found = re.fullmatch(
+            r"deprioritize by policy to the long lane: predicted to run to its 128-token cap "
+            r"\(p=(0\.9\d|1\.00) at (\d+) tokens\)",
+            action,
+        )
         assert found, action
         acted_at = int(found.group(2))
         # Flagged by the default threshold before the policy's higher one was reached.

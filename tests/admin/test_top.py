@@ -66,25 +66,45 @@ def test_top_shows_the_runaway_first_and_aborts_it(admin_server):
     wait_idle(engine, timeout=30)
     rid = "cmpl-top-runaway"
     runaway = plant_runaway(admin_server, "top-runaway")
-    shorts = [start_stream(admin_server, {"prompt": "Hi", "max_tokens": 100, "ignore_eos": True},
-                           request_id=f"top-short{i}") for i in range(2)]
+    shorts = [
+        start_stream(admin_server, {"prompt": "Hi", "max_tokens": 100, "ignore_eos": True}, request_id=f"top-short{i}")
+        for i in range(2)
+    ]
 
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
     env = {**os.environ, "COLUMNS": "200", "LINES": "50", "TERM": "xterm-256color"}
     env.pop("HEADROOM_ADMIN_TOKEN", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "headroom.app.cli", "top", "--url", admin_server.url, "--token", ADMIN_TOKEN,
-         "--interval", "0.5"],
-        stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "headroom.app.cli",
+            "top",
+            "--url",
+            admin_server.url,
+            "--token",
+            ADMIN_TOKEN,
+            "--interval",
+            "0.5",
+        ],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env=env,
+        close_fds=True,
+        start_new_session=True,
+    )
     os.close(slave)
     screen = Screen(master)
     try:
         screen.wait_for(r"headroom top · " + re.escape(admin_server.url) + r" · KV \d+/512 blocks")
         screen.wait_for(r"TTFT p99 \(1m\)")
         # The runaway is the costliest once its long prompt is in: the first row, selected.
-        assert wait_until(lambda: admin(admin_server, "GET", "/sequences?sort=cost&limit=1").json()["data"][0]["id"]
-                          == rid, timeout=30)
+        assert wait_until(
+            lambda: admin(admin_server, "GET", "/sequences?sort=cost&limit=1").json()["data"][0]["id"] == rid,
+            timeout=30,
+        )
         screen.wait_for(r">\s+" + re.escape(rid) + r"\s+default\s", since=screen.mark())
         since = screen.mark()
         os.write(master, b"a")

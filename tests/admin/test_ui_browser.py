@@ -18,8 +18,16 @@ pytestmark = pytest.mark.slow
 expect = sync_api.expect
 
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 TIMEOUT_MS = 20_000
 
@@ -41,8 +49,14 @@ def page(browser):
     page.set_default_timeout(TIMEOUT_MS)
     page.errors = []
     page.on("pageerror", lambda exc: page.errors.append(f"pageerror: {exc}"))
-    page.on("console", lambda msg: page.errors.append(f"console: {msg.text} ({msg.location.get('url')})")
-            if msg.type == "error" and not msg.location.get("url", "").endswith("/favicon.ico") else None)
+    page.on(
+        "console",
+        lambda msg: (
+            page.errors.append(f"console: {msg.text} ({msg.location.get('url')})")
+            if msg.type == "error" and not msg.location.get("url", "").endswith("/favicon.ico")
+            else None
+        ),
+    )
     yield page
     context.close()
 
@@ -55,8 +69,10 @@ def test_the_page_finds_the_runaway_and_aborts_it(admin_server, page):
     for _ in range(2):  # finished requests, so the TTFT chart has something to draw
         r = httpx.post(admin_server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=60)
         assert r.status_code == 200, r.text
-    shorts = [start_stream(admin_server, {"prompt": "Hi", "max_tokens": 200, "ignore_eos": True},
-                           request_id=f"ui-short{i}") for i in range(3)]
+    shorts = [
+        start_stream(admin_server, {"prompt": "Hi", "max_tokens": 200, "ignore_eos": True}, request_id=f"ui-short{i}")
+        for i in range(3)
+    ]
     runaway = plant_runaway(admin_server, "ui-runaway")
     rid = "cmpl-ui-runaway"
     assert wait_until(lambda: rid in live_ids(admin_server))
@@ -104,8 +120,10 @@ def test_the_page_finds_the_runaway_and_aborts_it(admin_server, page):
 
 def test_without_a_token_the_page_asks_for_one(admin_server, page):
     ok_calls = []
-    page.on("response", lambda r: ok_calls.append(r.url)
-            if "/admin/" in r.url and not r.url.endswith("/admin/ui") and r.ok else None)
+    page.on(
+        "response",
+        lambda r: ok_calls.append(r.url) if "/admin/" in r.url and not r.url.endswith("/admin/ui") and r.ok else None,
+    )
     page.goto(admin_server.url + "/admin/ui")
     form = page.locator("#token-form")
     expect(form).to_be_visible()

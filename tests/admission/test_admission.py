@@ -84,8 +84,9 @@ async def test_global_limit_queues_and_settle_admits(clock):
     assert adm.in_flight_seqs == 1 and a.bucket.in_flight == 20
 
 
-async def drain_in_order(adm: Admission, holding: Ticket, tasks: dict[str, asyncio.Task[Ticket]],
-                         first_actual: tuple[int, int] | None = None) -> list[str]:
+async def drain_in_order(
+    adm: Admission, holding: Ticket, tasks: dict[str, asyncio.Task[Ticket]], first_actual: tuple[int, int] | None = None
+) -> list[str]:
     """With one global slot: settle whoever holds it and record who is admitted next.
     Every request uses what it reserved, except `first_actual` for the first."""
     order = []
@@ -173,8 +174,9 @@ async def test_a_request_that_fits_passes_a_queued_one_that_does_not(clock):
 
 @pytest.mark.asyncio
 async def test_nobody_passes_a_request_that_has_waited_backfill_max_wait_s(clock):
-    config = AdmissionConfig(tenants=(tenant_config("a", max_in_flight_tokens=1000),), default_tenant="a",
-                             backfill_max_wait_s=1.0)
+    config = AdmissionConfig(
+        tenants=(tenant_config("a", max_in_flight_tokens=1000),), default_tenant="a", backfill_max_wait_s=1.0
+    )
     adm = Admission(config, now=clock)
     a = adm.registry.get("a")
     hold = await adm.acquire(a, 900)
@@ -319,8 +321,11 @@ async def test_cancelling_a_blocking_head_lets_the_next_in(clock):
 
 @pytest.mark.asyncio
 async def test_timer_admits_after_refill_and_expires_waiters(clock):
-    adm = make(clock, tenant_config("a", rate_tokens_per_s=1000.0, burst_tokens=1000, max_in_flight_tokens=2000,
-                                    max_wait_s=5.0), tick_s=0.001)
+    adm = make(
+        clock,
+        tenant_config("a", rate_tokens_per_s=1000.0, burst_tokens=1000, max_in_flight_tokens=2000, max_wait_s=5.0),
+        tick_s=0.001,
+    )
     a = adm.registry.get("a")
     adm.start()
     try:

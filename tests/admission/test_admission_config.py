@@ -78,29 +78,40 @@ def test_admission_flag_takes_on_or_off(capsys):
     assert "expected on or off" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("text, message", [
-    ('[[admission.tenants]]\nname = "default"\ntier = "gold"\n', "tenant 'default': unknown tier 'gold'"),
-    ('[[admission.tenants]]\nname = "default"\n[[admission.tenants]]\nname = "default"\n', "defined twice"),
-    ('[[admission.tenants]]\nname = "default"\napi_keys = ["k"]\n[[admission.tenants]]\nname = "b"\napi_keys = ["k"]\n',
-     "tenant 'b': an api key is already used by tenant 'default'"),
-    ('[[admission.tenants]]\nname = "a"\n', "default_tenant 'default' is not one of the tenants"),
-    ('[[admission.tenants]]\nname = "default"\nrate_tokens_per_s = 0\n', "rate_tokens_per_s must be > 0"),
-    ('[[admission.tenants]]\nname = "default"\nburst_tokens = -1\n', "burst_tokens must be >= 1"),
-    ('[[admission.tenants]]\nname = "default"\nmax_in_flight_tokens = 0\n', "max_in_flight_tokens must be >= 1"),
-    ('[[admission.tenants]]\nname = "default"\nmax_queue = -1\n', "max_queue must be >= 0"),
-    ('[[admission.tenants]]\nname = "default"\nmax_wait_s = -1.0\n', "max_wait_s must be >= 0"),
-    ('[[admission.tenants]]\nname = "default"\napi_keys = "sk"\n', "a list of strings"),
-    ('[[admission.tenants]]\nname = ""\n', "non-empty string"),
-    ("[admission]\nauth = true\n", "no tenant has api_keys"),
-    ("[admission]\nglobal_max_in_flight_seqs = 0\n", "global_max_in_flight_seqs must be >= 1"),
-    ("[admission]\noutput_weight = -1.0\n", "output_weight must be >= 0"),
-    ("[admission]\ntenants = []\n", "at least one tenant"),
-    ("[admission.tiers]\n", "at least one tier"),
-    ('[admission.tiers]\nstandard = "high"\n', "integer priority"),
-    ('[admission]\nstore = "http://127.0.0.1:6379"\n', "admission.store must be a redis://, rediss:// or unix:// URL"),
-    ("[admission]\nfleet_size = 0\n", "fleet_size must be an integer >= 1"),
-    ("[admission]\nlease_ttl_s = 0.5\n", "lease_ttl_s must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('[[admission.tenants]]\nname = "default"\ntier = "gold"\n', "tenant 'default': unknown tier 'gold'"),
+        ('[[admission.tenants]]\nname = "default"\n[[admission.tenants]]\nname = "default"\n', "defined twice"),
+        (
+            (
+                '[[admission.tenants]]\nname = "default"\napi_keys = ["k"]\n'
+                '[[admission.tenants]]\nname = "b"\napi_keys = ["k"]\n'
+            ),
+            "tenant 'b': an api key is already used by tenant 'default'",
+        ),
+        ('[[admission.tenants]]\nname = "a"\n', "default_tenant 'default' is not one of the tenants"),
+        ('[[admission.tenants]]\nname = "default"\nrate_tokens_per_s = 0\n', "rate_tokens_per_s must be > 0"),
+        ('[[admission.tenants]]\nname = "default"\nburst_tokens = -1\n', "burst_tokens must be >= 1"),
+        ('[[admission.tenants]]\nname = "default"\nmax_in_flight_tokens = 0\n', "max_in_flight_tokens must be >= 1"),
+        ('[[admission.tenants]]\nname = "default"\nmax_queue = -1\n', "max_queue must be >= 0"),
+        ('[[admission.tenants]]\nname = "default"\nmax_wait_s = -1.0\n', "max_wait_s must be >= 0"),
+        ('[[admission.tenants]]\nname = "default"\napi_keys = "sk"\n', "a list of strings"),
+        ('[[admission.tenants]]\nname = ""\n', "non-empty string"),
+        ("[admission]\nauth = true\n", "no tenant has api_keys"),
+        ("[admission]\nglobal_max_in_flight_seqs = 0\n", "global_max_in_flight_seqs must be >= 1"),
+        ("[admission]\noutput_weight = -1.0\n", "output_weight must be >= 0"),
+        ("[admission]\ntenants = []\n", "at least one tenant"),
+        ("[admission.tiers]\n", "at least one tier"),
+        ('[admission.tiers]\nstandard = "high"\n', "integer priority"),
+        (
+            '[admission]\nstore = "http://127.0.0.1:6379"\n',
+            "admission.store must be a redis://, rediss:// or unix:// URL",
+        ),
+        ("[admission]\nfleet_size = 0\n", "fleet_size must be an integer >= 1"),
+        ("[admission]\nlease_ttl_s = 0.5\n", "lease_ttl_s must be >= 1"),
+    ],
+)
 def test_bad_admission_config_is_refused(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):
         load(tmp_path, text)
@@ -112,8 +123,10 @@ def test_unknown_tenant_key_is_refused(tmp_path):
 
 
 def test_error_messages_never_echo_api_keys(tmp_path):
-    text = '[[admission.tenants]]\nname = "default"\napi_keys = ["sk-secret"]\n' \
-           '[[admission.tenants]]\nname = "b"\napi_keys = ["sk-secret"]\n'
+    text = (
+        '[[admission.tenants]]\nname = "default"\napi_keys = ["sk-secret"]\n'
+        '[[admission.tenants]]\nname = "b"\napi_keys = ["sk-secret"]\n'
+    )
     with pytest.raises(ConfigError) as exc:
         load(tmp_path, text)
     assert "sk-secret" not in str(exc.value)
@@ -126,20 +139,25 @@ def test_a_bad_store_url_is_refused_without_echoing_its_password(tmp_path):
 
 
 def test_gateway_objectives_and_request_metrics_from_toml(tmp_path):
-    config = load(tmp_path, '[server]\nrequest_metrics = true\nunknown_fields = "accept"\n'
-                            '[admission.objectives]\ninteractive = "premium"\n'
-                            '"batch-sheddable" = "batch"\n'
-                            '[[admission.tenants]]\nname = "default"\nrequest_metrics = false\n')
+    config = load(
+        tmp_path,
+        '[server]\nrequest_metrics = true\nunknown_fields = "accept"\n'
+        '[admission.objectives]\ninteractive = "premium"\n'
+        '"batch-sheddable" = "batch"\n'
+        '[[admission.tenants]]\nname = "default"\nrequest_metrics = false\n',
+    )
     assert config.admission.objectives == (("interactive", "premium"), ("batch-sheddable", "batch"))
     assert config.admission.objective_tier("batch-sheddable") == "batch"
     assert config.admission.objective_tier("other") is None
     assert (config.server.request_metrics, config.server.unknown_fields) == (True, "accept")
     assert config.admission.tenant("default").request_metrics is False
     hash(config)
-    with pytest.raises(ConfigError, match=r"admission.objectives: \('chat', 'gold'\) must map "
-                                          r"an objective's name to a tier \(premium, standard, "
-                                          r"batch\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"admission.objectives: \('chat', 'gold'\) must map "
+        r"an objective's name to a tier \(premium, standard, "
+        r"batch\)",
+    ):
         load(tmp_path, '[admission.objectives]\nchat = "gold"\n')
-    with pytest.raises(ConfigError,
-                       match="unknown_fields must be one of reject, accept, got 'ignore'"):
+    with pytest.raises(ConfigError, match="unknown_fields must be one of reject, accept, got 'ignore'"):
         load(tmp_path, '[server]\nunknown_fields = "ignore"\n')

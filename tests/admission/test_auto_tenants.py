@@ -34,11 +34,13 @@ def test_with_no_config_each_identity_gets_its_own_tenant_with_the_default_limit
     assert owner(g, {"X-Tenant": "web", FAIRNESS_HEADER: "team-a"}) == "web"  # X-Tenant first
     assert owner(g, {}) == "default"
     default, web = g.registry.default, g.registry.get("web")
-    assert web.config == TenantConfig("web", **{k: v for k, v in vars(default.config).items()
-                                                if k not in ("name", "api_keys")})
+    assert web.config == TenantConfig(
+        "web", **{k: v for k, v in vars(default.config).items() if k not in ("name", "api_keys")}
+    )
     assert web.max_in_flight_tokens == default.max_in_flight_tokens == 40_000
-    assert sorted(t.name for t in g.registry) == sorted(["default", key_tenant, owner(g, {"Authorization": "Bearer sk-bob"}),
-                                                         "web", "team-a"])
+    assert sorted(t.name for t in g.registry) == sorted(
+        ["default", key_tenant, owner(g, {"Authorization": "Bearer sk-bob"}), "web", "team-a"]
+    )
 
 
 def test_auto_tenants_stop_at_their_bound_and_never_with_configured_tenants_or_auth():
@@ -52,8 +54,12 @@ def test_auto_tenants_stop_at_their_bound_and_never_with_configured_tenants_or_a
         owner(configured, {"X-Tenant": "nobody"})
     assert (caught.value.status, caught.value.code) == (400, "unknown_tenant")
     assert owner(configured, {FAIRNESS_HEADER: "nobody", "Authorization": "Bearer sk-x"}) == "web"
-    assert owner(gate(auto_tenants=True, tenants=(TenantConfig("web"),), default_tenant="web"),
-                 {FAIRNESS_HEADER: "team-b"}) == "team-b"
+    assert (
+        owner(
+            gate(auto_tenants=True, tenants=(TenantConfig("web"),), default_tenant="web"), {FAIRNESS_HEADER: "team-b"}
+        )
+        == "team-b"
+    )
     with pytest.raises(BadRequest) as caught:
         owner(g, {"X-Tenant": "x" * 129})
     assert (caught.value.status, caught.value.param) == (400, "X-Tenant")
@@ -79,8 +85,12 @@ def test_the_gateway_objective_names_the_tier_the_config_maps_it_to():
     llm_d = {"x-llm-d-inference-fairness-id": "team-c", FAIRNESS_HEADER: "team-d"}
     assert owner(g, llm_d) == "team-c"
     # With auth on, the API key alone says who is asking and in which tier.
-    keyed = gate(auth=True, tenants=(TenantConfig("acme", api_keys=("sk-acme",)),),
-                 default_tenant="acme", objectives={"interactive": "premium"})
+    keyed = gate(
+        auth=True,
+        tenants=(TenantConfig("acme", api_keys=("sk-acme",)),),
+        default_tenant="acme",
+        objectives={"interactive": "premium"},
+    )
     key = {"Authorization": "Bearer sk-acme"}
     assert tier(keyed, {**key, OBJECTIVE_HEADER: "interactive"}) == "standard"
     assert owner(keyed, {**key, FAIRNESS_HEADER: "team-a"}) == "acme"
@@ -88,14 +98,12 @@ def test_the_gateway_objective_names_the_tier_the_config_maps_it_to():
 
 @pytest.mark.asyncio
 async def test_the_objectives_tier_is_the_priority_the_engine_gets():
-    g = AdmissionGate(Config(admission=AdmissionConfig(objectives={"sheddable": "batch"})), 8,
-                      40_000)
+    g = AdmissionGate(Config(admission=AdmissionConfig(objectives={"sheddable": "batch"})), 8, 40_000)
     cases = (({OBJECTIVE_HEADER: "sheddable"}, ("batch", 0)), ({}, ("standard", 1000)))
     for headers, expected in cases:
         request = make_mocked_request("POST", "/v1/completions", headers=headers)
         tenant = g.tenant(request)
         engine_request = Request("r", [1, 2, 3], SamplingParams(max_tokens=4))
-        admitted = await g.admit(tenant, [engine_request], [{"role": "user", "content": "hi"}],
-                                 g.tier(request, tenant))
+        admitted = await g.admit(tenant, [engine_request], [{"role": "user", "content": "hi"}], g.tier(request, tenant))
         assert (engine_request.tier, engine_request.priority) == expected
         g.settle(admitted, [engine_request], None)

@@ -10,8 +10,10 @@ from headroom.config import AdmissionConfig, TenantConfig
 
 
 def tenants(clock, *names: str) -> TenantRegistry:
-    config = AdmissionConfig(tenants=tuple(TenantConfig(n, rate_tokens_per_s=1000.0, burst_tokens=1000)
-                                           for n in names), default_tenant=names[0])
+    config = AdmissionConfig(
+        tenants=tuple(TenantConfig(n, rate_tokens_per_s=1000.0, burst_tokens=1000) for n in names),
+        default_tenant=names[0],
+    )
     return TenantRegistry(config, now=clock)
 
 
@@ -32,9 +34,10 @@ def test_charge_is_weighted(clock):
 
 def test_settle_charges_engine_seconds_at_the_engines_rate(clock):
     # Both tenants' requests had 100 prompt and 100 output tokens (300 weighted), estimated
-    # at admission as 100 prompt and 150 output tokens (400 weighted). Chat's took 1 engine second; reasoning's, deep in long contexts,
-    # 3 each. The first settle teaches the rate (300 weighted tokens an engine second);
-    # after that a request is charged its engine seconds at that rate.
+    # at admission as 100 prompt and 150 output tokens (400 weighted). Chat's took 1 engine
+    # second; reasoning's, deep in long contexts, 3 each. The first settle teaches the rate
+    # (300 weighted tokens an engine second); after that a request is charged its engine
+    # seconds at that rate.
     reg = tenants(clock, "chat", "reasoning")
     fq = FairQueue(prompt_weight=1.0, output_weight=2.0)
     chat, reasoning = reg.get("chat"), reg.get("reasoning")

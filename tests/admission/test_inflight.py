@@ -29,8 +29,10 @@ def test_loop_signals_of_a_loop_and_of_fresh_text():
 
 @pytest.fixture(scope="module")
 def engine(default_model):
-    return Engine(Config(cache=CacheConfig(num_blocks=64, block_size=16), scheduler=SchedulerConfig(max_num_seqs=4)),
-                  loaded=default_model)
+    return Engine(
+        Config(cache=CacheConfig(num_blocks=64, block_size=16), scheduler=SchedulerConfig(max_num_seqs=4)),
+        loaded=default_model,
+    )
 
 
 class RecordingSampler:
@@ -80,8 +82,13 @@ def test_recorder_keeps_each_point_a_sequence_reached_with_what_remained(engine)
     engine.probe_hook = recorder.observe
     try:
         ids = engine.tokenizer.encode("Once upon a time")
-        requests = engine.generate([ids, ids], [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
-                                                 SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)])
+        requests = engine.generate(
+            [ids, ids],
+            [
+                SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+            ],
+        )
     finally:
         engine.runner.probe_layers = frozenset()
         engine.probe_hook = None
@@ -89,12 +96,17 @@ def test_recorder_keeps_each_point_a_sequence_reached_with_what_remained(engine)
         recorder.finish({"id": f"r{i}"}, request, "length")
     rows = [(r["id"], r["point"], r["output_tokens"], r["max_tokens"], r["capped"]) for r in recorder.rows]
     # r1 stops at 16 tokens: nothing remains at point 16, so only its prefill row is kept.
-    assert rows == [("r0", 0, 40, 40, True), ("r0", 16, 40, 40, True), ("r0", 32, 40, 40, True),
-                    ("r1", 0, 16, 16, True)]
+    assert rows == [
+        ("r0", 0, 40, 40, True),
+        ("r0", 16, 40, 40, True),
+        ("r0", 32, 40, 40, True),
+        ("r1", 0, 16, 16, True),
+    ]
     assert all(len(r["states"]) == 2 and r["states"][0].shape == (576,) for r in recorder.rows)
     # Both sequences share a prompt: their prefill states agree.
-    np.testing.assert_allclose(recorder.rows[0]["states"][1].astype(np.float32),
-                               recorder.rows[3]["states"][1].astype(np.float32), atol=2e-2)
+    np.testing.assert_allclose(
+        recorder.rows[0]["states"][1].astype(np.float32), recorder.rows[3]["states"][1].astype(np.float32), atol=2e-2
+    )
 
 
 def synthetic(n: int, seed: int = 0) -> dict:
@@ -107,10 +119,18 @@ def synthetic(n: int, seed: int = 0) -> dict:
     states = rng.normal(size=(len(ids), 1, 64)).astype(np.float16)
     states[:, 0, 0] += np.where(np.repeat(capped, len(POINTS)), 3.0, -3.0).astype(np.float16)
     output = np.where(np.repeat(capped, len(POINTS)), 512, point + rng.integers(1, 300, size=len(ids)))
-    return {"layers": np.array([7]), "ids": ids.astype(str), "point": point, "states": states,
-            "signals": np.zeros((len(ids), 3), dtype=np.float32), "prompt_tokens": np.full(len(ids), 50),
-            "max_tokens": np.full(len(ids), 512), "temperature": np.full(len(ids), 0.7, dtype=np.float32),
-            "output_tokens": output, "capped": np.repeat(capped, len(POINTS))}
+    return {
+        "layers": np.array([7]),
+        "ids": ids.astype(str),
+        "point": point,
+        "states": states,
+        "signals": np.zeros((len(ids), 3), dtype=np.float32),
+        "prompt_tokens": np.full(len(ids), 50),
+        "max_tokens": np.full(len(ids), 512),
+        "temperature": np.full(len(ids), 0.7, dtype=np.float32),
+        "output_tokens": output,
+        "capped": np.repeat(capped, len(POINTS)),
+    }
 
 
 def test_grouped_cv_finds_a_signal_in_the_hidden_state_and_not_in_the_lengths():

@@ -27,7 +27,28 @@ from headroom.admission.train import evaluate, train
 from headroom.app.cli import main
 from headroom.config import ConfigError
 
-_FILLER = ["the", "cat", "garden", "river", "market", "engine", "letter", "music", "window", "paper", "cloud", "forest", "city", "table", "story", "coffee", "winter", "school", "bridge", "planet"]
+_FILLER = [
+    "the",
+    "cat",
+    "garden",
+    "river",
+    "market",
+    "engine",
+    "letter",
+    "music",
+    "window",
+    "paper",
+    "cloud",
+    "forest",
+    "city",
+    "table",
+    "story",
+    "coffee",
+    "winter",
+    "school",
+    "bridge",
+    "planet",
+]
 # hint phrase -> median output tokens before the max_tokens cap
 _HINTS = {"": 90, "Answer briefly.": 12, "Write a detailed essay about it.": 2000}
 
@@ -44,12 +65,18 @@ def synthetic_records(n: int, seed: int = 0) -> list[dict]:
         max_tokens = rng.choice([128, 256, 512])
         wanted = max(1, int(_HINTS[hint] * rng.lognormvariate(0, 0.35)))
         out = min(wanted, max_tokens)
-        rows.append({
-            "id": f"syn{i}", "split": "test" if i % 5 == 0 else "train", "prompt": prompt,
-            "temperature": rng.choice([0.0, 0.7, 1.0]), "max_tokens": max_tokens,
-            "prompt_tokens": 30 + len(prompt) // 4, "output_tokens": out,
-            "finish_reason": "length" if out == max_tokens else "stop",
-        })
+        rows.append(
+            {
+                "id": f"syn{i}",
+                "split": "test" if i % 5 == 0 else "train",
+                "prompt": prompt,
+                "temperature": rng.choice([0.0, 0.7, 1.0]),
+                "max_tokens": max_tokens,
+                "prompt_tokens": 30 + len(prompt) // 4,
+                "output_tokens": out,
+                "finish_reason": "length" if out == max_tokens else "stop",
+            }
+        )
     return rows
 
 
@@ -70,18 +97,27 @@ def _feature(vec: np.ndarray, name: str) -> float:
 
 
 def _features(text: str, max_tokens: int = 512, tenant: str = "") -> RequestFeatures:
-    return RequestFeatures.from_messages([{"role": "user", "content": text}], prompt_tokens=40,
-                                         max_tokens=max_tokens, temperature=0.0, tenant=tenant)
+    return RequestFeatures.from_messages(
+        [{"role": "user", "content": text}], prompt_tokens=40, max_tokens=max_tokens, temperature=0.0, tenant=tenant
+    )
 
 
 # -- features -------------------------------------------------------------------------
 
+
 def test_from_record_counts_turns_and_system_text():
-    row = {"messages": [{"role": "system", "content": "Be terse."},
-                        {"role": "user", "content": "hi"},
-                        {"role": "assistant", "content": "hello"},
-                        {"role": "user", "content": "list 3 cats"}],
-           "max_tokens": 64, "temperature": 0.7, "prompt_tokens": 55, "tenant": "acme"}
+    row = {
+        "messages": [
+            {"role": "system", "content": "Be terse."},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "list 3 cats"},
+        ],
+        "max_tokens": 64,
+        "temperature": 0.7,
+        "prompt_tokens": 55,
+        "tenant": "acme",
+    }
     f = RequestFeatures.from_record(row)
     assert (f.turns, f.system_chars, f.prompt_chars) == (2, 9, 9 + 2 + 5 + 11)
     assert (f.text, f.prompt_tokens, f.max_tokens, f.tenant) == ("hi\nlist 3 cats", 55, 64, "acme")
@@ -93,7 +129,7 @@ def test_featurize_is_deterministic_and_uses_crc32_buckets():
     a, b = featurize(f), featurize(f)
     assert a.dtype == np.float32 and a.shape == (len(FEATURE_NAMES),)
     assert np.array_equal(a, b)
-    hashed = a[len(FEATURE_NAMES) - HASH_BUCKETS:]
+    hashed = a[len(FEATURE_NAMES) - HASH_BUCKETS :]
     assert hashed[zlib.crc32(b"hello") % HASH_BUCKETS] >= 2  # "hello" twice (lowercased)
     assert hashed.sum() == 4 + 3  # 4 unigrams + 3 bigrams
     assert _feature(a, "tenant_bucket") == zlib.crc32(b"acme") % 1024
@@ -104,7 +140,8 @@ def test_fast_word_split_matches_the_regex(text):
     low = text.lower()
     assert features_module._words(low) == re.findall(r"\w+", low)
     assert features_module._words(low.encode("ascii", "ignore").decode()) == re.findall(
-        r"\w+", low.encode("ascii", "ignore").decode())
+        r"\w+", low.encode("ascii", "ignore").decode()
+    )
 
 
 def test_featurize_is_stable_across_processes():
@@ -114,31 +151,42 @@ def test_featurize_is_stable_across_processes():
         f"f = RequestFeatures.from_messages([{{'role': 'user', 'content': {text!r}}}], 40, 512, 0.0, 't1');"
         "print(json.dumps(featurize(f).tolist()))"
     )
-    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")]
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("1", "2")
+    ]
     here = featurize(_features(text, tenant="t1")).tolist()
     assert json.loads(runs[0]) == json.loads(runs[1]) == here
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("Write it in 500 words", {"hint_number": 500, "hint_unit": 1}),
-    ("a 300-word summary", {"hint_number": 300, "hint_unit": 1, "brief": 1}),
-    ("Answer in three short paragraphs.", {"hint_number": 3, "hint_unit": 3}),
-    ("give me 5 bullet points", {"hint_number": 5, "hint_unit": 5, "list_n": 5}),
-    ("Explain in 2 sentences", {"hint_number": 2, "hint_unit": 2}),
-    ("describe it in a sentence", {"hint_number": 1, "hint_unit": 2}),
-    ("List 10 movies", {"list_n": 10}),
-    ("top 20 cities", {"list_n": 20}),
-    ("give me 7 blog post ideas", {"list_n": 7}),
-    ("Be concise", {"brief": 1}),
-    ("tl;dr of this text", {"brief": 2}),
-    ("explain step by step", {"detailed": 2}),
-    ("Write a comprehensive essay", {"detailed": 2}),
-    ("Is the sky green? Answer yes or no.", {"yes_no": 1, "question_marks": 1}),
-    ("true or false: cats bark", {"yes_no": 1}),
-    ("write a python function with a regex", {"code_words": 3}),
-    ("fix this:\n```\nx = 1\n```", {"code_fence": 1, "newlines": 3}),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("Write it in 500 words", {"hint_number": 500, "hint_unit": 1}),
+        ("a 300-word summary", {"hint_number": 300, "hint_unit": 1, "brief": 1}),
+        ("Answer in three short paragraphs.", {"hint_number": 3, "hint_unit": 3}),
+        ("give me 5 bullet points", {"hint_number": 5, "hint_unit": 5, "list_n": 5}),
+        ("Explain in 2 sentences", {"hint_number": 2, "hint_unit": 2}),
+        ("describe it in a sentence", {"hint_number": 1, "hint_unit": 2}),
+        ("List 10 movies", {"list_n": 10}),
+        ("top 20 cities", {"list_n": 20}),
+        ("give me 7 blog post ideas", {"list_n": 7}),
+        ("Be concise", {"brief": 1}),
+        ("tl;dr of this text", {"brief": 2}),
+        ("explain step by step", {"detailed": 2}),
+        ("Write a comprehensive essay", {"detailed": 2}),
+        ("Is the sky green? Answer yes or no.", {"yes_no": 1, "question_marks": 1}),
+        ("true or false: cats bark", {"yes_no": 1}),
+        ("write a python function with a regex", {"code_words": 3}),
+        ("fix this:\n```\nx = 1\n```", {"code_fence": 1, "newlines": 3}),
+    ],
+)
 def test_hint_features_fire(text, expected):
     vec = featurize(_features(text))
     for name, value in expected.items():
@@ -159,6 +207,7 @@ def test_length_hint_scales_with_max_tokens():
 
 # -- classes --------------------------------------------------------------------------
 
+
 def test_classify_boundaries():
     t = ClassThresholds()
     assert classify(511, 255, t) is SizeClass.SHORT
@@ -171,7 +220,10 @@ def test_classify_boundaries():
     assert SizeClass.SHORT.value == "short" and SizeClass("long") is SizeClass.LONG
     small = ClassThresholds(short_max_prompt=4, short_max_output=4, long_min_prompt=8, long_min_output=8)
     assert [classify(3, 3, small), classify(4, 3, small), classify(3, 8, small)] == [
-        SizeClass.SHORT, SizeClass.MEDIUM, SizeClass.LONG]
+        SizeClass.SHORT,
+        SizeClass.MEDIUM,
+        SizeClass.LONG,
+    ]
 
 
 def test_thresholds_reject_overlapping_limits():
@@ -182,6 +234,7 @@ def test_thresholds_reject_overlapping_limits():
 
 
 # -- training and prediction ----------------------------------------------------------
+
 
 def test_training_ranks_well_and_beats_baselines(trained):
     metrics, _ = trained
@@ -276,8 +329,10 @@ def test_predict_scores_every_request_on_the_single_row_path(trained, records):
     raw = {name: booster.predict(x, num_threads=1) for name, booster in predictor.boosters.items()}
     calls = []
     for name, booster in predictor.boosters.items():
-        booster.predict = lambda *args, name=name, slow=booster.predict, **kwargs: (calls.append(name),
-                                                                                    slow(*args, **kwargs))[1]
+        booster.predict = lambda *args, name=name, slow=booster.predict, **kwargs: (
+            calls.append(name),
+            slow(*args, **kwargs),
+        )[1]
     got = [predictor.predict(f) for f in features]
     assert calls == []
     for i, (f, prediction) in enumerate(zip(features, got, strict=True)):

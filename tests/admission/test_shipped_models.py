@@ -38,8 +38,11 @@ def test_the_shipped_predictor_holds_its_quality_on_held_out_rows(split):
     train, test = split
     predictor = load_predictor(AdmissionConfig().predictor_path)  # as AdmissionGate loads it
     assert isinstance(predictor, LengthPredictor), "the packaged predictor did not load: serving would fall back"
-    assert (predictor.meta["holdout"], predictor.meta["n_train"], predictor.meta["n_test"]) == \
-        ("split field", len(train), len(test))
+    assert (predictor.meta["holdout"], predictor.meta["n_train"], predictor.meta["n_test"]) == (
+        "split field",
+        len(train),
+        len(test),
+    )
 
     metrics = evaluate(predictor, test)
     model = metrics["model"]
@@ -59,15 +62,15 @@ def test_the_shipped_probe_after_prefill_on_held_out_prompts(default_model, spli
     cannot drift from calibration's: each sequence is aborted once it has its first token."""
     train, test = split
     rows = [r for r in test if r["prompt_tokens"] <= PROBE_MAX_PROMPT_TOKENS]
-    config = Config(cache=CacheConfig(num_blocks=512),
-                    scheduler=SchedulerConfig(max_num_batched_tokens=1024, long_lane=False))
+    config = Config(
+        cache=CacheConfig(num_blocks=512), scheduler=SchedulerConfig(max_num_batched_tokens=1024, long_lane=False)
+    )
     engine = Engine(config, loaded=default_model)
     args, admission = default_model.args, config.admission
     probe = load_inflight_probe(admission.inflight_probe_path, args.hidden_size, args.num_layers, args.vocab_size)
     assert probe is not None, "the packaged probe did not load for the default model"
     assert probe.meta["requests"] == len(train)  # trained on the train prompts only
-    engine.use_inflight(probe, admission.inflight_every, admission.runaway_threshold,
-                        admission.long_min_output_tokens)
+    engine.use_inflight(probe, admission.inflight_every, admission.runaway_threshold, admission.long_min_output_tokens)
 
     requests = {}
     for row in rows:

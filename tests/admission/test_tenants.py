@@ -145,8 +145,10 @@ def test_live_update(clock):
     reg = registry(clock)
     acme = reg.get("acme")
     acme.bucket.reserve(10000)
-    assert reg.update("acme", tier="batch", rate_tokens_per_s=1000.0, burst_tokens=2000,
-                      max_in_flight_tokens=12000) is acme
+    assert (
+        reg.update("acme", tier="batch", rate_tokens_per_s=1000.0, burst_tokens=2000, max_in_flight_tokens=12000)
+        is acme
+    )
     assert acme.priority == 0 and acme.config.tier == "batch" and acme.config.burst_tokens == 2000
     assert acme.bucket.in_flight == 10000 and acme.bucket.level == 2000
     assert acme.config.api_keys == ("sk-acme-1", "sk-acme-2")

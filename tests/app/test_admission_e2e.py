@@ -37,10 +37,24 @@ CONFIG = Config(
         # cost depends on the batches it shared (tests/admission/test_fair_queue.py).
         fair_share="tokens",
         tenants=(
-            TenantConfig("flooder", api_keys=("key-a",), max_in_flight_tokens=A_CAP, max_queue=40,
-                         rate_tokens_per_s=1e6, burst_tokens=10**6),
-            TenantConfig("light", tier="premium", api_keys=("key-b",), max_queue=2, max_wait_s=60,
-                         rate_tokens_per_s=1e6, burst_tokens=10**6, max_tokens=24),
+            TenantConfig(
+                "flooder",
+                api_keys=("key-a",),
+                max_in_flight_tokens=A_CAP,
+                max_queue=40,
+                rate_tokens_per_s=1e6,
+                burst_tokens=10**6,
+            ),
+            TenantConfig(
+                "light",
+                tier="premium",
+                api_keys=("key-b",),
+                max_queue=2,
+                max_wait_s=60,
+                rate_tokens_per_s=1e6,
+                burst_tokens=10**6,
+                max_tokens=24,
+            ),
         ),
         default_tenant="flooder",
     ),
@@ -99,8 +113,9 @@ def test_flood_from_one_tenant_does_not_starve_another(server, monkeypatch):
 
     async def one(session: aiohttp.ClientSession, key: str, tag: str) -> None:
         body = {"prompt": "Tell me about the moon.", "max_tokens": 24, "ignore_eos": True}
-        async with session.post(server.url + "/v1/completions", json=body,
-                                headers={"Authorization": f"Bearer {key}"}) as r:
+        async with session.post(
+            server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+        ) as r:
             assert r.status == 200, await r.text()
             await r.read()
         finished.append((tag, asyncio.get_running_loop().time()))
@@ -129,7 +144,7 @@ def test_flood_from_one_tenant_does_not_starve_another(server, monkeypatch):
     grants = [name for kind, name, _ in events[first_light:] if kind == "grant"]
     light_at = [i for i, name in enumerate(grants) if name == "light"]
     assert len(light_at) == 2 and light_at[0] <= 1 and light_at[1] <= 3, grants
-    assert "flooder" in grants[light_at[1] + 1:], grants  # the flood was still queued behind them
+    assert "flooder" in grants[light_at[1] + 1 :], grants  # the flood was still queued behind them
     assert 0 < peak <= A_CAP
     wait_idle(server.engine)
     assert flooder.bucket.in_flight == 0 and gate.registry.get("light").bucket.in_flight == 0
@@ -145,16 +160,19 @@ def test_tenant_queue_full_is_429_with_retry_after(server):
             body = {"prompt": "Write a poem.", "max_tokens": 24, "ignore_eos": True}
 
             async def one():
-                async with session.post(server.url + "/v1/completions", json=body,
-                                        headers={"Authorization": "Bearer key-b"}) as r:
+                async with session.post(
+                    server.url + "/v1/completions", json=body, headers={"Authorization": "Bearer key-b"}
+                ) as r:
                     return r.status, dict(r.headers), await r.json()
 
             # Hold all four global seats with the flooder (4 x ~160 tokens fit its cap of 700)
             # so the light tenant must queue: its queue holds 2, so of three requests two
             # wait and the third is refused at once.
             hold = {"prompt": "Tell me a long story.", "max_tokens": 150, "ignore_eos": True, "stream": True}
-            holders = [await session.post(server.url + "/v1/completions", json=hold,
-                                          headers={"Authorization": "Bearer key-a"}) for _ in range(4)]
+            holders = [
+                await session.post(server.url + "/v1/completions", json=hold, headers={"Authorization": "Bearer key-a"})
+                for _ in range(4)
+            ]
             tasks = [asyncio.create_task(one()) for _ in range(3)]
             await next(asyncio.as_completed(tasks))  # nothing can run: the first answer is the refusal
             assert sum(t.done() for t in tasks) == 1
@@ -186,16 +204,20 @@ def test_client_gone_while_queued_in_admission_never_runs(server):
     async def run() -> int:
         async with aiohttp.ClientSession() as session:
             hold = {"prompt": "Tell me a long story.", "max_tokens": 150, "ignore_eos": True, "stream": True}
-            holders = [await session.post(server.url + "/v1/completions", json=hold,
-                                          headers={"Authorization": "Bearer key-a"}) for _ in range(4)]
+            holders = [
+                await session.post(server.url + "/v1/completions", json=hold, headers={"Authorization": "Bearer key-a"})
+                for _ in range(4)
+            ]
             for h in holders:
                 await h.content.readline()  # each has run a step: started is counted
             started = engine.stats.requests_started
             body = json.dumps({"prompt": "never run me", "max_tokens": 5}).encode()
             _, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Authorization: Bearer key-b\r\n"
-                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Authorization: Bearer key-b\r\n"
+                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+            )
             await writer.drain()
             assert await wait_for(lambda: len(light.queue) == 1)  # all four seats are held: it waits
             writer.close()

@@ -37,8 +37,9 @@ def test_with_no_config_a_short_request_is_admitted_beside_long_reservations(def
             assert wait_until(lambda: tenant.bucket.in_flight > before, timeout=60)  # noqa: B023
         # A long one may have waited for the bucket's refill (2,000 tokens/s), never for the cap.
         decisions = dict(gate.admission.decisions)
-        r = httpx.post(server.url + "/v1/completions", json={"prompt": "Say hi.", "max_tokens": 4, "ignore_eos": True},
-                       timeout=120)
+        r = httpx.post(
+            server.url + "/v1/completions", json={"prompt": "Say hi.", "max_tokens": 4, "ignore_eos": True}, timeout=120
+        )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 4
         assert gate.admission.decisions["admit"] == decisions["admit"] + 1  # at once, not queued

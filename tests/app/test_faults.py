@@ -25,8 +25,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def server(default_model):
-    config = Config(cache=CacheConfig(num_blocks=512), scheduler=SchedulerConfig(max_num_seqs=1),
-                    server=ServerConfig(max_queue_len=1024))
+    config = Config(
+        cache=CacheConfig(num_blocks=512),
+        scheduler=SchedulerConfig(max_num_seqs=1),
+        server=ServerConfig(max_queue_len=1024),
+    )
     srv = BackgroundServer(config, Engine(config, loaded=default_model)).start()
     yield srv
     srv.engine.fault_hook = None
@@ -34,7 +37,7 @@ def server(default_model):
 
 
 def events(text: str) -> list[dict]:
-    return [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: {")]
+    return [json.loads(line[len("data: ") :]) for line in text.splitlines() if line.startswith("data: {")]
 
 
 def fail_step(request_id: str, nth: int):
@@ -58,26 +61,32 @@ def test_a_failing_step_fails_only_its_sequences(server):
 
     async def both() -> tuple[str, str]:
         async with aiohttp.ClientSession() as session:
+
             async def one(rid: str) -> str:
-                async with session.post(server.url + "/v1/completions", json=body,
-                                        headers={"X-Request-Id": rid}) as r:
+                async with session.post(server.url + "/v1/completions", json=body, headers={"X-Request-Id": rid}) as r:
                     assert r.status == 200
                     return await r.text()
+
             victim = asyncio.create_task(one("victim"))
             await asyncio.sleep(0.2)  # max_num_seqs=1: the bystander waits, outside the victim's steps
             return await victim, await one("bystander")
 
     victim, bystander = server.call(both())
     [error] = [e for e in events(victim) if "error" in e]
-    assert error["error"] == {"message": "engine error: injected device fault", "type": "server_error",
-                              "param": None, "code": "engine_error"}
+    assert error["error"] == {
+        "message": "engine error: injected device fault",
+        "type": "server_error",
+        "param": None,
+        "code": "engine_error",
+    }
     assert victim.rstrip().endswith("data: [DONE]")
     chunks = events(bystander)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert sum(1 for c in chunks if c["choices"][0]["text"]) >= 1
     # The engine keeps serving, the victim's blocks are free, and its abort is counted.
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True},
-                   timeout=60)
+    r = httpx.post(
+        server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True}, timeout=60
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     wait_idle(engine)
     engine.block_manager.check_invariants()
@@ -87,11 +96,21 @@ def test_a_failing_step_fails_only_its_sequences(server):
 def test_a_failing_step_is_a_500_engine_error_for_a_non_streaming_request(server):
     engine = server.engine
     engine.fault_hook = fail_step("cmpl-plain", 2)
-    r = httpx.post(server.url + "/v1/completions", timeout=60, headers={"X-Request-Id": "plain"},
-                   json={"prompt": "Once upon a time", "max_tokens": 20, "ignore_eos": True})
+    r = httpx.post(
+        server.url + "/v1/completions",
+        timeout=60,
+        headers={"X-Request-Id": "plain"},
+        json={"prompt": "Once upon a time", "max_tokens": 20, "ignore_eos": True},
+    )
     assert r.status_code == 500 and r.headers["Content-Type"].startswith("application/json")
-    assert r.json() == {"error": {"message": "engine error: injected device fault", "type": "server_error",
-                                  "param": None, "code": "engine_error"}}
+    assert r.json() == {
+        "error": {
+            "message": "engine error: injected device fault",
+            "type": "server_error",
+            "param": None,
+            "code": "engine_error",
+        }
+    }
     wait_idle(engine)
     engine.block_manager.check_invariants()
     assert engine.counters().aborts["engine_error"] == 1
@@ -105,9 +124,11 @@ async def hang_up(url: str, rng: random.Random, prompt: list[int], rid: str) -> 
     host, port = url.removeprefix("http://").split(":")
     if where == "mid_body":
         _, writer = await asyncio.open_connection(host, int(port))
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"X-Request-Id: " + rid.encode() + b"\r\n"
-                     b"Content-Length: 500\r\n\r\n{\"prompt\": \"half a bo")
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"X-Request-Id: " + rid.encode() + b"\r\n"
+            b'Content-Length: 500\r\n\r\n{"prompt": "half a bo'
+        )
         await writer.drain()
         await asyncio.sleep(rng.uniform(0, 0.05))
         writer.close()
@@ -131,7 +152,7 @@ async def hang_up(url: str, rng: random.Random, prompt: list[int], rid: str) -> 
             async for line in response.content:
                 if read == want:
                     break
-                if line.startswith(b"data: {") and json.loads(line[len(b"data: "):])["choices"][0]["text"]:
+                if line.startswith(b"data: {") and json.loads(line[len(b"data: ") :])["choices"][0]["text"]:
                     read += 1
     return where, read
 
@@ -140,8 +161,11 @@ MAX_TOKENS = 24
 
 
 def test_500_clients_that_hang_up_leave_nothing_behind(default_model):
-    config = Config(cache=CacheConfig(num_blocks=512), scheduler=SchedulerConfig(max_num_seqs=32),
-                    server=ServerConfig(max_queue_len=1024))
+    config = Config(
+        cache=CacheConfig(num_blocks=512),
+        scheduler=SchedulerConfig(max_num_seqs=32),
+        server=ServerConfig(max_queue_len=1024),
+    )
     server = BackgroundServer(config, Engine(config, loaded=default_model)).start()
     engine = server.engine
     submitted: dict[str, Request] = {}
@@ -175,8 +199,9 @@ def test_500_clients_that_hang_up_leave_nothing_behind(default_model):
         by_label: dict[str, list[Request | None]] = {}
         for rid, where, _ in left:
             by_label.setdefault(where, []).append(submitted.get(rid))
-        assert set(by_label) == {"mid_body", "before_headers", "after_headers", "mid_decode"}, \
-            {k: len(v) for k, v in by_label.items()}
+        assert set(by_label) == {"mid_body", "before_headers", "after_headers", "mid_decode"}, {
+            k: len(v) for k, v in by_label.items()
+        }
         assert all(r is None for r in by_label["mid_body"])  # a half body never reaches the engine
         for request in submitted.values():  # everything that reached it was cut short by its client
             assert request.status is RequestStatus.FINISHED_ABORTED, (request.request_id, request.status)
@@ -196,8 +221,9 @@ def test_500_clients_that_hang_up_leave_nothing_behind(default_model):
         engine.block_manager.check_invariants()
         assert all(t.bucket.in_flight == 0 for t in gate.registry)
         assert gate.admission.in_flight_seqs == 0
-        assert wait_until(lambda: server.call(_task_count()) <= idle_tasks, timeout=30), \
+        assert wait_until(lambda: server.call(_task_count()) <= idle_tasks, timeout=30), (
             f"{server.call(_task_count())} tasks left, {idle_tasks} when idle"
+        )
         # And it still serves.
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
         assert r.status_code == 200

@@ -26,12 +26,10 @@ ADMIN_TOKEN = "admin-token-for-tests-0123456789"
 CONFIG = Config(
     cache=CacheConfig(num_blocks=256),
     scheduler=SchedulerConfig(max_num_seqs=4),
-    admission=AdmissionConfig(global_max_in_flight_seqs=1, fair_share="tokens",
-                              objectives={"interactive": "premium"}),
+    admission=AdmissionConfig(global_max_in_flight_seqs=1, fair_share="tokens", objectives={"interactive": "premium"}),
     admin=AdminConfig(token=ADMIN_TOKEN),
 )
-HOLD = {"prompt": "Write a long story about a lighthouse keeper.", "max_tokens": 128,
-        "ignore_eos": True}
+HOLD = {"prompt": "Write a long story about a lighthouse keeper.", "max_tokens": 128, "ignore_eos": True}
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 SHORT = {"prompt": "Say hi.", "max_tokens": 4, "ignore_eos": True}
 
@@ -83,8 +81,7 @@ def test_two_fairness_ids_are_two_tenants_served_fairly(server):
             await until(lambda t: t.get("team-a", {}).get("waiting") == 1)
             assert finished == [], "the held seat came free before the queue was set up"
             await asyncio.gather(*tasks)
-            await until(lambda t: t["team-a"]["in_flight_tokens"] == t["team-b"]["in_flight_tokens"]
-                        == 0)
+            await until(lambda t: t["team-a"]["in_flight_tokens"] == t["team-b"]["in_flight_tokens"] == 0)
             return finished, usage, await tenants()
 
     finished, usage, tenants = asyncio.run(run())

@@ -100,9 +100,23 @@ def test_sigterm_drains_aborts_and_exits_zero(tmp_path):
     port = _free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "headroom.app.cli", "serve", "--port", str(port), "--drain-timeout", "5",
-         "--num-kv-blocks", "256", "--dtype", "float32"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        [
+            sys.executable,
+            "-m",
+            "headroom.app.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--drain-timeout",
+            "5",
+            "--num-kv-blocks",
+            "256",
+            "--dtype",
+            "float32",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -150,7 +164,7 @@ def test_sigterm_drains_aborts_and_exits_zero(tmp_path):
         assert late_status == 503
         data = [e for e in events if e.startswith(b"data: ")]
         assert data[-1] == b"data: [DONE]\n"
-        last = json.loads(data[-2][len(b"data: "):])
+        last = json.loads(data[-2][len(b"data: ") :])
         # Cut by the drain timeout: 5 s leaves the short streams (6 tokens) room on a busy
         # machine, and is well short of the 1,000 tokens the long one asks for.
         assert last["choices"][0]["finish_reason"] == "abort"

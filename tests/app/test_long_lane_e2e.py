@@ -38,18 +38,16 @@ class Stream:
         self.first_token_at: float | None = None
         self.chunks: list[dict] = []
         self.error: Exception | None = None
-        self.thread = threading.Thread(target=self._run, args=(server, body), name="headroom-test-stream",
-                                       daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(server, body), name="headroom-test-stream", daemon=True)
         self.thread.start()
 
     def _run(self, server, body: dict) -> None:
         try:
-            with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True},
-                              timeout=300) as r:
+            with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=300) as r:
                 assert r.status_code == 200, r.read()
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
-                        chunk = json.loads(line[len("data: "):])
+                        chunk = json.loads(line[len("data: ") :])
                         if chunk["choices"] and self.first_token_at is None:
                             self.first_token_at = time.monotonic()
                         self.chunks.append(chunk)
@@ -65,8 +63,14 @@ class Stream:
 
     @property
     def finish_reason(self) -> str | None:
-        return next((c["choices"][0]["finish_reason"] for c in reversed(self.chunks)
-                     if c["choices"] and c["choices"][0].get("finish_reason")), None)
+        return next(
+            (
+                c["choices"][0]["finish_reason"]
+                for c in reversed(self.chunks)
+                if c["choices"] and c["choices"][0].get("finish_reason")
+            ),
+            None,
+        )
 
 
 def long_sequence(engine: Engine):
@@ -100,8 +104,9 @@ def test_a_short_request_starts_during_a_long_prefill_with_default_settings(serv
 
     background.join()
     wait_idle(engine)
-    stats = httpx.get(server.url + "/admin/stats", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
-                      timeout=30).json()["long_lane"]
+    stats = httpx.get(
+        server.url + "/admin/stats", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30
+    ).json()["long_lane"]
     assert stats["enabled"] is True and stats["factor"] == 1.0
     assert stats["short_ttft_target_s"] == engine.config.scheduler.short_ttft_target_s
     assert stats["allowance_s"] is None  # idle: no shorter request for a long one to hold up

@@ -23,8 +23,11 @@ from headroom.runtime.engine import Engine
 
 pytestmark = pytest.mark.slow
 
-BASE = Config(cache=CacheConfig(num_blocks=256), scheduler=SchedulerConfig(max_num_seqs=4),
-              admission=AdmissionConfig(objectives={"interactive": "premium"}))
+BASE = Config(
+    cache=CacheConfig(num_blocks=256),
+    scheduler=SchedulerConfig(max_num_seqs=4),
+    admission=AdmissionConfig(objectives={"interactive": "premium"}),
+)
 LONG_PROMPT = "lorem ipsum " * 350  # ~1,750 tokens: over long_min_prompt_tokens (1,536)
 
 
@@ -37,8 +40,12 @@ def _unused_port() -> int:
 @pytest.fixture(scope="module")
 def pools(default_model):
     long_pool = BackgroundServer(BASE, Engine(BASE, loaded=default_model)).start()
-    front_config = Config(cache=BASE.cache, scheduler=BASE.scheduler, admission=BASE.admission,
-                          pools=PoolsConfig(long=PoolConfig(url=long_pool.url)))
+    front_config = Config(
+        cache=BASE.cache,
+        scheduler=BASE.scheduler,
+        admission=BASE.admission,
+        pools=PoolsConfig(long=PoolConfig(url=long_pool.url)),
+    )
     front = BackgroundServer(front_config, Engine(front_config, loaded=default_model)).start()
     yield front, long_pool
     front.stop()
@@ -67,11 +74,17 @@ def test_the_gateways_identity_goes_with_a_proxied_request(pools):
     assert r.status_code == 200 and r.headers["X-Headroom-Pool"] == "long"
     text = httpx.get(long_pool.url + "/metrics").text
     samples = {f.name: f.samples for f in text_string_to_metric_families(text)}
-    charged = [(s.labels["tenant"], s.labels["outcome"], s.value)
-               for s in samples["headroom:tenant_requests"] if s.labels["tenant"] == "team-long"]
+    charged = [
+        (s.labels["tenant"], s.labels["outcome"], s.value)
+        for s in samples["headroom:tenant_requests"]
+        if s.labels["tenant"] == "team-long"
+    ]
     assert charged == [("team-long", "length", 1.0)]
-    tiers = {s.labels["tier"]: s.value for s in samples["headroom:e2e_request_latency_seconds"]
-             if s.name.endswith("_count") and s.value}
+    tiers = {
+        s.labels["tier"]: s.value
+        for s in samples["headroom:e2e_request_latency_seconds"]
+        if s.name.endswith("_count") and s.value
+    }
     assert tiers.get("premium") == 1.0
 
 
@@ -94,8 +107,11 @@ def test_short_request_stays_local(pools):
 
 
 def test_unreachable_long_pool_is_502(default_model):
-    config = Config(cache=BASE.cache, scheduler=BASE.scheduler,
-                    pools=PoolsConfig(long=PoolConfig(url=f"http://127.0.0.1:{_unused_port()}")))
+    config = Config(
+        cache=BASE.cache,
+        scheduler=BASE.scheduler,
+        pools=PoolsConfig(long=PoolConfig(url=f"http://127.0.0.1:{_unused_port()}")),
+    )
     front = BackgroundServer(config, Engine(config, loaded=default_model)).start()
     try:
         r = httpx.post(front.url + "/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 2}, timeout=60)

@@ -80,7 +80,9 @@ def test_chat_greedy_equals_runtime_and_usage_is_exact(client, reference):
     )
     assert res.object == "chat.completion" and res.id.startswith("chatcmpl-")
     assert res.choices[0].message.role == "assistant"
-    assert res.choices[0].message.content == reference.tokenizer.decode(expected.output_token_ids, skip_special_tokens=True)
+    assert res.choices[0].message.content == reference.tokenizer.decode(
+        expected.output_token_ids, skip_special_tokens=True
+    )
     assert res.choices[0].finish_reason == expected.status.finish_reason
     assert res.usage.prompt_tokens == expected.num_prompt_tokens
     assert res.usage.completion_tokens == expected.num_output_tokens
@@ -102,29 +104,35 @@ def test_penalties_and_logit_bias_equal_the_runtime(client, reference):
     prompt = "Repeat after me: the cat, the cat, the cat,"
     ids = reference.tokenizer.encode(prompt)
     forced = reference.tokenizer.encode(" river")[0]
-    cases = [({"frequency_penalty": 1.5, "presence_penalty": 0.5}, {}),
-             ({"repetition_penalty": 1.3}, {}),
-             ({"logit_bias": ((forced, 100.0),)}, {"logit_bias": {str(forced): 100}})]
+    cases = [
+        ({"frequency_penalty": 1.5, "presence_penalty": 0.5}, {}),
+        ({"repetition_penalty": 1.3}, {}),
+        ({"logit_bias": ((forced, 100.0),)}, {"logit_bias": {str(forced): 100}}),
+    ]
     plain = reference.generate([ids], SamplingParams(max_tokens=12, temperature=0))[0].output_token_ids
     for fields, over_http in cases:
         expected = reference.generate([ids], SamplingParams(max_tokens=12, temperature=0, **fields))[0]
         assert expected.output_token_ids != plain, fields  # each one changes this greedy output
         extra = over_http or {k: v for k, v in fields.items() if k in ("frequency_penalty", "presence_penalty")}
         body = {"repetition_penalty": fields["repetition_penalty"]} if "repetition_penalty" in fields else None
-        res = client.completions.create(model=reference.loaded.name, prompt=prompt, max_tokens=12, temperature=0,
-                                        extra_body=body, **extra)
+        res = client.completions.create(
+            model=reference.loaded.name, prompt=prompt, max_tokens=12, temperature=0, extra_body=body, **extra
+        )
         text = reference.tokenizer.decode(expected.output_token_ids, skip_special_tokens=True)
         assert res.choices[0].text == text, fields
     assert expected.output_token_ids == [forced] * 12
 
 
-@pytest.mark.parametrize("field, value, param", [
-    ("presence_penalty", 2.5, "presence_penalty"),
-    ("frequency_penalty", -3, "frequency_penalty"),
-    ("repetition_penalty", 0, "repetition_penalty"),
-    ("logit_bias", {"abc": 1}, "logit_bias"),
-    ("logit_bias", {"5": 101}, "logit_bias.5"),
-])
+@pytest.mark.parametrize(
+    "field, value, param",
+    [
+        ("presence_penalty", 2.5, "presence_penalty"),
+        ("frequency_penalty", -3, "frequency_penalty"),
+        ("repetition_penalty", 0, "repetition_penalty"),
+        ("logit_bias", {"abc": 1}, "logit_bias"),
+        ("logit_bias", {"5": 101}, "logit_bias.5"),
+    ],
+)
 def test_bad_penalties_and_bias_are_400_naming_the_field(server, field, value, param):
     body = {"prompt": "Hi", "max_tokens": 1, field: value}
     err = _error(httpx.post(server.url + "/v1/completions", json=body), 400)
@@ -138,8 +146,12 @@ def test_logit_bias_outside_the_vocabulary_is_400(server):
 
 
 def test_streamed_chat_equals_non_streamed_and_ends_with_usage(client):
-    kwargs = {"model": client.models.list().data[0].id, "messages": [{"role": "user", "content": QUESTION}],
-              "max_tokens": 24, "temperature": 0}
+    kwargs = {
+        "model": client.models.list().data[0].id,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": 24,
+        "temperature": 0,
+    }
     full = client.chat.completions.create(**kwargs)
     chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -154,8 +166,9 @@ def test_streamed_chat_equals_non_streamed_and_ends_with_usage(client):
 
 def test_streamed_completion_text_and_stop_string(client):
     name = client.models.list().data[0].id
-    stream = client.completions.create(model=name, prompt="Count: 1, 2, 3,", max_tokens=30, temperature=0,
-                                       stop=[" 6"], stream=True)
+    stream = client.completions.create(
+        model=name, prompt="Count: 1, 2, 3,", max_tokens=30, temperature=0, stop=[" 6"], stream=True
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks)
     assert chunks[-1].choices[0].finish_reason == "stop"
@@ -164,8 +177,14 @@ def test_streamed_completion_text_and_stop_string(client):
 
 def test_logprobs_in_chat_and_completions(client):
     name = client.models.list().data[0].id
-    res = client.chat.completions.create(model=name, messages=[{"role": "user", "content": QUESTION}],
-                                         max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    res = client.chat.completions.create(
+        model=name,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = res.choices[0].logprobs.content
     assert len(content) == res.usage.completion_tokens
     for entry in content:
@@ -180,8 +199,9 @@ def test_logprobs_in_chat_and_completions(client):
 
 
 def test_x_request_id_is_the_response_id_base(server):
-    r = httpx.post(server.url + "/v1/completions", headers={"X-Request-Id": "abc-123"},
-                      json={"prompt": "Hi", "max_tokens": 2})
+    r = httpx.post(
+        server.url + "/v1/completions", headers={"X-Request-Id": "abc-123"}, json={"prompt": "Hi", "max_tokens": 2}
+    )
     assert r.status_code == 200
     assert r.json()["id"] == "cmpl-abc-123" and r.headers["X-Request-Id"] == "cmpl-abc-123"
 
@@ -196,8 +216,13 @@ async def _raw_stream(url: str, body: dict) -> bytes:
 
 
 def test_sse_framing_and_usage_chunk_last(server):
-    body = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 10, "stream": True,
-            "stream_options": {"include_usage": True}, "temperature": 0}
+    body = {
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": 10,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0,
+    }
     raw = asyncio.run(_raw_stream(server.url + "/v1/chat/completions", body))
     assert raw.endswith(b"data: [DONE]\n\n")
     events = raw.split(b"\n\n")
@@ -205,7 +230,7 @@ def test_sse_framing_and_usage_chunk_last(server):
     events = events[:-1]
     assert all(e.startswith(b"data: ") and b"\n" not in e for e in events)
     assert events[-1] == b"data: [DONE]"
-    payloads = [json.loads(e[len(b"data: "):]) for e in events[:-1]]
+    payloads = [json.loads(e[len(b"data: ") :]) for e in events[:-1]]
     assert all(p["object"] == "chat.completion.chunk" for p in payloads)
     usage = payloads[-1]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] >= 1
@@ -221,13 +246,20 @@ def test_64_concurrent_seeded_streams_are_correct_and_distinct(server, reference
     prompt = "Write a one-line poem about the ocean."
     ids = chat_ids(reference, prompt)
     params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1000 + i) for i in range(n)]
-    expected = [reference.tokenizer.decode(r.output_token_ids, skip_special_tokens=True)
-                for r in reference.generate([ids] * n, params)]
+    expected = [
+        reference.tokenizer.decode(r.output_token_ids, skip_special_tokens=True)
+        for r in reference.generate([ids] * n, params)
+    ]
 
     async def one(client: openai.AsyncOpenAI, i: int) -> str:
         stream = await client.chat.completions.create(
-            model=reference.loaded.name, messages=[{"role": "user", "content": prompt}],
-            max_tokens=max_tokens, temperature=1.0, seed=1000 + i, stream=True)
+            model=reference.loaded.name,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=max_tokens,
+            temperature=1.0,
+            seed=1000 + i,
+            stream=True,
+        )
         return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
     async def all_clients() -> list[str]:
@@ -273,8 +305,7 @@ def test_context_overflow_is_400_with_token_counts(server):
     prompt = "hello " * 100
     n_prompt = len(engine.tokenizer.encode(prompt))
     max_tokens = engine.max_model_len - n_prompt + 1
-    err = _error(httpx.post(server.url + "/v1/completions",
-                               json={"prompt": prompt, "max_tokens": max_tokens}), 400)
+    err = _error(httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens}), 400)
     assert err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
     assert f"maximum context length is {engine.max_model_len} tokens" in err["message"]
     assert f"{n_prompt} in the prompt, {max_tokens} for the completion" in err["message"]
@@ -282,8 +313,12 @@ def test_context_overflow_is_400_with_token_counts(server):
 
 def test_unknown_model_is_404(server):
     err = _error(httpx.post(server.url + "/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404)
-    assert err == {"message": "The model `gpt-9` does not exist.", "type": "invalid_request_error",
-                   "param": "model", "code": "model_not_found"}
+    assert err == {
+        "message": "The model `gpt-9` does not exist.",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
 
 
 def test_body_over_limit_is_413(server):
@@ -318,11 +353,18 @@ def test_draining_server_answers_503(server):
         lifecycle.draining = False
     assert httpx.get(server.url + "/health").json() == {
         "status": "ok",
-        "attention_backend": {"name": "cpu_paged", "reason": "auto on cpu: cpu_paged is the best available",
-                              "block_size": 16},
+        "attention_backend": {
+            "name": "cpu_paged",
+            "reason": "auto on cpu: cpu_paged is the best available",
+            "block_size": 16,
+        },
         "cuda_graphs": "off (no CUDA graphs on cpu)",
-        "weights": {"dtype": "float32", "quantization": "none", "reason": "as the caller loaded it",
-                    "kv_cache": {"dtype": "float32", "reason": "auto: the model's dtype"}},
+        "weights": {
+            "dtype": "float32",
+            "quantization": "none",
+            "reason": "as the caller loaded it",
+            "kv_cache": {"dtype": "float32", "reason": "auto: the model's dtype"},
+        },
     }
 
 
@@ -345,8 +387,12 @@ def test_disconnect_mid_stream_frees_blocks(server):
 
     async def run() -> None:
         async with aiohttp.ClientSession() as session:
-            body = {"prompt": "Write a long essay about rivers.", "max_tokens": 2000, "ignore_eos": True,
-                    "stream": True}
+            body = {
+                "prompt": "Write a long essay about rivers.",
+                "max_tokens": 2000,
+                "ignore_eos": True,
+                "stream": True,
+            }
             resp = await session.post(server.url + "/v1/completions", json=body)
             for _ in range(3):
                 await resp.content.readline()
@@ -372,8 +418,10 @@ def test_client_gone_mid_body_never_runs(server):
     started = engine.stats.requests_started
     finished = finished_requests(server)
     body = json.dumps({"prompt": "never run me", "max_tokens": 50}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
     # Send only the headers and half the body, then vanish: the handler is waiting for
     # the body, so the request never reaches the engine. (A client that sent it all and left
     # while queued in admission: tests/app/test_admission_e2e.py.)

@@ -32,6 +32,7 @@ def recorder(threads: list[threading.Thread], value=None):
     def load(*args, **kwargs):
         threads.append(threading.current_thread())
         return value
+
     return load
 
 
@@ -46,7 +47,8 @@ def test_the_admission_predictor_is_loaded_off_the_callers_thread(monkeypatch):
 def test_the_inflight_probe_is_loaded_off_the_callers_thread(monkeypatch):
     threads: list[threading.Thread] = []
     monkeypatch.setattr(inflight_model, "load_inflight_probe", recorder(threads))
-    engine = SimpleNamespace(loaded=SimpleNamespace(args=SimpleNamespace(hidden_size=576, num_layers=30,
-                                                                         vocab_size=49152)))
+    engine = SimpleNamespace(
+        loaded=SimpleNamespace(args=SimpleNamespace(hidden_size=576, num_layers=30, vocab_size=49152))
+    )
     server._use_inflight(Config(), engine)  # the probe is None: nothing is installed
     assert len(threads) == 1 and threads[0] is not threading.current_thread() and not threads[0].is_alive()

@@ -76,12 +76,15 @@ def tenant_server(default_model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("headers,owner", [
-    ({"X-Tenant": "web"}, "web"),
-    ({"X-Tenant": "acme"}, "acme"),
-    ({"X-Tenant": "web", "Authorization": f"Bearer {ACME_KEY}"}, "acme"),  # a known key wins
-    ({}, "default"),
-])
+@pytest.mark.parametrize(
+    "headers,owner",
+    [
+        ({"X-Tenant": "web"}, "web"),
+        ({"X-Tenant": "acme"}, "acme"),
+        ({"X-Tenant": "web", "Authorization": f"Bearer {ACME_KEY}"}, "acme"),  # a known key wins
+        ({}, "default"),
+    ],
+)
 def test_a_request_is_charged_to_the_tenant_it_names(tenant_server, headers, owner):
     assert tenant_server.app[keys.GATE].admission is not None
     before = bucket_levels(tenant_server)
@@ -101,8 +104,14 @@ def test_an_unknown_tenant_is_400(tenant_server, path, body):
     started = tenant_server.engine.counters().requests_started
     r = httpx.post(tenant_server.url + path, json=body, headers={"X-Tenant": "nobody"}, timeout=60)
     assert r.status_code == 400
-    assert r.json() == {"error": {"message": "unknown tenant 'nobody'", "type": "invalid_request_error",
-                                  "param": "X-Tenant", "code": "unknown_tenant"}}
+    assert r.json() == {
+        "error": {
+            "message": "unknown tenant 'nobody'",
+            "type": "invalid_request_error",
+            "param": "X-Tenant",
+            "code": "unknown_tenant",
+        }
+    }
     assert tenant_server.engine.counters().requests_started == started
 
 
@@ -110,14 +119,17 @@ def mocked(headers: dict) -> object:
     return make_mocked_request("POST", CHAT, headers=headers)
 
 
-@pytest.mark.parametrize("auth,headers,owner", [
-    (False, {"X-Tenant": "web"}, "web"),
-    (False, {"X-Tenant": "web", "Authorization": f"Bearer {ACME_KEY}"}, "acme"),
-    (False, {"X-Tenant": "web", "Authorization": "Bearer sk-unknown"}, "web"),  # unknown key: the header
-    (False, {"Authorization": "Bearer sk-unknown"}, "default"),
-    (False, {}, "default"),
-    (True, {"X-Tenant": "web", "Authorization": f"Bearer {ACME_KEY}"}, "acme"),
-])
+@pytest.mark.parametrize(
+    "auth,headers,owner",
+    [
+        (False, {"X-Tenant": "web"}, "web"),
+        (False, {"X-Tenant": "web", "Authorization": f"Bearer {ACME_KEY}"}, "acme"),
+        (False, {"X-Tenant": "web", "Authorization": "Bearer sk-unknown"}, "web"),  # unknown key: the header
+        (False, {"Authorization": "Bearer sk-unknown"}, "default"),
+        (False, {}, "default"),
+        (True, {"X-Tenant": "web", "Authorization": f"Bearer {ACME_KEY}"}, "acme"),
+    ],
+)
 def test_tenant_resolution_order(auth, headers, owner):
     gate = AdmissionGate(Config(admission=AdmissionConfig(enabled=False, auth=auth, tenants=TENANTS)), 8)
     assert gate.tenant(mocked(headers)).name == owner
@@ -131,7 +143,8 @@ def test_with_auth_on_the_header_names_no_tenant(headers):
     assert (caught.value.status, caught.value.code) == (401, "invalid_api_key")
     with pytest.raises(BadRequest):  # and with auth off, the same unknown name is a 400
         AdmissionGate(Config(admission=AdmissionConfig(enabled=False, tenants=TENANTS)), 8).tenant(
-            mocked({"X-Tenant": "nobody"}))
+            mocked({"X-Tenant": "nobody"})
+        )
 
 
 # ---- --admission off: plain FCFS -----------------------------------------------------------
@@ -154,8 +167,10 @@ def fcfs_server(default_model):
     config = Config(
         cache=CacheConfig(num_blocks=64),
         scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=256),
-        admission=AdmissionConfig(enabled=False, tenants=(
-            TenantConfig("default"), TenantConfig("bulk", tier="batch"), TenantConfig("vip", tier="premium"))),
+        admission=AdmissionConfig(
+            enabled=False,
+            tenants=(TenantConfig("default"), TenantConfig("bulk", tier="batch"), TenantConfig("vip", tier="premium")),
+        ),
         admin=AdminConfig(token=ADMIN_TOKEN),
         # No head-of-line monitor ticking while the test holds the engine.
         observability=ObservabilityConfig(monitor_interval_s=3600),
@@ -190,8 +205,12 @@ def test_admission_off_serves_in_arrival_order_whatever_the_tier(fcfs_server):
     results: dict[str, httpx.Response] = {}
 
     def send(rid: str, tenant: str, max_tokens: int) -> None:
-        results[rid] = httpx.post(fcfs_server.url + CHAT, json=chat_body(f"Say {rid}", max_tokens), timeout=60,
-                                  headers={"X-Tenant": tenant, "X-Request-Id": f"fcfs-{rid}"})
+        results[rid] = httpx.post(
+            fcfs_server.url + CHAT,
+            json=chat_body(f"Say {rid}", max_tokens),
+            timeout=60,
+            headers={"X-Tenant": tenant, "X-Request-Id": f"fcfs-{rid}"},
+        )
 
     engine.fault_hook = pause_first_step
     threads = []
@@ -213,25 +232,32 @@ def test_admission_off_serves_in_arrival_order_whatever_the_tier(fcfs_server):
     assert a.finished_time <= b.first_scheduled_time and b.finished_time <= c.first_scheduled_time
     # Tenants are still resolved; nothing else from admission is set.
     assert [(r.tenant, r.tier) for r in (a, b, c)] == [("bulk", "batch"), ("bulk", "batch"), ("vip", "premium")]
-    assert {(r.priority, r.size_class, r.predicted_output_tokens, r.admission_decision) for r in (a, b, c)} \
-        == {(0, None, None, None)}
+    assert {(r.priority, r.size_class, r.predicted_output_tokens, r.admission_decision) for r in (a, b, c)} == {
+        (0, None, None, None)
+    }
 
 
 @pytest.mark.slow
 def test_predictor_reload_with_admission_off_is_409(fcfs_server):
-    r = httpx.post(fcfs_server.url + "/admin/predictor/reload", timeout=30,
-                   headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    r = httpx.post(
+        fcfs_server.url + "/admin/predictor/reload", timeout=30, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    )
     assert r.status_code == 409
-    assert r.json() == {"error": {"message": "admission is off: there is no predictor to reload",
-                                  "type": "invalid_request_error", "param": None, "code": "admission_off"}}
+    assert r.json() == {
+        "error": {
+            "message": "admission is off: there is no predictor to reload",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "admission_off",
+        }
+    }
 
 
 # ---- headroom predictor calibrate / train / eval -------------------------------------------
 
 
 @pytest.mark.slow
-def test_predictor_calibrate_labels_prompts_with_the_models_real_lengths(tmp_path, monkeypatch, capsys,
-                                                                         default_model):
+def test_predictor_calibrate_labels_prompts_with_the_models_real_lengths(tmp_path, monkeypatch, capsys, default_model):
     made: list[Engine] = []
 
     def engine(config):  # the CLI's own engine, on the model this session already loaded
@@ -241,15 +267,35 @@ def test_predictor_calibrate_labels_prompts_with_the_models_real_lengths(tmp_pat
     monkeypatch.setattr(cli, "Engine", engine)
     rows = [
         {"id": "r1", "prompt": "Is the sky blue? Yes or no.", "max_tokens": 4, "temperature": 0},  # stops early
-        {"messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Count to 3."}],
-         "max_tokens": 2, "temperature": 0, "tenant": "acme"},
+        {
+            "messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Count to 3."}],
+            "max_tokens": 2,
+            "temperature": 0,
+            "tenant": "acme",
+        },
         {"prompt": "Say hi.", "temperature": 0},  # no max_tokens: --max-tokens caps it
         {"prompt": "Past --limit: never run."},
     ]
     prompts, labels = tmp_path / "prompts.jsonl", tmp_path / "labels.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    code = cli.main(["predictor", "calibrate", "--prompts", str(prompts), "--out", str(labels), "--limit", "3",
-                     "--max-tokens", "2", "--concurrency", "3", "--num-kv-blocks", "64"])
+    code = cli.main(
+        [
+            "predictor",
+            "calibrate",
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(labels),
+            "--limit",
+            "3",
+            "--max-tokens",
+            "2",
+            "--concurrency",
+            "3",
+            "--num-kv-blocks",
+            "64",
+        ]
+    )
     assert code == 0
     assert f"calibrate: wrote 3 records to {labels}" in capsys.readouterr().err
     (eng,) = made
@@ -269,7 +315,9 @@ def test_predictor_calibrate_labels_prompts_with_the_models_real_lengths(tmp_pat
     # Real stopping: the first prompt's answer ends (EOS) before its cap.
     assert (written["r1"]["finish_reason"], written["r1"]["output_tokens"]) == ("stop", 3)
     # The labels are what `predictor train` reads.
-    assert [r["id"] for r in load_records(labels)] == [r["id"] for r in map(json.loads, labels.read_text().splitlines())]
+    assert [r["id"] for r in load_records(labels)] == [
+        r["id"] for r in map(json.loads, labels.read_text().splitlines())
+    ]
 
 
 HINTS = {"Answer in one word.": 4, "Write a long, detailed essay about it.": 400}
@@ -284,15 +332,33 @@ def labelled_rows(n: int) -> list[dict]:
         hint = list(HINTS)[i % 2]
         prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 20))) + ". " + hint
         out = min(256, max(1, int(HINTS[hint] * rng.lognormvariate(0, 0.3))))
-        rows.append({"id": f"row{i}", "split": "test" if i % 5 == 4 else "train", "prompt": prompt,
-                     "max_tokens": 256, "temperature": 0.0, "prompt_tokens": 20 + len(prompt) // 4,
-                     "output_tokens": out, "finish_reason": "length" if out == 256 else "stop"})
+        rows.append(
+            {
+                "id": f"row{i}",
+                "split": "test" if i % 5 == 4 else "train",
+                "prompt": prompt,
+                "max_tokens": 256,
+                "temperature": 0.0,
+                "prompt_tokens": 20 + len(prompt) // 4,
+                "output_tokens": out,
+                "finish_reason": "length" if out == 256 else "stop",
+            }
+        )
     return rows
 
 
 METRIC_KEYS = {"n", "model", "baseline_max_tokens", "baseline_prompt_tokens", "data"}
-MODEL_KEYS = {"kendall_tau", "spearman", "mae_log", "class_accuracy", "class_accuracy_p90", "cap_auc",
-              "cap_accuracy", "p50_coverage", "p90_coverage"}
+MODEL_KEYS = {
+    "kendall_tau",
+    "spearman",
+    "mae_log",
+    "class_accuracy",
+    "class_accuracy_p90",
+    "cap_auc",
+    "cap_accuracy",
+    "p50_coverage",
+    "p90_coverage",
+}
 
 
 def test_predictor_train_then_eval(tmp_path, capsys):
@@ -327,8 +393,15 @@ def test_predictor_train_then_eval(tmp_path, capsys):
     evaluated = capsys.readouterr().out
     assert evaluated.startswith("held-out rows: 14\n")
     assert evaluated.splitlines()[1:] == trained.out.splitlines()[1:]
-    for label in ("predictor p50", "baseline: max_tokens", "baseline: prompt_tokens", "MAE of log1p(tokens), p50",
-                  "size-class accuracy (p50)", "p_cap AUC", "p90 coverage (actual <= p90)"):
+    for label in (
+        "predictor p50",
+        "baseline: max_tokens",
+        "baseline: prompt_tokens",
+        "MAE of log1p(tokens), p50",
+        "size-class accuracy (p50)",
+        "p_cap AUC",
+        "p90 coverage (actual <= p90)",
+    ):
         assert any(line.startswith(label) for line in evaluated.splitlines()), label
     assert cli.main(["predictor", "eval", "--data", str(data), "--predictor", str(out), "--all-rows"]) == 0
     assert capsys.readouterr().out.startswith("held-out rows: 70\n")

@@ -29,8 +29,7 @@ from tests.admin.conftest import wait_until
 from tests.observability.test_tracing_otlp import Collected, GrpcReceiver, attributes
 
 ADMIN_TOKEN = "admin-token-for-tests-0123456789"
-KEYS = {"size_class", "cached_tokens", "admission_wait_s", "queue_wait_s", "ttft_s", "tpot_s",
-        "device_time_s"}
+KEYS = {"size_class", "cached_tokens", "admission_wait_s", "queue_wait_s", "ttft_s", "tpot_s", "device_time_s"}
 # Long enough that a second request with it is served from the prefix cache (blocks of 16).
 QUESTION = "Name three rivers of Europe and the seas they flow into, one line each, nothing more."
 METERED = ("m-chat", "m-text", "m-resp", "m-misc")
@@ -45,7 +44,8 @@ def traced(default_model, tmp_path_factory):
     tenants = (TenantConfig("default"), *(TenantConfig(n, request_metrics=True) for n in METERED))
     ledger = tmp_path_factory.mktemp("ledger") / "usage.db"
     config = Config(
-        cache=CacheConfig(num_blocks=256), scheduler=SchedulerConfig(max_num_seqs=8),
+        cache=CacheConfig(num_blocks=256),
+        scheduler=SchedulerConfig(max_num_seqs=8),
         admission=AdmissionConfig(tenants=tenants),
         observability=ObservabilityConfig(usage_ledger_path=str(ledger)),
         admin=AdminConfig(token=ADMIN_TOKEN),
@@ -72,8 +72,7 @@ def events(r: httpx.Response) -> list[dict]:
 
 
 def admin(server, path: str) -> dict:
-    r = httpx.get(server.url + "/admin" + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
-                  timeout=30)
+    r = httpx.get(server.url + "/admin" + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -96,11 +95,14 @@ CHAT = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 6, "i
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tenant, path, body, stream", [
-    ("m-chat", "/v1/chat/completions", {**CHAT, "stream": True}, True),
-    ("m-text", "/v1/completions", {"prompt": QUESTION, "max_tokens": 6, "ignore_eos": True}, False),
-    ("m-resp", "/v1/responses", {"input": QUESTION, "max_output_tokens": 6, "stream": True}, True),
-])
+@pytest.mark.parametrize(
+    "tenant, path, body, stream",
+    [
+        ("m-chat", "/v1/chat/completions", {**CHAT, "stream": True}, True),
+        ("m-text", "/v1/completions", {"prompt": QUESTION, "max_tokens": 6, "ignore_eos": True}, False),
+        ("m-resp", "/v1/responses", {"input": QUESTION, "max_output_tokens": 6, "stream": True}, True),
+    ],
+)
 def test_the_metrics_object_equals_the_span_and_the_admin_views(traced, tenant, path, body, stream):
     warm = {k: v for k, v in body.items() if k != "stream"}
     post(traced, path, warm)  # the default tenant puts the prompt in the prefix cache
@@ -140,8 +142,9 @@ def _tenant(server, name: str) -> dict:
 def test_off_unless_asked_for(traced):
     chat = post(traced, "/v1/chat/completions", CHAT).json()
     assert "metrics" not in chat and chat["usage"]["completion_tokens"] == 6
-    streamed = events(post(traced, "/v1/chat/completions",
-                           {**CHAT, "stream": True, "stream_options": {"include_usage": True}}))
+    streamed = events(
+        post(traced, "/v1/chat/completions", {**CHAT, "stream": True, "stream_options": {"include_usage": True}})
+    )
     assert streamed[-1]["usage"]["completion_tokens"] == 6
     assert not [e for e in streamed if "metrics" in e]
     response = post(traced, "/v1/responses", {"input": QUESTION, "max_output_tokens": 6}).json()
@@ -152,10 +155,10 @@ def test_off_unless_asked_for(traced):
 def test_where_the_metrics_go(traced):
     """On the last chunk of a stream: the usage chunk when asked for, else the final
     choice's; with n choices null, as vLLM (no one set of timings is the request's)."""
-    client = openai.OpenAI(base_url=traced.url + "/v1", api_key="unused", max_retries=0,
-                           default_headers={"X-Tenant": "m-misc"})
-    res = client.chat.completions.create(model=traced.engine.loaded.name, messages=CHAT["messages"],
-                                         max_tokens=3)
+    client = openai.OpenAI(
+        base_url=traced.url + "/v1", api_key="unused", max_retries=0, default_headers={"X-Tenant": "m-misc"}
+    )
+    res = client.chat.completions.create(model=traced.engine.loaded.name, messages=CHAT["messages"], max_tokens=3)
     assert set(res.model_extra["metrics"]) == KEYS
     for options, last_kind in ((None, "finish"), ({"include_usage": True}, "usage")):
         body = {**CHAT, "stream": True, **({"stream_options": options} if options else {})}
@@ -176,9 +179,15 @@ def test_where_the_metrics_go(traced):
 
 
 def test_a_tenants_own_setting_wins_over_the_servers():
-    registry = TenantRegistry(AdmissionConfig(tenants=(
-        TenantConfig("default"), TenantConfig("on", request_metrics=True),
-        TenantConfig("off", request_metrics=False))))
+    registry = TenantRegistry(
+        AdmissionConfig(
+            tenants=(
+                TenantConfig("default"),
+                TenantConfig("on", request_metrics=True),
+                TenantConfig("off", request_metrics=False),
+            )
+        )
+    )
     for server_on in (False, True):
         server = ServerConfig(request_metrics=server_on)
         reported = [reports_metrics(server, registry.get(n)) for n in ("default", "on", "off")]

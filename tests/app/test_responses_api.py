@@ -32,22 +32,45 @@ QUESTION = "What is the capital of France?"
 INSTRUCTIONS = "You are a terse geography teacher."
 PERSON = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 40},
-                   "age": {"type": "integer", "minimum": 0, "maximum": 150},
-                   "city": {"type": "string", "enum": ["Paris", "London", "Tokyo", "other"]}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"type": "string", "enum": ["Paris", "London", "Tokyo", "other"]},
+    },
     "required": ["name", "age", "city"],
     "additionalProperties": False,
 }
-WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
-                                                       "unit": {"type": "string", "enum": ["C", "F"]}},
-                      "required": ["city", "unit"], "additionalProperties": False}
-WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
-           "parameters": WEATHER_PARAMETERS, "strict": True}
-TIME = {"type": "function", "name": "get_time", "description": "Current time in a timezone",
-        "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 40}},
-                       "required": ["tz"], "additionalProperties": False}, "strict": True}
-TEXT_EVENTS_HEAD = ["response.created", "response.in_progress", "response.output_item.added",
-                    "response.content_part.added"]
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 40}, "unit": {"type": "string", "enum": ["C", "F"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "parameters": WEATHER_PARAMETERS,
+    "strict": True,
+}
+TIME = {
+    "type": "function",
+    "name": "get_time",
+    "description": "Current time in a timezone",
+    "parameters": {
+        "type": "object",
+        "properties": {"tz": {"type": "string", "maxLength": 40}},
+        "required": ["tz"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+TEXT_EVENTS_HEAD = [
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.content_part.added",
+]
 TEXT_EVENTS_TAIL = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
 
 
@@ -91,13 +114,23 @@ def stream_events(client, **kwargs) -> list:
 @pytest.mark.parametrize("max_tokens", [24, 200])
 def test_greedy_text_equals_the_chat_endpoint(client, server, max_tokens):
     chat = client.chat.completions.create(
-        model=client.model_name, max_tokens=max_tokens, temperature=0,
-        messages=[{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}])
+        model=client.model_name,
+        max_tokens=max_tokens,
+        temperature=0,
+        messages=[{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}],
+    )
     observed = observed_requests(server)
     raw = client.responses.with_raw_response.create(
-        model=client.model_name, instructions=INSTRUCTIONS, max_output_tokens=max_tokens, temperature=0,
+        model=client.model_name,
+        instructions=INSTRUCTIONS,
+        max_output_tokens=max_tokens,
+        temperature=0,
         input=[{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}],
-        metadata={"run": "test"}, user="someone", store=False, parallel_tool_calls=False)
+        metadata={"run": "test"},
+        user="someone",
+        store=False,
+        parallel_tool_calls=False,
+    )
     res = raw.parse()
     assert res.id.startswith("resp_") and raw.headers["X-Request-Id"] == res.id
     assert res.object == "response" and res.model == client.model_name
@@ -116,15 +149,25 @@ def test_greedy_text_equals_the_chat_endpoint(client, server, max_tokens):
     assert usage.input_tokens_details.cached_tokens > 0  # the chat request's prompt, from the prefix cache
     assert usage.output_tokens_details.reasoning_tokens == 0
     assert (res.metadata, res.user, res.instructions, res.max_output_tokens) == (
-        {"run": "test"}, "someone", INSTRUCTIONS, max_tokens)
+        {"run": "test"},
+        "someone",
+        INSTRUCTIONS,
+        max_tokens,
+    )
     assert (res.temperature, res.top_p, res.parallel_tool_calls, res.tools, res.tool_choice) == (
-        0.0, 1.0, False, [], "auto")
+        0.0,
+        1.0,
+        False,
+        [],
+        "auto",
+    )
     assert observed_requests(server) == observed + 1  # traced like any chat request
 
 
 def test_a_string_input_is_one_user_message(client):
-    chat = client.chat.completions.create(model=client.model_name, max_tokens=12, temperature=0,
-                                          messages=[{"role": "user", "content": QUESTION}])
+    chat = client.chat.completions.create(
+        model=client.model_name, max_tokens=12, temperature=0, messages=[{"role": "user", "content": QUESTION}]
+    )
     res = client.responses.create(model=client.model_name, input=QUESTION, max_output_tokens=12, temperature=0)
     assert res.output_text == chat.choices[0].message.content
 
@@ -137,7 +180,8 @@ def test_stream_events_in_order_and_deltas_add_up_to_the_text(client, server):
     types = [e.type for e in events]
     deltas = [e for e in events if isinstance(e, ResponseTextDeltaEvent)]
     assert types == TEXT_EVENTS_HEAD + ["response.output_text.delta"] * len(deltas) + TEXT_EVENTS_TAIL + [
-        "response.completed"]
+        "response.completed"
+    ]
     assert len(deltas) > 1  # streamed as generated, not at the end
     assert [e.sequence_number for e in events] == list(range(len(events)))
     item_id = events[2].item.id
@@ -177,8 +221,11 @@ LOOPING = "create a multiple choice assessment with scoring based upon the answe
 
 
 def test_a_loop_the_server_stops_is_incomplete_for_repetition(default_model):
-    config = Config(cache=CacheConfig(num_blocks=128), scheduler=SchedulerConfig(max_num_seqs=4),
-                    admin=AdminConfig(loop_policy="stop"))
+    config = Config(
+        cache=CacheConfig(num_blocks=128),
+        scheduler=SchedulerConfig(max_num_seqs=4),
+        admin=AdminConfig(loop_policy="stop"),
+    )
     srv = BackgroundServer(config, Engine(config, loaded=default_model)).start()
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
@@ -186,8 +233,9 @@ def test_a_loop_the_server_stops_is_incomplete_for_repetition(default_model):
         res = client.responses.create(model=model, input=LOOPING, max_output_tokens=512, temperature=0)
         assert res.status == "incomplete" and res.incomplete_details.reason == "repetition"
         assert res.usage.output_tokens < 512 and res.output[0].status == "incomplete"
-        chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": LOOPING}],
-                                              max_tokens=512, temperature=0)
+        chat = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": LOOPING}], max_tokens=512, temperature=0
+        )
         assert chat.choices[0].finish_reason == "repetition"
         assert chat.choices[0].model_extra["stop_reason"] == "loop_detected"
         assert chat.usage.completion_tokens == res.usage.output_tokens  # the same greedy loop, found alike
@@ -202,8 +250,9 @@ def test_json_schema_text_format_validates(client):
     validator = jsonschema_rs.validator_for(PERSON)
     text = {"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}}
     for prompt in ("Describe a person who lives in Paris as JSON.", "Invent a user profile for a test database."):
-        res = client.responses.create(model=client.model_name, input=prompt, text=text, max_output_tokens=200,
-                                      temperature=0)
+        res = client.responses.create(
+            model=client.model_name, input=prompt, text=text, max_output_tokens=200, temperature=0
+        )
         assert res.status == "completed", res.output_text
         validator.validate(json.loads(res.output_text))
         assert res.text.format.type == "json_schema" and res.text.format.name == "person"
@@ -211,8 +260,13 @@ def test_json_schema_text_format_validates(client):
 
 def test_forced_function_call_gives_a_function_call_item(client):
     question = "What is the weather like in Oslo?"
-    kwargs = {"input": question, "tools": [WEATHER, TIME], "tool_choice": {"type": "function", "name": "get_weather"},
-              "max_output_tokens": 100, "temperature": 0}
+    kwargs = {
+        "input": question,
+        "tools": [WEATHER, TIME],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "max_output_tokens": 100,
+        "temperature": 0,
+    }
     res = client.responses.create(model=client.model_name, **kwargs)
     assert res.status == "completed" and res.output_text == ""
     [call] = res.output
@@ -221,63 +275,93 @@ def test_forced_function_call_gives_a_function_call_item(client):
     arguments = json.loads(call.arguments)
     jsonschema_rs.validator_for(WEATHER_PARAMETERS).validate(arguments)
     # The chat path's own forced call, greedy on the same messages: the same arguments.
-    chat_tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in (WEATHER, TIME)]
+    chat_tools = [
+        {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in (WEATHER, TIME)
+    ]
     chat = client.chat.completions.create(
-        model=client.model_name, messages=[{"role": "user", "content": question}], tools=chat_tools,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=100, temperature=0)
+        model=client.model_name,
+        messages=[{"role": "user", "content": question}],
+        tools=chat_tools,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=100,
+        temperature=0,
+    )
     assert json.loads(chat.choices[0].message.tool_calls[0].function.arguments) == arguments
 
     events = stream_events(client, **kwargs)
     assert [e.type for e in events] == [
-        "response.created", "response.in_progress", "response.output_item.added",
-        "response.function_call_arguments.delta", "response.function_call_arguments.done",
-        "response.output_item.done", "response.completed"]
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert json.loads(events[4].arguments) == arguments and events[-1].response.output[0].name == "get_weather"
 
     # The call and its output go back as input items; the answer is text.
-    follow = client.responses.create(model=client.model_name, tools=[WEATHER], max_output_tokens=10, temperature=0,
-                                     input=[{"role": "user", "content": question},
-                                            {"type": "function_call", "call_id": call.call_id, "name": call.name,
-                                             "arguments": call.arguments},
-                                            {"type": "function_call_output", "call_id": call.call_id,
-                                             "output": '{"temperature": 3, "sky": "rain"}'}])
+    follow = client.responses.create(
+        model=client.model_name,
+        tools=[WEATHER],
+        max_output_tokens=10,
+        temperature=0,
+        input=[
+            {"role": "user", "content": question},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature": 3, "sky": "rain"}'},
+        ],
+    )
     assert follow.output[0].type == "message" and follow.output_text
 
 
 # ---- refusals --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("field", "value", "message"), [
-    ("previous_response_id", "resp_123",
-     "previous_response_id: not supported: nothing is stored here, and every request stands alone"),
-    ("store", True, "store: responses are never stored here; send false or leave it out"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        (
+            "previous_response_id",
+            "resp_123",
+            "previous_response_id: not supported: nothing is stored here, and every request stands alone",
+        ),
+        ("store", True, "store: responses are never stored here; send false or leave it out"),
+    ],
+)
 def test_stateful_fields_are_400_naming_them(client, server, field, value, message):
     body = {"model": client.model_name, "input": QUESTION, field: value}
     r = httpx.post(server.url + "/v1/responses", json=body, timeout=30)
     assert r.status_code == 400
-    assert r.json() == {"error": {"message": message, "type": "invalid_request_error", "param": field,
-                                  "code": "invalid_value"}}
+    assert r.json() == {
+        "error": {"message": message, "type": "invalid_request_error", "param": field, "code": "invalid_value"}
+    }
     with pytest.raises(openai.BadRequestError) as exc:
         client.responses.create(model=client.model_name, input=QUESTION, **{field: value})
     assert exc.value.status_code == 400 and exc.value.body["param"] == field
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"conversation": "conv_1"}, "conversation"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
-    ({"background": True}, "background"),
-    ({"truncation": "auto"}, "truncation"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
-    ({"top_logprobs": 3}, "top_logprobs"),
-    ({"text": {"verbosity": "low"}}, "text.verbosity"),
-    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
-    ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0.type"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
-    ({"max_output_tokens": 10**6}, "max_output_tokens"),
-    ({"model": "gpt-4o"}, "model"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"background": True}, "background"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"include": ["message.output_text.logprobs"]}, "include"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"text": {"verbosity": "low"}}, "text.verbosity"),
+        ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input.0.content.0.type",
+        ),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
+        ({"max_output_tokens": 10**6}, "max_output_tokens"),
+        ({"model": "gpt-4o"}, "model"),
+    ],
+)
 def test_what_is_not_served_is_refused_naming_it(server, body, param):
     r = httpx.post(server.url + "/v1/responses", json={"input": QUESTION, **body}, timeout=30)
     assert r.status_code == (404 if param == "model" else 400), r.text
@@ -304,8 +388,15 @@ def fail_third_step_of(request_id: str):
 def test_an_engine_fault_mid_stream_is_an_error_event_then_failed(client, server):
     server.engine.fault_hook = fail_third_step_of("resp_victim")
     try:
-        events = list(client.responses.create(model=client.model_name, input=QUESTION, max_output_tokens=20,
-                                              stream=True, extra_headers={"X-Request-Id": "victim"}))
+        events = list(
+            client.responses.create(
+                model=client.model_name,
+                input=QUESTION,
+                max_output_tokens=20,
+                stream=True,
+                extra_headers={"X-Request-Id": "victim"},
+            )
+        )
     finally:
         server.engine.fault_hook = None
     assert [e.type for e in events[:4]] == TEXT_EVENTS_HEAD and events[-2].type == "error"

@@ -100,8 +100,7 @@ def roots_by_id(spans: list) -> dict:
     return found
 
 
-def wait_for_spans(receiver: HttpReceiver, finished: set[str], refused: set[str],
-                   timeout: float = 10.0) -> list:
+def wait_for_spans(receiver: HttpReceiver, finished: set[str], refused: set[str], timeout: float = 10.0) -> list:
     """The spans exported so far, once every finished request's root and its four phases,
     and every refused request's root, are in."""
     deadline = time.monotonic() + timeout
@@ -109,8 +108,8 @@ def wait_for_spans(receiver: HttpReceiver, finished: set[str], refused: set[str]
         spans = span_list(receiver)
         roots = roots_by_id(spans)
         done = refused <= set(roots) and all(
-            i in roots and {c.name for c in spans if c.parent_span_id == roots[i].span_id} == PHASES
-            for i in finished)
+            i in roots and {c.name for c in spans if c.parent_span_id == roots[i].span_id} == PHASES for i in finished
+        )
         if done or time.monotonic() > deadline:
             return spans
         time.sleep(0.05)
@@ -130,20 +129,33 @@ def assert_openai_error(r: httpx.Response, status: int, code: str, param: str | 
 
 @pytest.mark.slow
 def test_spans_never_carry_prompt_or_generated_text(server, receiver):
-    chat = httpx.post(server.url + CHAT, timeout=60, headers={"X-Request-Id": "sec-chat"}, json={
-        "messages": [{"role": "user", "content": CHAT_PROMPT}], "max_tokens": 4, "temperature": 0})
+    chat = httpx.post(
+        server.url + CHAT,
+        timeout=60,
+        headers={"X-Request-Id": "sec-chat"},
+        json={"messages": [{"role": "user", "content": CHAT_PROMPT}], "max_tokens": 4, "temperature": 0},
+    )
     assert chat.status_code == 200, chat.text
     generated = chat.json()["choices"][0]["message"]["content"]
     # The check below means something only if the output is as distinctive as the prompt.
     assert generated.lower().startswith("zebra-"), generated
-    with httpx.stream("POST", server.url + COMPLETIONS, timeout=60, headers={"X-Request-Id": "sec-cmpl"}, json={
-            "prompt": f"{SECRET} {SECRET}", "max_tokens": 3, "temperature": 0, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        server.url + COMPLETIONS,
+        timeout=60,
+        headers={"X-Request-Id": "sec-cmpl"},
+        json={"prompt": f"{SECRET} {SECRET}", "max_tokens": 3, "temperature": 0, "stream": True},
+    ) as r:
         assert r.status_code == 200
-        events = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: {")]
+        events = [json.loads(line[len("data: ") :]) for line in r.iter_lines() if line.startswith("data: {")]
     assert events[-1]["choices"][0]["finish_reason"] == "length"
     # Refused after tokenising (too long for the context): its span has an error message.
-    refused = httpx.post(server.url + CHAT, timeout=60, headers={"X-Request-Id": "sec-long"}, json={
-        "messages": [{"role": "user", "content": CHAT_PROMPT}], "max_tokens": 10**6})
+    refused = httpx.post(
+        server.url + CHAT,
+        timeout=60,
+        headers={"X-Request-Id": "sec-long"},
+        json={"messages": [{"role": "user", "content": CHAT_PROMPT}], "max_tokens": 10**6},
+    )
     assert_openai_error(refused, 400, "context_length_exceeded", "max_tokens")
 
     ids = {"chatcmpl-sec-chat", "cmpl-sec-cmpl"}
@@ -190,7 +202,8 @@ def test_admin_page_sets_its_content_security_policy(server):
 
     assert r.headers["Content-Security-Policy"] == (
         f"default-src 'self'; script-src {sha(script)}; style-src {sha(style)}; "
-        "frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
+        "frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+    )
     assert r.headers["Cache-Control"] == "no-store"
     # The page itself holds no data: everything else under /admin/ needs the token.
     assert httpx.get(server.url + "/admin/stats", timeout=10).status_code == 401
@@ -199,20 +212,27 @@ def test_admin_page_sets_its_content_security_policy(server):
 # ---- tenant API keys: SHA-256 digests, compared against every key in constant time ---------
 
 
-KEYED_TENANTS = AdmissionConfig(auth=True, default_tenant="a", tenants=(
-    TenantConfig("a", api_keys=("sk-a-1", "sk-a-2")),
-    TenantConfig("b", api_keys=("sk-b-1",)),
-    TenantConfig("c", api_keys=("sk-c-1", "sk-c-2")),
-))
+KEYED_TENANTS = AdmissionConfig(
+    auth=True,
+    default_tenant="a",
+    tenants=(
+        TenantConfig("a", api_keys=("sk-a-1", "sk-a-2")),
+        TenantConfig("b", api_keys=("sk-b-1",)),
+        TenantConfig("c", api_keys=("sk-c-1", "sk-c-2")),
+    ),
+)
 
 
-@pytest.mark.parametrize("given,owner", [
-    ("sk-a-1", "a"),  # the first key configured
-    ("sk-b-1", "b"),  # a middle one
-    ("sk-c-2", "c"),  # the last one
-    ("sk-b-", None),  # a prefix of a real key
-    ("sk-nobody", None),
-])
+@pytest.mark.parametrize(
+    "given,owner",
+    [
+        ("sk-a-1", "a"),  # the first key configured
+        ("sk-b-1", "b"),  # a middle one
+        ("sk-c-2", "c"),  # the last one
+        ("sk-b-", None),  # a prefix of a real key
+        ("sk-nobody", None),
+    ],
+)
 def test_every_key_is_compared_whatever_the_key(monkeypatch, given, owner):
     registry = TenantRegistry(KEYED_TENANTS)
     calls: list[tuple[bytes, bytes]] = []
@@ -286,8 +306,7 @@ def test_block_keys_are_a_blake2b_chain_and_never_shared_across_different_tokens
     # Blocks in another order are other keys too.
     assert bm.get_computed_blocks(Request("r3", b + a + c + [99], SamplingParams(max_tokens=1))) == []
     # Only the very same prefix finds the cached blocks (the cache works at all).
-    assert bm.get_computed_blocks(Request("r4", a + b + [7, 7, 7, 7, 7], SamplingParams(max_tokens=1))) \
-        == table[:2]
+    assert bm.get_computed_blocks(Request("r4", a + b + [7, 7, 7, 7, 7], SamplingParams(max_tokens=1))) == table[:2]
     bm.free_request(first.request_id)
     bm.free_request(other.request_id)
     bm.check_invariants()
@@ -304,12 +323,15 @@ BODIES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
-@pytest.mark.parametrize("top_p,message", [
-    (0, "top_p: Input should be greater than 0"),
-    (-0.5, "top_p: Input should be greater than 0"),
-    (1.5, "top_p: Input should be less than or equal to 1"),
-    ("x", "top_p: Input should be a valid number"),
-])
+@pytest.mark.parametrize(
+    "top_p,message",
+    [
+        (0, "top_p: Input should be greater than 0"),
+        (-0.5, "top_p: Input should be greater than 0"),
+        (1.5, "top_p: Input should be less than or equal to 1"),
+        ("x", "top_p: Input should be a valid number"),
+    ],
+)
 def test_out_of_range_top_p_is_400(server, path, top_p, message):
     r = httpx.post(server.url + path, json={**BODIES[path], "top_p": top_p}, timeout=60)
     error = assert_openai_error(r, 400, "invalid_value", "top_p")

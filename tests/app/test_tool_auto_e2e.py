@@ -34,15 +34,27 @@ HERMES_TEMPLATE = (
     "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "Current time in a timezone",
-    "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Current time in a timezone",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]},
+    },
+}
 # One call to either tool, the model's pick, with a value of its own.
-CALL = (r'<tool_call>\n\{"name": "(get_weather", "arguments": \{"city"|get_time", "arguments": \{"tz"): '
-        r'"[A-Za-z/_ ]{1,30}"\}\}\n</tool_call>')
+CALL = (
+    r'<tool_call>\n\{"name": "(get_weather", "arguments": \{"city"|get_time", "arguments": \{"tz"): '
+    r'"[A-Za-z/_ ]{1,30}"\}\}\n</tool_call>'
+)
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +76,14 @@ def client(server):
 
 
 def ask(client, content: str, **kwargs):
-    return client.chat.completions.create(model=client.model_name, messages=[{"role": "user", "content": content}],
-                                          tools=[WEATHER, TIME], tool_choice="auto", temperature=0, **kwargs)
+    return client.chat.completions.create(
+        model=client.model_name,
+        messages=[{"role": "user", "content": content}],
+        tools=[WEATHER, TIME],
+        tool_choice="auto",
+        temperature=0,
+        **kwargs,
+    )
 
 
 def calls_of(tool_calls) -> list[tuple[str, dict]]:
@@ -73,8 +91,9 @@ def calls_of(tool_calls) -> list[tuple[str, dict]]:
 
 
 def test_auto_turns_the_generated_call_into_tool_calls(client):
-    res = ask(client, "What is the weather like in Oslo?", max_tokens=60, logprobs=True,
-              extra_body={"guided_regex": CALL})
+    res = ask(
+        client, "What is the weather like in Oslo?", max_tokens=60, logprobs=True, extra_body={"guided_regex": CALL}
+    )
     choice = res.choices[0]
     assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
     assert calls_of(choice.message.tool_calls) == [("get_weather", {"city": "Oslo"})]
@@ -90,13 +109,21 @@ def test_auto_turns_the_generated_call_into_tool_calls(client):
 
 
 def test_text_before_the_call_is_the_content_when_streamed(client):
-    chunks = list(ask(client, "Is it raining in Bergen right now?", max_tokens=60, stream=True,
-                      extra_body={"guided_regex": r"Let me check\.\n" + CALL}))
+    chunks = list(
+        ask(
+            client,
+            "Is it raining in Bergen right now?",
+            max_tokens=60,
+            stream=True,
+            extra_body={"guided_regex": r"Let me check\.\n" + CALL},
+        )
+    )
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert [d.content for d in deltas if d.content] == ["Let me check."]
     calls = [tc for d in deltas for tc in (d.tool_calls or [])]
-    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == \
-        [(0, "get_weather", {"city": "Bergen"})]
+    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [
+        (0, "get_weather", {"city": "Bergen"})
+    ]
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
 
 

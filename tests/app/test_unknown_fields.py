@@ -45,8 +45,7 @@ def lenient(default_model):
 
 
 def unknown(message: str, param: str) -> dict:
-    return {"error": {"message": message, "type": "invalid_request_error", "param": param,
-                      "code": "unknown_parameter"}}
+    return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": "unknown_parameter"}}
 
 
 def unrecognized(param: str) -> dict:
@@ -58,19 +57,26 @@ TYPO_TOOL = {"type": "function", "function": {"name": "f", "parmeters": {}}}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path, body, error", [
-    ("/v1/chat/completions", {**CHAT, "max_token": 5}, unrecognized("max_token")),
-    ("/v1/completions", {**COMPLETION, "max_token": 5}, unrecognized("max_token")),
-    ("/v1/responses", {**RESPONSE, "max_token": 5},
-     unknown("Unknown parameter: 'max_token'.", "max_token")),
-    # Nested objects whose every field is known refuse theirs in the same words.
-    ("/v1/chat/completions", {**CHAT, "tools": [TYPO_TOOL]},
-     unrecognized("tools.0.function.parmeters")),
-    ("/v1/completions", {**COMPLETION, "response_format": {"type": "json_object", "strict": True}},
-     unrecognized("response_format.strict")),
-    ("/v1/responses", {**RESPONSE, "text": {"format": {"type": "text"}, "verbose": True}},
-     unknown("Unknown parameter: 'text.verbose'.", "text.verbose")),
-])
+@pytest.mark.parametrize(
+    "path, body, error",
+    [
+        ("/v1/chat/completions", {**CHAT, "max_token": 5}, unrecognized("max_token")),
+        ("/v1/completions", {**COMPLETION, "max_token": 5}, unrecognized("max_token")),
+        ("/v1/responses", {**RESPONSE, "max_token": 5}, unknown("Unknown parameter: 'max_token'.", "max_token")),
+        # Nested objects whose every field is known refuse theirs in the same words.
+        ("/v1/chat/completions", {**CHAT, "tools": [TYPO_TOOL]}, unrecognized("tools.0.function.parmeters")),
+        (
+            "/v1/completions",
+            {**COMPLETION, "response_format": {"type": "json_object", "strict": True}},
+            unrecognized("response_format.strict"),
+        ),
+        (
+            "/v1/responses",
+            {**RESPONSE, "text": {"format": {"type": "text"}, "verbose": True}},
+            unknown("Unknown parameter: 'text.verbose'.", "text.verbose"),
+        ),
+    ],
+)
 def test_an_unknown_field_is_400_naming_it(server, path, body, error):
     started = server.engine.counters().requests_started
     r = httpx.post(server.url + path, json=body, timeout=60)
@@ -82,10 +88,8 @@ def test_an_unknown_field_is_400_naming_it(server, path, body, error):
 def test_the_vendor_extensions_headroom_declares_pass(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     model = server.engine.loaded.name
-    extras = {"top_k": 1, "min_tokens": 2, "repetition_penalty": 1.1, "ignore_eos": True,
-              "priority": 1}
-    chat = client.chat.completions.create(model=model, messages=CHAT["messages"], max_tokens=2,
-                                          extra_body=extras)
+    extras = {"top_k": 1, "min_tokens": 2, "repetition_penalty": 1.1, "ignore_eos": True, "priority": 1}
+    chat = client.chat.completions.create(model=model, messages=CHAT["messages"], max_tokens=2, extra_body=extras)
     assert (chat.usage.completion_tokens, chat.choices[0].finish_reason) == (2, "length")
     guided = {**extras, "guided_choice": ["yes", "no"], "min_tokens": 0, "ignore_eos": False}
     text = client.completions.create(model=model, prompt="Say hi.", max_tokens=2, extra_body=guided)
@@ -96,12 +100,14 @@ def test_the_vendor_extensions_headroom_declares_pass(server):
 def test_with_accept_an_unknown_field_is_ignored_and_logged(lenient, caplog):
     extras = {"max_token": 5, "skip_special_tokens": True}
     with caplog.at_level(logging.WARNING, logger="headroom.api"):
-        for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION),
-                           ("/v1/responses", RESPONSE)):
+        for path, body in (
+            ("/v1/chat/completions", CHAT),
+            ("/v1/completions", COMPLETION),
+            ("/v1/responses", RESPONSE),
+        ):
             r = httpx.post(lenient.url + path, json={**body, **extras}, timeout=60)
             assert r.status_code == 200, r.text
-    warned = [r.getMessage() for r in caplog.records
-              if r.name == "headroom.api" and r.levelno == logging.WARNING]
+    warned = [r.getMessage() for r in caplog.records if r.name == "headroom.api" and r.levelno == logging.WARNING]
     assert warned == ["ignored request fields no schema knows: max_token, skip_special_tokens"] * 3
     # A nested object's unknown key is still refused: vendor extras live at the top.
     body = {**COMPLETION, "response_format": {"type": "text", "x": 1}}
@@ -117,11 +123,14 @@ def test_openapi_says_whether_other_fields_are_allowed(server, lenient):
             assert schemas[name]["additionalProperties"] is allowed, name
 
 
-@pytest.mark.parametrize("params, model", [
-    (chat_create_params.CompletionCreateParamsBase, ChatCompletionRequest),
-    (completion_create_params.CompletionCreateParamsBase, CompletionRequest),
-    (response_create_params.ResponseCreateParamsBase, ResponsesRequest),
-])
+@pytest.mark.parametrize(
+    "params, model",
+    [
+        (chat_create_params.CompletionCreateParamsBase, ChatCompletionRequest),
+        (completion_create_params.CompletionCreateParamsBase, CompletionRequest),
+        (response_create_params.ResponseCreateParamsBase, ResponsesRequest),
+    ],
+)
 def test_every_field_the_official_client_sends_is_declared(params, model):
     """So that the openai package never meets "Unrecognized request argument": each of its
     fields is implemented, accepted or refused by name (docs/OPENAI_API.md)."""
@@ -133,8 +142,7 @@ def test_the_flags_map_to_the_config(monkeypatch):
     monkeypatch.setattr(cli, "cmd_serve", lambda ns: seen.append(cli.build_config(ns).server) or 0)
     assert cli.main(["serve", "--unknown-fields", "accept", "--request-metrics"]) == 0
     assert cli.main(["serve", "--no-request-metrics"]) == 0
-    assert [(s.unknown_fields, s.request_metrics) for s in seen] == [("accept", True),
-                                                                      ("reject", False)]
+    assert [(s.unknown_fields, s.request_metrics) for s in seen] == [("accept", True), ("reject", False)]
     with pytest.raises(SystemExit) as caught:
         cli.main(["serve", "--unknown-fields", "ignore"])
     assert caught.value.code == 2

@@ -27,8 +27,11 @@ NAME = re.compile(r"headroom:[A-Za-z0-9_:]+")
 
 @pytest.fixture(scope="module")
 def exported(default_model) -> set[str]:
-    config = Config(cache=CacheConfig(num_blocks=128), scheduler=SchedulerConfig(max_num_seqs=4),
-                    admission=AdmissionConfig(tenants=(TenantConfig("default"), TenantConfig("other"))))
+    config = Config(
+        cache=CacheConfig(num_blocks=128),
+        scheduler=SchedulerConfig(max_num_seqs=4),
+        admission=AdmissionConfig(tenants=(TenantConfig("default"), TenantConfig("other"))),
+    )
     server = BackgroundServer(config, Engine(config, loaded=default_model)).start()
     try:
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=60)
@@ -56,12 +59,21 @@ def test_every_dashboard_query_names_a_real_metric(exported):
     assert len(panels) == 13 and len(exprs) == 34
     names = {name for expr in exprs for name in NAME.findall(expr)}
     assert names - exported - recorded() == set()
-    assert {"headroom:ttft_seconds:p99_5m:by_class", "headroom:tenant_device_seconds_total",
-            "headroom:kv_cache_usage_perc", "headroom:pool_split_ratio"} <= names  # the picture, cost, pool, split
+    assert {
+        "headroom:ttft_seconds:p99_5m:by_class",
+        "headroom:tenant_device_seconds_total",
+        "headroom:kv_cache_usage_perc",
+        "headroom:pool_split_ratio",
+    } <= names  # the picture, cost, pool, split
     # The predictors' health, server-wide and per tenant, beside the floors its alerts use.
-    assert {"headroom:predictor_kendall_tau", "headroom:predictor_cap_auc",
-            "headroom:inflight_flag_precision", "headroom:predictor_mae_tokens",
-            "headroom:tenant_predictor_kendall_tau", "headroom:predictor_cap_auc_floor"} <= names
+    assert {
+        "headroom:predictor_kendall_tau",
+        "headroom:predictor_cap_auc",
+        "headroom:inflight_flag_precision",
+        "headroom:predictor_mae_tokens",
+        "headroom:tenant_predictor_kendall_tau",
+        "headroom:predictor_cap_auc_floor",
+    } <= names
 
 
 def test_every_rule_reads_a_real_metric(exported):
@@ -69,14 +81,24 @@ def test_every_rule_reads_a_real_metric(exported):
     assert read - exported - recorded() == set()
     # The names the rules read that the server must export (not what they record themselves).
     assert read - recorded() == {
-        "headroom:time_to_first_token_seconds_bucket", "headroom:time_per_output_token_seconds_bucket",
-        "headroom:request_queue_time_seconds_bucket", "headroom:tenant_device_seconds_total",
-        "headroom:engine_busy_seconds_total", "headroom:hol_coupling", "headroom:kv_cache_usage_perc",
-        "headroom:num_preemptions_total", "headroom:pool_split_ratio",
-        "headroom:predictor_kendall_tau", "headroom:tenant_predictor_kendall_tau",
-        "headroom:predictor_cap_auc", "headroom:tenant_predictor_cap_auc",
-        "headroom:inflight_flag_precision", "headroom:tenant_inflight_flag_precision",
-        "headroom:predictor_cap_rate", "headroom:tenant_predictor_cap_rate"}
+        "headroom:time_to_first_token_seconds_bucket",
+        "headroom:time_per_output_token_seconds_bucket",
+        "headroom:request_queue_time_seconds_bucket",
+        "headroom:tenant_device_seconds_total",
+        "headroom:engine_busy_seconds_total",
+        "headroom:hol_coupling",
+        "headroom:kv_cache_usage_perc",
+        "headroom:num_preemptions_total",
+        "headroom:pool_split_ratio",
+        "headroom:predictor_kendall_tau",
+        "headroom:tenant_predictor_kendall_tau",
+        "headroom:predictor_cap_auc",
+        "headroom:tenant_predictor_cap_auc",
+        "headroom:inflight_flag_precision",
+        "headroom:tenant_inflight_flag_precision",
+        "headroom:predictor_cap_rate",
+        "headroom:tenant_predictor_cap_rate",
+    }
 
 
 def test_a_misspelt_name_would_be_caught(exported):

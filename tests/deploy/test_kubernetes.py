@@ -38,8 +38,11 @@ AIOHTTP_SHUTDOWN_S = inspect.signature(BaseRunner.__init__).parameters["shutdown
 NAME = re.compile(r"headroom:[A-Za-z0-9_:]+")
 EPP_SPECS = ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec")
 # The v1.4+ EPP exits when these are given; the names belong in its EndpointPickerConfig.
-REFUSED_EPP_FLAGS = ("--total-queued-requests-metric", "--total-running-requests-metric",
-                     "--kv-cache-usage-percentage-metric")
+REFUSED_EPP_FLAGS = (
+    "--total-queued-requests-metric",
+    "--total-running-requests-metric",
+    "--kv-cache-usage-percentage-metric",
+)
 
 pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed (it renders the kustomizations)")
 
@@ -48,8 +51,13 @@ pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installe
 def rendered() -> dict[str, list[dict]]:
     out = {}
     for pool in POOLS:
-        run = subprocess.run([KUBECTL, "kustomize", str(K8S / "overlays" / pool)], capture_output=True,
-                             text=True, timeout=120, check=False)
+        run = subprocess.run(
+            [KUBECTL, "kustomize", str(K8S / "overlays" / pool)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         assert run.returncode == 0, run.stderr
         out[pool] = [doc for doc in yaml.safe_load_all(run.stdout) if doc]
     return out
@@ -187,8 +195,11 @@ def test_prometheus_scrapes_metrics_on_the_server_port(rendered, pool, tmp_path)
     config = server_config(objs, tmp_path)
     deployment, _ = server(objs)
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
-    assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": str(config.server.port),
-                           "prometheus.io/path": "/metrics"}
+    assert annotations == {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(config.server.port),
+        "prometheus.io/path": "/metrics",
+    }
     assert config.observability.metrics
 
 
@@ -198,8 +209,11 @@ def test_the_hpa_scales_the_deployment_on_the_adapter_metric(rendered, pool):
     deployment, _ = server(objs)
     hpa = one(objs, "HorizontalPodAutoscaler")
     assert hpa["apiVersion"] == "autoscaling/v2"
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
-                                             "name": deployment["metadata"]["name"]}
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": deployment["metadata"]["name"],
+    }
     assert "replicas" not in deployment["spec"]  # the HPA owns it; an apply must not reset it
     (metric,) = hpa["spec"]["metrics"]
     rule = adapter_rule()
@@ -252,8 +266,9 @@ def test_the_inference_pool_selects_the_servers_and_names_its_epp(rendered, pool
 
     route = one(objs, "HTTPRoute")
     (rule,) = route["spec"]["rules"]
-    assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
-                                    "name": pool_obj["metadata"]["name"]}]
+    assert rule["backendRefs"] == [
+        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": pool_obj["metadata"]["name"]}
+    ]
     assert route["spec"]["parentRefs"][0]["kind"] == "Gateway"
 
 
@@ -275,7 +290,8 @@ def test_the_epp_reads_headrooms_gauges(rendered, pool):
     assert {k: engine[k] for k in EPP_SPECS} == {
         "queuedRequestsSpec": "headroom:num_requests_queued",
         "runningRequestsSpec": "headroom:num_requests_running",
-        "kvUsageSpec": "headroom:kv_cache_usage_perc"}
+        "kvUsageSpec": "headroom:kv_cache_usage_perc",
+    }
     # headroom has neither; a name it does not export would log an error on every pod.
     assert engine["loraSpec"] == "" and engine["cacheInfoSpec"] == ""
     (source,) = config["data"]["sources"]
@@ -289,8 +305,11 @@ def scraped(default_model) -> str:
     from headroom.config import AdmissionConfig, CacheConfig, SchedulerConfig, TenantConfig
     from headroom.runtime.engine import Engine
 
-    config = Config(cache=CacheConfig(num_blocks=128), scheduler=SchedulerConfig(max_num_seqs=4),
-                    admission=AdmissionConfig(tenants=(TenantConfig("default"),)))
+    config = Config(
+        cache=CacheConfig(num_blocks=128),
+        scheduler=SchedulerConfig(max_num_seqs=4),
+        admission=AdmissionConfig(tenants=(TenantConfig("default"),)),
+    )
     server = BackgroundServer(config, Engine(config, loaded=default_model)).start()
     try:
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=60)
@@ -307,8 +326,11 @@ def scraped(default_model) -> str:
 @pytest.mark.slow
 def test_every_metric_the_manifests_name_is_a_gauge_a_real_server_exports(rendered, scraped):
     types = dict(line.split()[2:4] for line in scraped.splitlines() if line.startswith("# TYPE headroom:"))
-    values = {line.split()[0]: float(line.split()[1]) for line in scraped.splitlines()
-              if line.startswith("headroom:") and "{" not in line}
+    values = {
+        line.split()[0]: float(line.split()[1])
+        for line in scraped.splitlines()
+        if line.startswith("headroom:") and "{" not in line
+    }
     named = set(NAME.findall(ADAPTER.read_text()))
     for pool in POOLS:
         text, _ = epp_config(rendered[pool])

@@ -33,38 +33,62 @@ def test_the_alerts_fire_where_they_must_and_nowhere_else():
     assert run.stdout.strip().endswith("SUCCESS")
 
 
-@pytest.mark.parametrize("old,new,broken", [
-    # Without the "aggregate under it" half, (a) fires on a general slowdown too.
-    ("""          and on(size_class)
+@pytest.mark.parametrize(
+    "old,new,broken",
+    [
+        # Without the "aggregate under it" half, (a) fires on a general slowdown too.
+        (
+            """          and on(size_class)
           (headroom:ttft_slo_seconds > on() group_left() headroom:ttft_seconds:p99_5m:all)
-""", "", "alertname: HeadroomClassTTFTOverSLO"),
-    # A looser short objective hides the short class's 2.5 s p99.
-    ("""        expr: vector(1)
+""",
+            "",
+            "alertname: HeadroomClassTTFTOverSLO",
+        ),
+        # A looser short objective hides the short class's 2.5 s p99.
+        (
+            """        expr: vector(1)
         labels:
-          size_class: short""", """        expr: vector(3)
+          size_class: short""",
+            """        expr: vector(3)
         labels:
-          size_class: short""", "alertname: HeadroomClassTTFTOverSLO"),
-    # Thrashing without preemptions is just a full pool.
-    ("          and on() rate(headroom:num_preemptions_total[5m]) > 0\n", "\n", "alertname: HeadroomKVCacheThrashing"),
-    ("        expr: vector(0.8)", "        expr: vector(0.95)", "alertname: HeadroomTenantDeviceShare"),
-    # Reading the instant value: a 5-minute spike would fire the advice.
-    ("min_over_time(headroom:pool_split_ratio{measure=\"tokens\"}[10m]) > 10",
-     "headroom:pool_split_ratio{measure=\"tokens\"} > 10", "alertname: HeadroomPoolSplitAdvised"),
-    # Looser floors hide a tau of 0.30 and a probe's AUC of 0.60.
-    ("        expr: vector(0.35)", "        expr: vector(0.25)",
-     "alertname: HeadroomPredictorRankingDrift"),
-    ("        expr: vector(0.65)", "        expr: vector(0.55)",
-     "alertname: HeadroomPredictorCapAUCDrift"),
-    # Server-wide alone: one tenant's traffic the predictor misjudges goes unseen.
-    (("          or\n          headroom:tenant_predictor_cap_auc\n"
-      "            < on(predictor) group_left() headroom:predictor_cap_auc_floor\n"), "",
-     "alertname: HeadroomPredictorCapAUCDrift"),
-    # A short wait fires on a window's chance dip.
-    ("        for: 30m\n", "        for: 5m\n", "alertname: HeadroomPredictorRankingDrift"),
-    # A fixed floor for the flag's precision: right or wrong depending on how many runaways come.
-    ("headroom:inflight_flag_precision <= headroom:predictor_cap_rate",
-     "headroom:inflight_flag_precision <= 0.5", "alertname: HeadroomInflightFlagImprecise"),
-])
+          size_class: short""",
+            "alertname: HeadroomClassTTFTOverSLO",
+        ),
+        # Thrashing without preemptions is just a full pool.
+        (
+            "          and on() rate(headroom:num_preemptions_total[5m]) > 0\n",
+            "\n",
+            "alertname: HeadroomKVCacheThrashing",
+        ),
+        ("        expr: vector(0.8)", "        expr: vector(0.95)", "alertname: HeadroomTenantDeviceShare"),
+        # Reading the instant value: a 5-minute spike would fire the advice.
+        (
+            'min_over_time(headroom:pool_split_ratio{measure="tokens"}[10m]) > 10',
+            'headroom:pool_split_ratio{measure="tokens"} > 10',
+            "alertname: HeadroomPoolSplitAdvised",
+        ),
+        # Looser floors hide a tau of 0.30 and a probe's AUC of 0.60.
+        ("        expr: vector(0.35)", "        expr: vector(0.25)", "alertname: HeadroomPredictorRankingDrift"),
+        ("        expr: vector(0.65)", "        expr: vector(0.55)", "alertname: HeadroomPredictorCapAUCDrift"),
+        # Server-wide alone: one tenant's traffic the predictor misjudges goes unseen.
+        (
+            (
+                "          or\n          headroom:tenant_predictor_cap_auc\n"
+                "            < on(predictor) group_left() headroom:predictor_cap_auc_floor\n"
+            ),
+            "",
+            "alertname: HeadroomPredictorCapAUCDrift",
+        ),
+        # A short wait fires on a window's chance dip.
+        ("        for: 30m\n", "        for: 5m\n", "alertname: HeadroomPredictorRankingDrift"),
+        # A fixed floor for the flag's precision: right or wrong depending on how many runaways come.
+        (
+            "headroom:inflight_flag_precision <= headroom:predictor_cap_rate",
+            "headroom:inflight_flag_precision <= 0.5",
+            "alertname: HeadroomInflightFlagImprecise",
+        ),
+    ],
+)
 def test_a_broken_rule_fails_its_test(tmp_path, old, new, broken):
     rules = RULES.read_text(encoding="utf-8")
     assert old in rules

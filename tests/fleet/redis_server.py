@@ -27,9 +27,25 @@ class RedisServer:
         binary = shutil.which("redis-server")
         assert binary, "redis-server is missing: `make test` installs Debian's redis-server package"
         # No persistence: a restart loses everything, the worst case for the replicas' resync.
-        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--daemonize",
+                "no",
+                "--loglevel",
+                "warning",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         client = redis.Redis(port=self.port, socket_timeout=1)
         deadline = time.monotonic() + 10
         while True:

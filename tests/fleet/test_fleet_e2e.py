@@ -57,11 +57,25 @@ class Replica:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "headroom.app.cli", "serve", "--port", str(self.port), "--config", str(config),
-             "--num-kv-blocks", "512", "--max-num-seqs", "16"],
+            [
+                sys.executable,
+                "-m",
+                "headroom.app.cli",
+                "serve",
+                "--port",
+                str(self.port),
+                "--config",
+                str(config),
+                "--num-kv-blocks",
+                "512",
+                "--max-num-seqs",
+                "16",
+            ],
             # Three engines share two cores: one thread each, or they thrash.
-            stdout=self.log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HEADROOM_ADMIN_TOKEN": ADMIN})
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HEADROOM_ADMIN_TOKEN": ADMIN},
+        )
 
     def wait_ready(self, timeout_s: float = 180) -> None:
         deadline = time.monotonic() + timeout_s
@@ -106,16 +120,20 @@ def fleet(tmp_path_factory):
 async def redis_in_flight(client: aioredis.Redis, tenant: str) -> tuple[int, int]:
     """(in_flight counter, sum of lease costs) of `tenant`, read in one transaction."""
     async with client.pipeline(transaction=True) as pipe:
-        bucket, costs = await pipe.hget(f"headroom:tenant:{tenant}:bucket", "in_flight") \
-            .hvals(f"headroom:tenant:{tenant}:lease_cost").execute()
+        bucket, costs = (
+            await pipe.hget(f"headroom:tenant:{tenant}:bucket", "in_flight")
+            .hvals(f"headroom:tenant:{tenant}:lease_cost")
+            .execute()
+        )
     return int(bucket or 0), sum(int(c) for c in costs)
 
 
 async def lease_expiries(client: aioredis.Redis, tenant: str) -> tuple[int, dict[str, int]]:
     """Redis's clock and when each lease of `tenant` lapses on it, in ms, read in one transaction."""
     async with client.pipeline(transaction=True) as pipe:
-        (seconds, micros), leases = await pipe.time().zrange(f"headroom:tenant:{tenant}:lease_expiry", 0, -1,
-                                                            withscores=True).execute()
+        (seconds, micros), leases = (
+            await pipe.time().zrange(f"headroom:tenant:{tenant}:lease_expiry", 0, -1, withscores=True).execute()
+        )
     return seconds * 1000 + micros // 1000, {lease.decode(): int(expiry) for lease, expiry in leases}
 
 
@@ -142,8 +160,9 @@ async def local_in_flight(session: aiohttp.ClientSession, replica: Replica, tena
     return int(await metric(session, replica, "headroom:tenant_tokens_in_flight", tenant=tenant))
 
 
-async def send(session: aiohttp.ClientSession, replica: Replica, tenant: str, n: int, statuses: list[int],
-               body: dict = SHORT) -> None:
+async def send(
+    session: aiohttp.ClientSession, replica: Replica, tenant: str, n: int, statuses: list[int], body: dict = SHORT
+) -> None:
     for _ in range(n):
         async with session.post(replica.url + "/v1/completions", json=body, headers={"X-Tenant": tenant}) as r:
             await r.read()
@@ -207,8 +226,12 @@ async def test_redis_restarted_mid_load_no_5xx_and_counters_resync(fleet):
     client = aioredis.Redis(port=store.port)
     statuses: list[int] = []
     steady_statuses: list[int] = []
-    long_body = {"prompt": "Write a long story about a dragon.", "max_tokens": 300, "temperature": 0,
-                 "ignore_eos": True}
+    long_body = {
+        "prompt": "Write a long story about a dragon.",
+        "max_tokens": 300,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
         # Long streams that run through the outage and past the recovery.
         steady = asyncio.gather(*(send(session, r, "steady", 1, steady_statuses, long_body) for r in replicas))
@@ -304,8 +327,9 @@ async def test_kill_9_mid_stream_returns_reservations_within_the_ttl(fleet):
     deadline = time.monotonic() + 60
     while True:
         now, left = await lease_expiries(client, "steady")
-        assert {lease for lease, expiry in expiries.items() if expiry > now} <= left.keys(), \
+        assert {lease for lease, expiry in expiries.items() if expiry > now} <= left.keys(), (
             "a lease was given back before it lapsed"
+        )
         if await redis_in_flight(client, "steady") == (0, 0):
             break
         assert time.monotonic() < deadline, f"leases never reclaimed: {left}"

@@ -21,8 +21,11 @@ CAP = 1000
 
 def config(fleet_size: int = 3, **limits) -> AdmissionConfig:
     kw = {"rate_tokens_per_s": 1e6, "burst_tokens": 100_000, "max_in_flight_tokens": CAP} | limits
-    return AdmissionConfig(tenants=(TenantConfig("flood", **kw), TenantConfig("other", **kw)),
-                           default_tenant="flood", fleet_size=fleet_size)
+    return AdmissionConfig(
+        tenants=(TenantConfig("flood", **kw), TenantConfig("other", **kw)),
+        default_tenant="flood",
+        fleet_size=fleet_size,
+    )
 
 
 async def replica(redis_server, name: str, cfg: AdmissionConfig | None = None, ttl_s: float = 10.0) -> Admission:
@@ -57,8 +60,9 @@ async def kill(adm: Admission) -> None:
 def redis_view(redis_server, tenant: str) -> tuple[int, int]:
     """(in_flight counter, sum of lease costs), read in one transaction."""
     pipe = redis_server.client().pipeline(transaction=True)
-    bucket, costs = pipe.hgetall(f"headroom:tenant:{tenant}:bucket").hvals(f"headroom:tenant:{tenant}:lease_cost") \
-        .execute()
+    bucket, costs = (
+        pipe.hgetall(f"headroom:tenant:{tenant}:bucket").hvals(f"headroom:tenant:{tenant}:lease_cost").execute()
+    )
     return int(bucket.get(b"in_flight", 0)), sum(int(c) for c in costs)
 
 

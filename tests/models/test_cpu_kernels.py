@@ -93,7 +93,7 @@ def scattered_tables(lens: list[int], num_blocks: int, block: int) -> tuple[list
     tables, at = [], 0
     for n in lens:
         need = -(-n // block)
-        tables.append(perm[at:at + need])
+        tables.append(perm[at : at + need])
         at += need
     width = max(len(t) for t in tables)
     return tables, torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
@@ -110,8 +110,14 @@ def test_paged_decode_attention_matches_the_torch_reference():
         slot_mapping=torch.zeros(0, dtype=torch.int64),
         query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
         seq_start_loc=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32),
-        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=table, max_query_len=1, max_seq_len=max(lens),
-        num_decodes=len(lens), query_lens_cpu=[1] * len(lens), seq_lens_cpu=lens)
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=table,
+        max_query_len=1,
+        max_seq_len=max(lens),
+        num_decodes=len(lens),
+        query_lens_cpu=[1] * len(lens),
+        seq_lens_cpu=lens,
+    )
     expected = TorchAttention().decode(q, k_cache, v_cache, meta, 0.125)
     got = CpuPagedAttention().decode(q, k_cache, v_cache, meta, 0.125)
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
@@ -228,10 +234,17 @@ def test_decode_step_writes_this_steps_kv_and_attends_like_the_reference(hq, hkv
     slots = torch.tensor([t[(n - 1) // block] * block + (n - 1) % block for t, n in zip(tables, lens)])
     q, k, v = torch.randn(len(lens), hq, d), torch.randn(len(lens), hkv, d), torch.randn(len(lens), hkv, d)
     meta = AttentionMetadata(
-        slot_mapping=slots, query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
+        slot_mapping=slots,
+        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
         seq_start_loc=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32),
-        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=table, max_query_len=1, max_seq_len=max(lens),
-        num_decodes=len(lens), query_lens_cpu=[1] * len(lens), seq_lens_cpu=lens)
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=table,
+        max_query_len=1,
+        max_seq_len=max(lens),
+        num_decodes=len(lens),
+        query_lens_cpu=[1] * len(lens),
+        seq_lens_cpu=lens,
+    )
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     expected = TorchAttention().forward(q, k, v, ref_k, ref_v, meta, d**-0.5)
     got = CpuPagedAttention().forward(q, k, v, k_cache, v_cache, meta, d**-0.5)
@@ -261,8 +274,9 @@ def test_a_killed_builds_lock_does_not_hang_the_next_start():
     old = time.time() - STALE_LOCK_S - 60
     os.utime(lock, (old, old))
     try:
-        run = subprocess.run([sys.executable, "-m", "headroom.models.kernels"], capture_output=True, text=True,
-                             timeout=600, check=False)
+        run = subprocess.run(
+            [sys.executable, "-m", "headroom.models.kernels"], capture_output=True, text=True, timeout=600, check=False
+        )
     finally:
         leftover = lock.exists()
         lock.unlink(missing_ok=True)

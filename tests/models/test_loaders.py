@@ -115,9 +115,7 @@ def test_load_model_default_gguf(monkeypatch, gguf_path, gguf_checkpoint, tokeni
         "headroom.models.loader.load_gguf",
         lambda path: read.append(path) or (dict(config), dict(state)),
     )
-    monkeypatch.setattr(
-        Tokenizer, "from_gguf", classmethod(lambda cls, path, extra_eos_ids=(): tokenizer)
-    )
+    monkeypatch.setattr(Tokenizer, "from_gguf", classmethod(lambda cls, path, extra_eos_ids=(): tokenizer))
 
     loaded = load_model(ModelConfig(max_model_len=2048), torch.device("cpu"), torch.float32)
     assert read == [gguf_path]
@@ -265,9 +263,7 @@ def test_default_model_path_error(monkeypatch):
 Q = GGMLQuantizationType
 
 
-@pytest.mark.parametrize(
-    "qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_1], ids=lambda q: q.name
-)
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_1], ids=lambda q: q.name)
 def test_tiny_llama_gguf(tmp_path, qtype):
     weights = _tiny_hf_weights("llama", lm_head=True)
     path = str(tmp_path / "tiny.gguf")
@@ -308,9 +304,7 @@ def test_gguf_errors(tmp_path):
 
     path = str(tmp_path / "int.gguf")
     weights = _tiny_hf_weights("llama")
-    _write_tiny_gguf(
-        path, "llama", weights, Q.F32, extra={"blk.0.ffn_up.weight": np.ones((128, 64), np.int32)}
-    )
+    _write_tiny_gguf(path, "llama", weights, Q.F32, extra={"blk.0.ffn_up.weight": np.ones((128, 64), np.int32)})
     with pytest.raises(ValueError, match="I32"):
         load_gguf(path)
 
@@ -401,11 +395,7 @@ def _gguf_name(hf_name: str) -> str:
 
 def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     # What llama.cpp's converter does to q/k: each head's two rotary halves interleaved.
-    return (
-        w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _write_tiny_gguf(

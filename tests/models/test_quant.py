@@ -69,19 +69,28 @@ from headroom.runtime.request import SamplingParams
 
 pytestmark = pytest.mark.slow
 
-TEXT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a can of oil "
-        "and a cloth for the great lens. Ships far out at sea relied on its beam to find the harbour, "
-        "and in forty years the light had never once failed.")
-PROMPTS = ["What is the capital of France?", "List three fruits.", "Write a haiku about the sea.",
-           "Explain what a hash table is.", "Give me a tip for learning to cook.", "What is 17 times 3?",
-           "Name a famous painter and one of their works.", "Why is the sky blue?"]
+TEXT = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a can of oil "
+    "and a cloth for the great lens. Ships far out at sea relied on its beam to find the harbour, "
+    "and in forty years the light had never once failed."
+)
+PROMPTS = [
+    "What is the capital of France?",
+    "List three fruits.",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is.",
+    "Give me a tip for learning to cook.",
+    "What is 17 times 3?",
+    "Name a famous painter and one of their works.",
+    "Why is the sky blue?",
+]
 MAX_TOKENS = 16
 CHUNKS, CTX = 6, 256  # of the calibration corpus, scored as llama-perplexity does
 CORPUS = Path(__file__).resolve().parents[2] / "data" / "calibration" / "sharegpt_prompts.jsonl"
 
 
 def perplexity(model, ids: list[int], kv_dtype: torch.dtype = torch.float32) -> float:
-    return chunked_perplexity(model, [ids[i * CTX:(i + 1) * CTX] for i in range(CHUNKS)], kv_dtype)
+    return chunked_perplexity(model, [ids[i * CTX : (i + 1) * CTX] for i in range(CHUNKS)], kv_dtype)
 
 
 def greedy(loaded, prompts: list[list[int]], kv_dtype: str = "float32") -> list[list[int]]:
@@ -92,8 +101,10 @@ def greedy(loaded, prompts: list[list[int]], kv_dtype: str = "float32") -> list[
 
 def agreement(rows: list[list[int]], reference: list[list[int]]) -> tuple[list[int], int]:
     """Tokens before the first divergence per row, and rows that match in full."""
-    before = [next((i for i, (a, b) in enumerate(zip(r, ref, strict=True)) if a != b), len(ref))
-              for r, ref in zip(rows, reference, strict=True)]
+    before = [
+        next((i for i, (a, b) in enumerate(zip(r, ref, strict=True)) if a != b), len(ref))
+        for r, ref in zip(rows, reference, strict=True)
+    ]
     return before, sum(b == MAX_TOKENS for b in before)
 
 
@@ -108,7 +119,7 @@ def activations_quantised() -> bool:
 def reference(default_model):
     tok = default_model.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
-    ids = tok.hf.encode(corpus(CORPUS))[:CHUNKS * CTX]
+    ids = tok.hf.encode(corpus(CORPUS))[: CHUNKS * CTX]
     return prompts, ids, greedy(default_model, prompts), perplexity(default_model.model, ids)
 
 
@@ -132,11 +143,16 @@ def test_int8_groups_are_the_files_q8_0_embedding(default_model):
 # (variant, activations rounded to 8 bits) -> (min full rows of 8, min mean tokens before the
 # first divergence of 16, max |perplexity ratio - 1|). See the module docstring for what was measured.
 BOUNDS = {
-    ("int8", False): (8, 16, 0.0005), ("int4", False): (8, 16, 0.0005),
-    ("int8", True): (4, 11, 0.006), ("int4", True): (5, 12, 0.006),
-    ("bf16", False): (6, 12, 0.005), ("bf16", True): (6, 12, 0.003),
-    ("int4+kv_f16", False): (7, 14, 0.001), ("int4+kv_f16", True): (5, 10, 0.006),
-    ("served", False): (7, 14, 0.001), ("served", True): (4, 10, 0.009),
+    ("int8", False): (8, 16, 0.0005),
+    ("int4", False): (8, 16, 0.0005),
+    ("int8", True): (4, 11, 0.006),
+    ("int4", True): (5, 12, 0.006),
+    ("bf16", False): (6, 12, 0.005),
+    ("bf16", True): (6, 12, 0.003),
+    ("int4+kv_f16", False): (7, 14, 0.001),
+    ("int4+kv_f16", True): (5, 10, 0.006),
+    ("served", False): (7, 14, 0.001),
+    ("served", True): (4, 10, 0.009),
     ("kv_f16", False): (8, 16, 0.0005),
 }
 # variant -> (mode, batches served packed, dtype of the float matmuls above, KV cache dtype,
@@ -144,12 +160,14 @@ BOUNDS = {
 # the bfloat16 matmuls for every step; int4+kv_f16 is the packed path beside the float16 KV
 # cache that auto serves with it, and served is what `headroom serve` runs by default on a
 # CPU with AVX-512 VNNI: packed up to batch 4, the tiled kernel above, a float16 cache.
-VARIANTS = {"int8": ("int8", 4096, torch.float32, torch.float32, False),
-            "int4": ("int4", 4096, torch.float32, torch.float32, False),
-            "bf16": ("int8", 0, torch.bfloat16, torch.float32, False),
-            "int4+kv_f16": ("int4", 4096, torch.float32, torch.float16, False),
-            "served": ("int4", 4, torch.float32, torch.float16, True),
-            "kv_f16": ("int8", 0, torch.float32, torch.float16, False)}
+VARIANTS = {
+    "int8": ("int8", 4096, torch.float32, torch.float32, False),
+    "int4": ("int4", 4096, torch.float32, torch.float32, False),
+    "bf16": ("int8", 0, torch.bfloat16, torch.float32, False),
+    "int4+kv_f16": ("int4", 4096, torch.float32, torch.float16, False),
+    "served": ("int4", 4, torch.float32, torch.float16, True),
+    "kv_f16": ("int8", 0, torch.float32, torch.float16, False),
+}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -161,8 +179,10 @@ def test_faster_mode_against_fp32(reference, variant):
     ppl = perplexity(loaded.model, ids, kv_dtype)
     before, full = agreement(greedy(loaded, prompts, str(kv_dtype).removeprefix("torch.")), ref_tokens)
     quantised = activations_quantised() and variant not in ("bf16", "kv_f16")
-    print(f"{variant} (8-bit activations: {quantised}): perplexity {ppl:.4f} vs fp32 {ref_ppl:.4f} "
-          f"({ppl / ref_ppl:.5f}x); tokens before first divergence {before}, full rows {full}/{len(prompts)}")
+    print(
+        f"{variant} (8-bit activations: {quantised}): perplexity {ppl:.4f} vs fp32 {ref_ppl:.4f} "
+        f"({ppl / ref_ppl:.5f}x); tokens before first divergence {before}, full rows {full}/{len(prompts)}"
+    )
     min_full, min_mean_prefix, max_ppl_shift = BOUNDS[variant, quantised]
     assert abs(ppl / ref_ppl - 1) <= max_ppl_shift
     assert full >= min_full and sum(before) / len(before) >= min_mean_prefix

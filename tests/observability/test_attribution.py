@@ -17,8 +17,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_snapshot_adds_up_to_the_engine_and_the_block_manager(default_model):
-    config = Config(cache=CacheConfig(num_blocks=128),
-                    scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64))
+    config = Config(
+        cache=CacheConfig(num_blocks=128), scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)
+    )
     engine = Engine(config, loaded=default_model)
     sampling = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     # Distinct prompts of different lengths: no block is shared, prefills take 1-3 steps.
@@ -31,8 +32,12 @@ def test_snapshot_adds_up_to_the_engine_and_the_block_manager(default_model):
     def recording_schedule():
         out = schedule()
         if not out.is_empty:
-            steps.append((engine.stats.step_time_s,
-                          {r.request_id: n for r, n in zip(out.requests, out.num_scheduled_tokens, strict=True)}))
+            steps.append(
+                (
+                    engine.stats.step_time_s,
+                    {r.request_id: n for r, n in zip(out.requests, out.num_scheduled_tokens, strict=True)},
+                )
+            )
         return out
 
     engine.scheduler.schedule = recording_schedule
@@ -54,7 +59,7 @@ def test_snapshot_adds_up_to_the_engine_and_the_block_manager(default_model):
         """Each sequence's share of the first `completed` steps, and of the one running
         after them as far as `busy` has got."""
         shares = Counter()
-        for k, (start, tokens) in enumerate(steps[:completed + 1]):
+        for k, (start, tokens) in enumerate(steps[: completed + 1]):
             elapsed = (starts[k + 1] if k < completed else busy) - start
             for rid, n in tokens.items():
                 shares[rid] += elapsed * n / sum(tokens.values())

@@ -22,8 +22,27 @@ class Clock:
 
 
 def seq(rid: str, size_class: str, device_s: float, blocks: int, tenant: str = "t") -> SequenceSnapshot:
-    return SequenceSnapshot(rid, tenant, "standard", size_class, "running", 0, 5.0, 100, 10, 500, 50.0, blocks,
-                            blocks / 100, device_s, 0.0, 0.0, 110, 0, None)
+    return SequenceSnapshot(
+        rid,
+        tenant,
+        "standard",
+        size_class,
+        "running",
+        0,
+        5.0,
+        100,
+        10,
+        500,
+        50.0,
+        blocks,
+        blocks / 100,
+        device_s,
+        0.0,
+        0.0,
+        110,
+        0,
+        None,
+    )
 
 
 def snapshot(*sequences: SequenceSnapshot, busy: float = 0.0) -> EngineSnapshot:
@@ -51,16 +70,21 @@ def test_fires_when_short_is_slow_and_long_dominates_and_names_the_offenders(cap
     clock = Clock()
     monitor = HolMonitor(CONFIG, LatencyWindows(now=clock))
     # Interval 1, the baseline: no short request has finished yet, so nothing fires.
-    first = monitor.update(snapshot(seq("long-a", "long", 1.0, 10), seq("short-b", "short", 1.0, 2), busy=2.0),
-                           stats(2.0, long=1.0))
+    first = monitor.update(
+        snapshot(seq("long-a", "long", 1.0, 10), seq("short-b", "short", 1.0, 2), busy=2.0), stats(2.0, long=1.0)
+    )
     assert not first.coupled and first.short_ttft_p99_s is None
     for ttft in [0.2] * 90 + [3.0] * 10:
         monitor.windows.observe("short", clock.t, ttft, 1.0)
     # Interval 2: 10 s busy, 8 s of it on long-a, 1.5 s on long-c, 0.5 s on short-b.
     with caplog.at_level(logging.WARNING, logger="headroom.hol"):
         state = monitor.update(
-            snapshot(seq("long-a", "long", 9.0, 30), seq("short-b", "short", 1.5, 2), seq("long-c", "long", 1.5, 5),
-                     busy=12.0),
+            snapshot(
+                seq("long-a", "long", 9.0, 30),
+                seq("short-b", "short", 1.5, 2),
+                seq("long-c", "long", 1.5, 5),
+                busy=12.0,
+            ),
             stats(12.0, long=10.5, short=1.5),
         )
     assert state.coupled
@@ -80,11 +104,14 @@ def test_fires_when_short_is_slow_and_long_dominates_and_names_the_offenders(cap
     assert again.coupled and caplog.records == []
 
 
-@pytest.mark.parametrize("short_ttfts,long_share,coupled", [
-    ([0.2] * 100, 0.9, False),  # short is fast: long may use the engine as it likes
-    ([3.0] * 100, 0.2, False),  # short is slow, but not because of long sequences
-    ([3.0] * 100, 0.6, True),
-])
+@pytest.mark.parametrize(
+    "short_ttfts,long_share,coupled",
+    [
+        ([0.2] * 100, 0.9, False),  # short is fast: long may use the engine as it likes
+        ([3.0] * 100, 0.2, False),  # short is slow, but not because of long sequences
+        ([3.0] * 100, 0.6, True),
+    ],
+)
 def test_needs_both_halves(short_ttfts, long_share, coupled):
     clock = Clock()
     monitor = HolMonitor(CONFIG, LatencyWindows(now=clock))

@@ -12,8 +12,9 @@ from headroom.runtime.request import Request, RequestStatus, SamplingParams
 
 def ran(tenant: str, status: RequestStatus, prompt: int, output: int, **cost) -> Usage:
     """The Usage of an engine request that ended with `status`."""
-    request = Request("r", list(range(1, prompt + 1)), SamplingParams(max_tokens=100), tenant=tenant,
-                      arrival_time=10.0, status=status)
+    request = Request(
+        "r", list(range(1, prompt + 1)), SamplingParams(max_tokens=100), tenant=tenant, arrival_time=10.0, status=status
+    )
     request.output_token_ids.extend([5] * output)
     for name, value in cost.items():
         setattr(request, name, value)
@@ -21,16 +22,35 @@ def ran(tenant: str, status: RequestStatus, prompt: int, output: int, **cost) ->
 
 
 def refused(tenant: str, **fields) -> Usage:
-    done = FinishedRequest(request_id="r", endpoint="/v1/completions", model="m", http_status=429,
-                           tenant=tenant, tier="standard", size_class="short", ran=False, **fields)
+    done = FinishedRequest(
+        request_id="r",
+        endpoint="/v1/completions",
+        model="m",
+        http_status=429,
+        tenant=tenant,
+        tier="standard",
+        size_class="short",
+        ran=False,
+        **fields,
+    )
     return Usage.of_refused(done, "rejected")
 
 
 def test_sums_by_tenant_and_outcome_within_the_range_and_across_a_reopen(tmp_path):
     now = [1000.0]
     ledger = UsageLedger(tmp_path / "u.sqlite", retention_days=1, clock=lambda: now[0])
-    ledger.record(ran("a", RequestStatus.FINISHED_STOPPED, 10, 5, num_cached_tokens=4, device_time_s=0.5,
-                      kv_block_seconds=2.0, admitted_time=10.25))
+    ledger.record(
+        ran(
+            "a",
+            RequestStatus.FINISHED_STOPPED,
+            10,
+            5,
+            num_cached_tokens=4,
+            device_time_s=0.5,
+            kv_block_seconds=2.0,
+            admitted_time=10.25,
+        )
+    )
     now[0] = 1010.0
     ledger.record(ran("a", RequestStatus.FINISHED_ABORTED, 7, 3, device_time_s=0.25, admitted_time=10.0))
     ledger.record(refused("b", prompt_tokens=99, output_tokens=99, admission_wait_s=0.5))
@@ -59,5 +79,15 @@ def test_rows_past_the_retention_are_deleted(tmp_path):
     ledger.close()
     with sqlite3.connect(tmp_path / "u.sqlite") as db:  # no text columns beyond ids, tenant, outcome
         columns = [row[1] for row in db.execute("PRAGMA table_info(requests)")]
-    assert columns == ["finished_at", "request_id", "tenant", "outcome", "prompt_tokens", "cached_prompt_tokens",
-                       "output_tokens", "device_seconds", "kv_block_seconds", "admission_wait_seconds"]
+    assert columns == [
+        "finished_at",
+        "request_id",
+        "tenant",
+        "outcome",
+        "prompt_tokens",
+        "cached_prompt_tokens",
+        "output_tokens",
+        "device_seconds",
+        "kv_block_seconds",
+        "admission_wait_seconds",
+    ]

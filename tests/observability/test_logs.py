@@ -55,8 +55,7 @@ def test_one_json_line_per_request_without_the_prompt(default_model, json_log):
     server = serve(default_model, log_prompts=False)
     try:
         body = {"messages": [{"role": "user", "content": SECRET}], "max_tokens": 3, "ignore_eos": True}
-        r = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "abc123"},
-                       timeout=60)
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "abc123"}, timeout=60)
         assert r.status_code == 200
         # Too long for the context: fails after the request id is bound.
         huge = {"prompt": [5] * 8000, "max_tokens": 500}

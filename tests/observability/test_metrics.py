@@ -76,16 +76,21 @@ def test_known_workload_moves_counters_and_histograms_exactly(server):
     # A bad request never reaches the engine and moves no request metric.
     assert completion(server, [], 3).status_code == 400
 
-    after = wait_for(server, before, "headroom:e2e_request_latency_seconds_count",
-                     {"size_class": "long", "tier": "standard"}, 1)
+    after = wait_for(
+        server, before, "headroom:e2e_request_latency_seconds_count", {"size_class": "long", "tier": "standard"}, 1
+    )
     assert delta(before, after, "headroom:prompt_tokens_total") == 5 + 20 + 40 + 1600
     assert delta(before, after, "headroom:generation_tokens_total") == 3 + 5 + 1 + 2
     assert delta(before, after, "headroom:request_success_total", finished_reason="length") == 4
     assert delta(before, after, "headroom:request_success_total", finished_reason="stop") == 0
     assert delta(before, after, "headroom:admission_decisions_total", decision="admit") == 4
     assert delta(before, after, "headroom:num_preemptions_total") == 0
-    for name in ("headroom:time_to_first_token_seconds", "headroom:request_queue_time_seconds",
-                 "headroom:e2e_request_latency_seconds", "headroom:request_device_time_seconds"):
+    for name in (
+        "headroom:time_to_first_token_seconds",
+        "headroom:request_queue_time_seconds",
+        "headroom:e2e_request_latency_seconds",
+        "headroom:request_device_time_seconds",
+    ):
         assert observations(before, after, name, "short") == 3, name
         assert observations(before, after, name, "long") == 1, name
     # Time per output token needs two tokens: the 1-token short request has none.

@@ -47,9 +47,12 @@ REQUESTS = [
 
 def scrape(server) -> dict[tuple, float]:
     text = httpx.get(server.url + "/metrics", timeout=10).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples
-            if "predictor" in s.name or "flag_precision" in s.name}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if "predictor" in s.name or "flag_precision" in s.name
+    }
 
 
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -76,11 +79,14 @@ def as_metrics(figures: dict, tenant: str | None = None) -> dict[tuple, float]:
     """/admin/stats figures under the names and labels /metrics gives them."""
     prefix = "headroom:" if tenant is None else "headroom:tenant_"
     labels = () if tenant is None else (("tenant", tenant),)
-    names = {"requests": "predictor_health_requests", "cap_rate": "predictor_cap_rate",
-             "kendall_tau": "predictor_kendall_tau", "mae_tokens": "predictor_mae_tokens",
-             "flag_precision": "inflight_flag_precision"}
-    out = {(prefix + names[k], labels): v for k, v in figures.items()
-           if k in names and v is not None}
+    names = {
+        "requests": "predictor_health_requests",
+        "cap_rate": "predictor_cap_rate",
+        "kendall_tau": "predictor_kendall_tau",
+        "mae_tokens": "predictor_mae_tokens",
+        "flag_precision": "inflight_flag_precision",
+    }
+    out = {(prefix + names[k], labels): v for k, v in figures.items() if k in names and v is not None}
     for predictor in ("admission", "inflight"):
         if (value := figures[f"{predictor}_cap_auc"]) is not None:
             key = tuple(sorted((*labels, ("predictor", predictor))))
@@ -95,18 +101,18 @@ def test_health_after_real_requests(default_model, caplog):
         finish_reasons = []
         for tenant, prompt, max_tokens, stop in REQUESTS:
             body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stop": stop}
-            r = httpx.post(server.url + "/v1/completions", json=body, headers={"X-Tenant": tenant},
-                           timeout=120)
+            r = httpx.post(server.url + "/v1/completions", json=body, headers={"X-Tenant": tenant}, timeout=120)
             assert r.status_code == 200
             finish_reasons.append(r.json()["choices"][0]["finish_reason"])
         # Only max_tokens could end this one: it says nothing about either predictor.
         body = {"prompt": "Count to ten.", "max_tokens": 3, "ignore_eos": True}
-        assert httpx.post(server.url + "/v1/completions", json=body, headers={"X-Tenant": "acme"},
-                          timeout=120).status_code == 200
+        assert (
+            httpx.post(server.url + "/v1/completions", json=body, headers={"X-Tenant": "acme"}, timeout=120).status_code
+            == 200
+        )
         lines = finished_lines(caplog, len(REQUESTS) + 1)
         samples, health = scrape(server), stats(server)
-        server_wide = {key: v for key, v in samples.items()
-                       if not key[0].startswith("headroom:tenant_")}
+        server_wide = {key: v for key, v in samples.items() if not key[0].startswith("headroom:tenant_")}
         assert server_wide[("headroom:predictor_health_requests", ())] == 6
 
         assert {"stop", "length"} == set(finish_reasons)  # both outcomes, so both AUCs are defined
@@ -114,16 +120,17 @@ def test_health_after_real_requests(default_model, caplog):
         assert len(lines) == len(REQUESTS)
 
         def mae(tenant: str | None) -> float:
-            errors = [abs(r.predicted_output_tokens - r.output_tokens) for r in lines
-                      if tenant is None or r.tenant == tenant]
+            errors = [
+                abs(r.predicted_output_tokens - r.output_tokens) for r in lines if tenant is None or r.tenant == tenant
+            ]
             return sum(errors) / len(errors)
 
-        assert server_wide[("headroom:predictor_cap_rate", ())] == \
-            pytest.approx(finish_reasons.count("length") / 6)
+        assert server_wide[("headroom:predictor_cap_rate", ())] == pytest.approx(finish_reasons.count("length") / 6)
         assert server_wide[("headroom:predictor_mae_tokens", ())] == pytest.approx(mae(None))
         assert {key for key in server_wide if key[0] == "headroom:predictor_cap_auc"} == {
             ("headroom:predictor_cap_auc", (("predictor", "admission"),)),
-            ("headroom:predictor_cap_auc", (("predictor", "inflight"),))}
+            ("headroom:predictor_cap_auc", (("predictor", "inflight"),)),
+        }
         assert 0 <= server_wide[("headroom:predictor_cap_auc", (("predictor", "inflight"),))] <= 1
         assert -1 <= server_wide[("headroom:predictor_kendall_tau", ())] <= 1
         assert server_wide == pytest.approx(as_metrics(health["server"]))
@@ -137,15 +144,19 @@ def test_health_after_real_requests(default_model, caplog):
             own = tenant_samples(tenant)
             label = (("tenant", tenant),)
             assert own[("headroom:tenant_predictor_health_requests", label)] == count
-            assert own[("headroom:tenant_predictor_mae_tokens", label)] == \
-                pytest.approx(mae(tenant))
+            assert own[("headroom:tenant_predictor_mae_tokens", label)] == pytest.approx(mae(tenant))
             assert own == pytest.approx(as_metrics(health["tenants"][tenant], tenant))
         # One request is under the minimum of two: counted, and nothing else.
-        assert tenant_samples("solo") == \
-            {("headroom:tenant_predictor_health_requests", (("tenant", "solo"),)): 1}
-        assert health["tenants"]["solo"] == {"requests": 1, "cap_rate": None, "kendall_tau": None,
-                                             "mae_tokens": None, "admission_cap_auc": None,
-                                             "inflight_cap_auc": None, "flag_precision": None}
+        assert tenant_samples("solo") == {("headroom:tenant_predictor_health_requests", (("tenant", "solo"),)): 1}
+        assert health["tenants"]["solo"] == {
+            "requests": 1,
+            "cap_rate": None,
+            "kendall_tau": None,
+            "mae_tokens": None,
+            "admission_cap_auc": None,
+            "inflight_cap_auc": None,
+            "flag_precision": None,
+        }
 
         # A reloaded predictor is a new model: its window starts empty.
         r = httpx.post(server.url + "/admin/predictor/reload", headers=ADMIN, timeout=60)

@@ -16,8 +16,9 @@ class Clock:
         return self.t
 
 
-def fill(signal: SplitSignal, n: int, tokens: int, device_s: float, size_class: str = "short",
-         tenant: str = "chat") -> None:
+def fill(
+    signal: SplitSignal, n: int, tokens: int, device_s: float, size_class: str = "short", tenant: str = "chat"
+) -> None:
     for _ in range(n):
         signal.observe(tokens, device_s, size_class, tenant)
 
@@ -34,8 +35,13 @@ def test_the_lines_the_log_and_the_drivers(caplog):
     caplog.set_level(logging.WARNING, logger="headroom.split")
     fill(signal, 30, 100, 0.1)
     state = signal.state()
-    assert (state.requests, state.max_tokens, state.median_tokens, state.tokens_ratio, state.level) == \
-        (30, 100, 100, 1.0, 0.0)
+    assert (state.requests, state.max_tokens, state.median_tokens, state.tokens_ratio, state.level) == (
+        30,
+        100,
+        100,
+        1.0,
+        0.0,
+    )
     assert caplog.records == []
     fill(signal, 2, 2000, 4.0, "long", "batch")  # 20x the median
     fill(signal, 1, 1500, 1.0, "medium", "chat")  # 15x
@@ -44,15 +50,23 @@ def test_the_lines_the_log_and_the_drivers(caplog):
     assert state.device_ratio == 40.0
     assert state.drivers_by_class == (("long", 2), ("medium", 1))
     assert state.drivers_by_tenant == (("batch", 2), ("chat", 1))
-    assert [r.getMessage() for r in caplog.records] == [(
-        "pool split signal over 10x: plan a split: largest request 2000 tokens, median 100 (20.0x) over the last "
-        "33 requests; over 10x the median: classes long (2), medium (1); tenants batch (2), chat (1)")]
+    assert [r.getMessage() for r in caplog.records] == [
+        (
+            "pool split signal over 10x: plan a split: largest request 2000 tokens, median 100 (20.0x) over the last "
+            "33 requests; over 10x the median: classes long (2), medium (1); tenants batch (2), chat (1)"
+        )
+    ]
     signal.state()  # the same level again: no second line
     assert len(caplog.records) == 1
     fill(signal, 1, 6000, 9.0, "long", "batch")
     assert signal.state().level == 50.0
-    assert caplog.records[-1].getMessage().startswith("pool split signal over 50x: two services on one pool: "
-                                                      "largest request 6000 tokens, median 100 (60.0x)")
+    assert (
+        caplog.records[-1]
+        .getMessage()
+        .startswith(
+            "pool split signal over 50x: two services on one pool: largest request 6000 tokens, median 100 (60.0x)"
+        )
+    )
     clock.t = 601  # the window moves past all of them
     fill(signal, 25, 100, 0.1)
     state = signal.state()

@@ -50,8 +50,9 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def complete(server, key: str, body: dict) -> httpx.Response:
-    return httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"},
-                      timeout=120)
+    return httpx.post(
+        server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120
+    )
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -80,8 +81,13 @@ def test_tenant_costs_add_up_over_a_scripted_run(default_model, tmp_path):
         assert complete(server, "key-alpha", {"prompt": prompt(25, 2), **fixed}).status_code == 200
         # A client that hangs up after a few tokens: the engine aborts it.
         body = {"prompt": prompt(30, 3), "max_tokens": 3000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", server.url + "/v1/completions", json=body,
-                          headers={"Authorization": "Bearer key-alpha"}, timeout=120) as r:
+        with httpx.stream(
+            "POST",
+            server.url + "/v1/completions",
+            json=body,
+            headers={"Authorization": "Bearer key-alpha"},
+            timeout=120,
+        ) as r:
             seen = 0
             for line in r.iter_lines():
                 if line.startswith("data: {") and json.loads(line[6:])["choices"]:
@@ -102,10 +108,12 @@ def test_tenant_costs_add_up_over_a_scripted_run(default_model, tmp_path):
     def value(name: str, **labels) -> float:
         return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
 
-    requests = {(dict(k[1])["tenant"], dict(k[1])["outcome"]): v for k, v in metrics.items()
-                if k[0] == "headroom:tenant_requests_total"}
-    assert requests == {("alpha", "length"): 2, ("alpha", "abort"): 1, ("beta", "length"): 1,
-                        ("beta", "rejected"): 1}
+    requests = {
+        (dict(k[1])["tenant"], dict(k[1])["outcome"]): v
+        for k, v in metrics.items()
+        if k[0] == "headroom:tenant_requests_total"
+    }
+    assert requests == {("alpha", "length"): 2, ("alpha", "abort"): 1, ("beta", "length"): 1, ("beta", "rejected"): 1}
     assert value("headroom:tenant_prompt_tokens_total", tenant="alpha") == 40 + 25 + 30
     assert value("headroom:tenant_prompt_tokens_total", tenant="beta") == 120  # the refused one never ran
     alpha_out = value("headroom:tenant_output_tokens_total", tenant="alpha")
@@ -121,25 +129,33 @@ def test_tenant_costs_add_up_over_a_scripted_run(default_model, tmp_path):
         # Arrival to admission of each request that ran; the refused one was never admitted.
         waits = [r.admitted_time - r.arrival_time for r in closed if r.tenant == tenant]
         assert min(waits) > 0
-        assert value("headroom:tenant_admission_wait_seconds_total", tenant=tenant) == pytest.approx(sum(waits),
-                                                                                                   rel=1e-9)
+        assert value("headroom:tenant_admission_wait_seconds_total", tenant=tenant) == pytest.approx(
+            sum(waits), rel=1e-9
+        )
 
     # The ledger's totals are the counters' (and survive a restart).
     assert [t["tenant"] for t in billed["tenants"]] == ["alpha", "beta"]
     for t in billed["tenants"]:
         name = t["tenant"]
-        assert {o: n for o, n in t["requests"].items() if n} == \
-            {o: n for (tenant, o), n in requests.items() if tenant == name}
-        for field, metric in [("prompt_tokens", "prompt_tokens"), ("cached_prompt_tokens", "cached_prompt_tokens"),
-                              ("output_tokens", "output_tokens"), ("device_seconds", "device_seconds"),
-                              ("kv_block_seconds", "kv_block_seconds"),
-                              ("admission_wait_seconds", "admission_wait_seconds")]:
+        assert {o: n for o, n in t["requests"].items() if n} == {
+            o: n for (tenant, o), n in requests.items() if tenant == name
+        }
+        for field, metric in [
+            ("prompt_tokens", "prompt_tokens"),
+            ("cached_prompt_tokens", "cached_prompt_tokens"),
+            ("output_tokens", "output_tokens"),
+            ("device_seconds", "device_seconds"),
+            ("kv_block_seconds", "kv_block_seconds"),
+            ("admission_wait_seconds", "admission_wait_seconds"),
+        ]:
             assert t[field] == pytest.approx(value(f"headroom:tenant_{metric}_total", tenant=name), rel=1e-9), field
     header, *rows = csv_text.strip().splitlines()
-    assert header == ("tenant,requests_stop,requests_length,requests_repetition,requests_abort,requests_rejected,"
-                      "requests_invalid,"
-                      "requests_routed,requests_error,prompt_tokens,cached_prompt_tokens,output_tokens,"
-                      "device_seconds,kv_block_seconds,admission_wait_seconds")
+    assert header == (
+        "tenant,requests_stop,requests_length,requests_repetition,requests_abort,requests_rejected,"
+        "requests_invalid,"
+        "requests_routed,requests_error,prompt_tokens,cached_prompt_tokens,output_tokens,"
+        "device_seconds,kv_block_seconds,admission_wait_seconds"
+    )
     assert [r.split(",")[:6] for r in rows] == [["alpha", "0", "2", "0", "1", "0"], ["beta", "0", "1", "0", "0", "1"]]
 
     again = BackgroundServer(config, Engine(config, loaded=default_model)).start()

@@ -21,22 +21,39 @@ def test_tracing_is_off_unless_an_endpoint_is_set():
     assert Tracing(None).start("POST /v1/completions", {}, time.monotonic()) is None
 
 
-@pytest.mark.parametrize("env,kind", [
-    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}, GrpcExporter),
-    ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:4318/v1/traces",
-      "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}, HttpExporter),
-    # The traces-specific variable wins over the general one.
-    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-      "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}, HttpExporter),
-])
+@pytest.mark.parametrize(
+    "env,kind",
+    [
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}, GrpcExporter),
+        (
+            {
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:4318/v1/traces",
+                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+            },
+            HttpExporter,
+        ),
+        # The traces-specific variable wins over the general one.
+        (
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318",
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+            },
+            HttpExporter,
+        ),
+    ],
+)
 def test_protocol_picks_the_exporter(env, kind):
     assert type(exporter_from_env(env)) is kind
 
 
-@pytest.mark.parametrize("env", [
-    {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317", "OTEL_TRACES_EXPORTER": "none"},
-    {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317", "OTEL_SDK_DISABLED": "true"},
-])
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317", "OTEL_TRACES_EXPORTER": "none"},
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317", "OTEL_SDK_DISABLED": "true"},
+    ],
+)
 def test_standard_switches_turn_tracing_off(env):
     assert exporter_from_env(env) is None
 

@@ -67,6 +67,7 @@ class GrpcReceiver(trace_service_pb2_grpc.TraceServiceServicer):
 class HttpReceiver:
     def __init__(self, collected: Collected):
         self.collected = collected
+
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
@@ -121,14 +122,26 @@ def run_workload(monkeypatch, default_model, protocol: str, receiver_cls) -> tup
         for i, traceparent in enumerate([True, False, True, False]):
             headers = {"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"} if traceparent else {}
             stream = client.chat.completions.create(
-                model=server.engine.loaded.name, messages=[{"role": "user", "content": f"Say {i} words about tea."}],
-                max_tokens=6 + i, temperature=0, stream=True, stream_options={"include_usage": True},
-                extra_headers=headers, extra_body={"ignore_eos": True},
+                model=server.engine.loaded.name,
+                messages=[{"role": "user", "content": f"Say {i} words about tea."}],
+                max_tokens=6 + i,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_headers=headers,
+                extra_body={"ignore_eos": True},
             )
             chunks = list(stream)
             finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-            seen.append({"id": chunks[0].id, "usage": chunks[-1].usage, "finish": finish, "traceparent": traceparent,
-                         "max_tokens": 6 + i})
+            seen.append(
+                {
+                    "id": chunks[0].id,
+                    "usage": chunks[-1].usage,
+                    "finish": finish,
+                    "traceparent": traceparent,
+                    "max_tokens": 6 + i,
+                }
+            )
     finally:
         server.stop()  # flushes the batch processor
         receiver.stop()

@@ -33,8 +33,13 @@ TOKEN = "fuzz-admin-token-0123456789"
 CONFIG = Config(
     cache=CacheConfig(num_blocks=512),
     scheduler=SchedulerConfig(max_num_seqs=16),
-    admission=AdmissionConfig(tenants=(TenantConfig("default", max_tokens=4, max_in_flight_tokens=10**6,
-                                                    rate_tokens_per_s=1e6, burst_tokens=10**6),)),
+    admission=AdmissionConfig(
+        tenants=(
+            TenantConfig(
+                "default", max_tokens=4, max_in_flight_tokens=10**6, rate_tokens_per_s=1e6, burst_tokens=10**6
+            ),
+        )
+    ),
     admin=AdminConfig(token=TOKEN),
 )
 
@@ -64,8 +69,7 @@ def check(case, response) -> None:
 def fuzzer(operation, mode: GenerationMode, url: str, headers: dict, calls: dict, label: str):
     # Positive cases follow the schema; negative ones break it on purpose.
     @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(max_examples=30, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=30, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
     def fuzz(case):
         calls[label] = calls.get(label, 0) + 1
         check(case, case.call(base_url=url, headers=headers, timeout=60))

@@ -38,9 +38,18 @@ CONFIG = Config(
     cache=CacheConfig(num_blocks=512),
     scheduler=SchedulerConfig(max_num_seqs=16),
     server=ServerConfig(max_queue_len=16),
-    admission=AdmissionConfig(tenants=(TenantConfig("default", max_queue=24, max_wait_s=5.0,
-                                                    rate_tokens_per_s=1e6, burst_tokens=10**6,
-                                                    max_in_flight_tokens=10**6),)),
+    admission=AdmissionConfig(
+        tenants=(
+            TenantConfig(
+                "default",
+                max_queue=24,
+                max_wait_s=5.0,
+                rate_tokens_per_s=1e6,
+                burst_tokens=10**6,
+                max_in_flight_tokens=10**6,
+            ),
+        )
+    ),
 )
 
 
@@ -53,8 +62,11 @@ def rss_mib() -> float:
 
 
 async def one(session: aiohttp.ClientSession, url: str, i: int) -> tuple[int, str | None, int | None]:
-    body = {"messages": [{"role": "user", "content": f"Give me fact number {i} about rivers."}],
-            "max_tokens": OUTPUT_TOKENS, "ignore_eos": True}
+    body = {
+        "messages": [{"role": "user", "content": f"Give me fact number {i} about rivers."}],
+        "max_tokens": OUTPUT_TOKENS,
+        "ignore_eos": True,
+    }
     async with session.post(url + "/v1/chat/completions", json=body) as r:
         payload = await r.json()
         if r.status == 200:
@@ -158,11 +170,13 @@ def test_three_times_the_sustainable_rate_for_a_minute(default_model):
         health = sorted(run["health_ms"])
         p99 = health[int(0.99 * (len(health) - 1))]
         steady = [mib for t, mib in run["rss"] if t >= WARMUP_S]
-        print(f"sustainable {rate:.2f} req/s; offered {len(results)} at {3 * rate:.2f} req/s: {ok} served, "
-              f"{len(shed)} shed with 429, {len(other)} other; /health p50 {statistics.median(health):.1f} ms "
-              f"p99 {p99:.1f} ms; engine busy {busy:.0%} of the run, idle in {idle_share:.1%} of samples, "
-              f"mean step {step_ms:.1f} ms; "
-              f"RSS after warm-up {min(steady):.0f}-{max(steady):.0f} MiB")
+        print(
+            f"sustainable {rate:.2f} req/s; offered {len(results)} at {3 * rate:.2f} req/s: {ok} served, "
+            f"{len(shed)} shed with 429, {len(other)} other; /health p50 {statistics.median(health):.1f} ms "
+            f"p99 {p99:.1f} ms; engine busy {busy:.0%} of the run, idle in {idle_share:.1%} of samples, "
+            f"mean step {step_ms:.1f} ms; "
+            f"RSS after warm-up {min(steady):.0f}-{max(steady):.0f} MiB"
+        )
         assert other == []
         assert shed, "3x the sustainable rate must shed"
         assert all(retry is not None and retry >= 1 for _, retry in shed)

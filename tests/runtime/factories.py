@@ -49,9 +49,13 @@ def create_request(
     # Distinct per request, so prefix-cache hits happen only where a test shares tokens.
     tokens = prompt if isinstance(prompt, list) else [1000 + 97 * n + i for i in range(prompt)]
     return Request(
-        f"r{n}", tokens, SamplingParams(max_tokens=max_tokens, **sampling), priority,
+        f"r{n}",
+        tokens,
+        SamplingParams(max_tokens=max_tokens, **sampling),
+        priority,
         arrival_time=float(n) if arrival is None else arrival,
-        predicted_output_tokens=predicted, size_class=size_class,
+        predicted_output_tokens=predicted,
+        size_class=size_class,
     )
 
 

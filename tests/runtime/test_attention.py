@@ -110,9 +110,7 @@ def make_batch(
     ctx_k, ctx_v, new_slots = [], [], []
     for table, q_len, seq_len in zip(tables, q_lens, seq_lens):
         positions = range(seq_len)
-        slots = torch.tensor(
-            [table[p // block_size] * block_size + p % block_size for p in positions]
-        )
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in positions])
         keys = randn(seq_len, num_kv_heads, head_dim)
         values = randn(seq_len, num_kv_heads, head_dim)
         cached = seq_len - q_len
@@ -151,9 +149,7 @@ def make_batch(
     )
 
 
-def mixed_lens(
-    rng: random.Random, num_decodes: int, num_prefills: int, block_size: int
-) -> tuple[list[int], list[int]]:
+def mixed_lens(rng: random.Random, num_decodes: int, num_prefills: int, block_size: int) -> tuple[list[int], list[int]]:
     """Decodes first, then prefills alternating fresh (no cache) and chunked (cached prefix)."""
     q_lens = [1] * num_decodes
     seq_lens = [rng.randint(1, 3 * block_size) for _ in range(num_decodes)]
@@ -171,9 +167,7 @@ def naive_attention(batch: Batch) -> torch.Tensor:
     num_heads, num_kv_heads = q.shape[1], batch.ctx_k[0].shape[1]
     out = torch.empty_like(q)
     lo = 0
-    for q_len, seq_len, keys, values in zip(
-        meta.query_lens_cpu, meta.seq_lens_cpu, batch.ctx_k, batch.ctx_v
-    ):
+    for q_len, seq_len, keys, values in zip(meta.query_lens_cpu, meta.seq_lens_cpu, batch.ctx_k, batch.ctx_v):
         keys = keys.double().repeat_interleave(num_heads // num_kv_heads, dim=1)  # (L, Hq, D)
         values = values.double().repeat_interleave(num_heads // num_kv_heads, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[lo : lo + q_len], keys) * batch.scale
@@ -186,9 +180,7 @@ def naive_attention(batch: Batch) -> torch.Tensor:
 
 
 def run(backend, batch: Batch) -> torch.Tensor:
-    return backend.forward(
-        batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale
-    )
+    return backend.forward(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
 
 
 def assert_cache_written(batch: Batch, before: Batch) -> None:
@@ -219,13 +211,9 @@ HEADS = [pytest.param(4, 4, id="mha"), pytest.param(6, 2, id="gqa3"), pytest.par
 
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
-def test_torch_mixed_batch_matches_naive(
-    block_size: int, num_heads: int, num_kv_heads: int
-) -> None:
+def test_torch_mixed_batch_matches_naive(block_size: int, num_heads: int, num_kv_heads: int) -> None:
     q_lens, seq_lens = mixed_lens(random.Random(block_size + num_heads), 3, 4, block_size)
-    batch = make_batch(
-        q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size
-    )
+    batch = make_batch(q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size)
     assert batch.meta.num_decodes == 3 and batch.meta.num_seqs == 7
     check_torch_backend(batch)
 
@@ -300,14 +288,14 @@ def check_cpu_paged_backend(batch: Batch) -> None:
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
-def test_cpu_paged_prefill_in_place_matches_naive(cache_dtype: torch.dtype, num_heads: int,
-                                                  num_kv_heads: int) -> None:
+def test_cpu_paged_prefill_in_place_matches_naive(cache_dtype: torch.dtype, num_heads: int, num_kv_heads: int) -> None:
     # Chunks fresh and deep in a context (tiles of 8 tokens, a last partial tile, keys
     # across block edges) beside decodes, read in place from a scattered cache.
     q_lens = [1, 1, 3, 8, 9, 40, 17]
     seq_lens = [5, 300, 3, 8, 200, 640, 47]
-    batch = make_batch(q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=16,
-                       head_dim=64, seed=num_heads)
+    batch = make_batch(
+        q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=16, head_dim=64, seed=num_heads
+    )
     check_cpu_paged_backend(rounded_to_cache(batch, cache_dtype))
 
 
@@ -387,9 +375,7 @@ def test_gpu_backends_refuse_cpu(name: str) -> None:
     "module,cls,block_size",
     [("flash_attn", "FlashAttention", 256), ("xformers", "XFormersAttention", 16)],
 )
-def test_gpu_backend_modules_import_without_their_packages(
-    module: str, cls: str, block_size: int
-) -> None:
+def test_gpu_backend_modules_import_without_their_packages(module: str, cls: str, block_size: int) -> None:
     backend = getattr(importlib.import_module(f"headroom.executor.attention.{module}"), cls)
     assert backend.name == module
     assert backend.block_size == block_size
@@ -413,9 +399,7 @@ def gpu_mixed_batch(backend_cls, kind: str, num_heads: int, num_kv_heads: int, s
     )
 
 
-def check_gpu_backend(
-    backend, kind: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int
-) -> None:
+def check_gpu_backend(backend, kind: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int) -> None:
     cuda = torch.device("cuda")
     seed = num_heads + num_kv_heads + len(kind)
     batch = gpu_mixed_batch(type(backend), kind, num_heads, num_kv_heads, seed=seed)
@@ -441,9 +425,7 @@ GPU_HEADS = pytest.mark.parametrize(
 @GPU_CASES
 @GPU_HEADS
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
-def test_flash_attn_matches_torch(
-    kind: str, num_heads: int, num_kv_heads: int, dtype: torch.dtype
-) -> None:
+def test_flash_attn_matches_torch(kind: str, num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> None:
     gpu_package("flash_attn")
     from headroom.executor.attention.flash_attn import FlashAttention
 
@@ -459,9 +441,7 @@ def test_flash_attn_matches_torch(
 @GPU_CASES
 @GPU_HEADS
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
-def test_xformers_matches_torch(
-    kind: str, num_heads: int, num_kv_heads: int, dtype: torch.dtype
-) -> None:
+def test_xformers_matches_torch(kind: str, num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> None:
     gpu_package("xformers")
     from headroom.executor.attention.xformers import XFormersAttention
 

@@ -73,9 +73,19 @@ def test_the_engine_says_why_graphs_are_off_on_the_cpu(default_model):
 
 
 def tiny_model(seed: int = 0) -> Llama:
-    args = ModelArgs(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                     num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-                     max_position_embeddings=256, tie_word_embeddings=False)
+    args = ModelArgs(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     model = Llama(args)
     with torch.no_grad():
@@ -89,8 +99,10 @@ def kv_caches(model: Llama, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]
     g = torch.Generator().manual_seed(seed)
     a = model.args
     shape = (NUM_BLOCKS + 1, BLOCK_SIZE, a.num_kv_heads, a.head_dim)
-    return [(torch.randn(shape, generator=g).to(DEVICE), torch.randn(shape, generator=g).to(DEVICE))
-            for _ in range(a.num_layers)]
+    return [
+        (torch.randn(shape, generator=g).to(DEVICE), torch.randn(shape, generator=g).to(DEVICE))
+        for _ in range(a.num_layers)
+    ]
 
 
 def decode_batch(seq_lens: list[int], rng: random.Random) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -139,8 +151,9 @@ def test_padded_rows_change_nothing_a_real_sequence_sees():
     model = tiny_model()
     backend = triton_paged.TritonAttention()
     caches = kv_caches(model, seed=1)
-    graphs = DecodeGraphs(model, backend, caches, SIZES, BLOCK_SIZE, max_model_len=256,
-                          pad_block=NUM_BLOCKS, device=DEVICE)
+    graphs = DecodeGraphs(
+        model, backend, caches, SIZES, BLOCK_SIZE, max_model_len=256, pad_block=NUM_BLOCKS, device=DEVICE
+    )
     rng = random.Random(7)
     # 5 rows pad to 8; then 3 rows pad to 4, over rows the first batch filled; then 1.
     for seq_lens in ([5, 40, 17, 64, 33], [3, 20, 49], [30]):
@@ -169,8 +182,16 @@ def test_padded_rows_change_nothing_a_real_sequence_sees():
 @pytest.mark.triton
 def test_only_decode_batches_that_fit_are_run_padded():
     model = tiny_model()
-    graphs = DecodeGraphs(model, triton_paged.TritonAttention(), kv_caches(model, seed=2), SIZES,
-                          BLOCK_SIZE, max_model_len=256, pad_block=NUM_BLOCKS, device=DEVICE)
+    graphs = DecodeGraphs(
+        model,
+        triton_paged.TritonAttention(),
+        kv_caches(model, seed=2),
+        SIZES,
+        BLOCK_SIZE,
+        max_model_len=256,
+        pad_block=NUM_BLOCKS,
+        device=DEVICE,
+    )
     assert graphs.can_run(num_seqs=8, num_decodes=8)
     assert not graphs.can_run(num_seqs=9, num_decodes=9)
     assert not graphs.can_run(num_seqs=3, num_decodes=2)
@@ -189,8 +210,16 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 def test_a_replayed_graph_computes_what_the_same_forward_computes_eagerly():
     # Same padded size, same static buffers, so the same kernels: only the launch differs.
     model = tiny_model()
-    graphs = DecodeGraphs(model, triton_paged.TritonAttention(), kv_caches(model, seed=3), SIZES,
-                          BLOCK_SIZE, max_model_len=256, pad_block=NUM_BLOCKS, device=DEVICE)
+    graphs = DecodeGraphs(
+        model,
+        triton_paged.TritonAttention(),
+        kv_caches(model, seed=3),
+        SIZES,
+        BLOCK_SIZE,
+        max_model_len=256,
+        pad_block=NUM_BLOCKS,
+        device=DEVICE,
+    )
     graphs.capture()
     assert sorted(graphs.graphs) == list(SIZES)
     rng = random.Random(3)
@@ -213,12 +242,16 @@ def test_graphed_decode_follows_the_eager_tokens(backend):
 
     outputs, engines = {}, {}
     for eager in (True, False):
-        config = Config(model=ModelConfig(device="cuda", dtype="bfloat16", enforce_eager=eager),
-                        cache=CacheConfig(num_blocks=512 if backend == "triton" else 64),
-                        scheduler=SchedulerConfig(max_num_seqs=16), attention_backend=backend)
+        config = Config(
+            model=ModelConfig(device="cuda", dtype="bfloat16", enforce_eager=eager),
+            cache=CacheConfig(num_blocks=512 if backend == "triton" else 64),
+            scheduler=SchedulerConfig(max_num_seqs=16),
+            attention_backend=backend,
+        )
         engine = Engine(config)
-        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": f"Count to {i}."}])
-                   for i in range(11)]  # 11 rows: padded to 16
+        prompts = [
+            engine.tokenizer.apply_chat_template([{"role": "user", "content": f"Count to {i}."}]) for i in range(11)
+        ]  # 11 rows: padded to 16
         sampling = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
         outputs[eager] = [r.output_token_ids for r in engine.generate(prompts, sampling)]
         engines[eager] = engine

@@ -29,9 +29,7 @@ def encode(hf, text: str) -> list[int]:
     return hf.encode(text, add_special_tokens=False)
 
 
-def stream(
-    detok: IncrementalDetokenizer, ids: list[int], chunk: int = 1
-) -> tuple[list[str], str | None]:
+def stream(detok: IncrementalDetokenizer, ids: list[int], chunk: int = 1) -> tuple[list[str], str | None]:
     """Feed ids `chunk` at a time as the engine would, stopping at a stop string hit.
     Returns every delta (the last one from finish()) and the hit."""
     deltas: list[str] = []

@@ -33,9 +33,7 @@ def prompts(loaded) -> list[list[int]]:
     return [loaded.tokenizer.encode(t) for t in TEXTS]
 
 
-def make_engine(
-    loaded, num_blocks: int = 64, max_model_len: int | None = None, **scheduler
-) -> Engine:
+def make_engine(loaded, num_blocks: int = 64, max_model_len: int | None = None, **scheduler) -> Engine:
     return Engine(
         Config(
             model=ModelConfig(max_model_len=max_model_len),
@@ -180,8 +178,9 @@ def test_started_engine_is_built_on_the_thread_that_steps_it(loaded, prompts, mo
         return prepare_model(model_config)
 
     monkeypatch.setattr(executor_module, "prepare_model", recording)
-    engine = Engine.started(Config(model=ModelConfig(quantization="none"),
-                                   cache=CacheConfig(num_blocks=64, block_size=BLOCK_SIZE)))
+    engine = Engine.started(
+        Config(model=ModelConfig(quantization="none"), cache=CacheConfig(num_blocks=64, block_size=BLOCK_SIZE))
+    )
     thread = engine._thread
     try:
         assert engine.running and built_on == [thread.ident] != [threading.get_ident()]

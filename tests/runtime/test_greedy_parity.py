@@ -28,8 +28,10 @@ QUESTIONS = [
     "Explain in two sentences why the sky is blue, and mention Rayleigh scattering by name.",
     "List three fruits.",
     "Translate 'good morning' into Spanish, French and German, one per line.",
-    ("Tell me a short story about a robot who learns to paint. Keep it under fifty words, "
-     "give the robot a name, and end with a surprising twist about its favourite colour."),
+    (
+        "Tell me a short story about a robot who learns to paint. Keep it under fifty words, "
+        "give the robot a name, and end with a surprising twist about its favourite colour."
+    ),
     "2+2=?",
 ]
 LONG_SYSTEM = (
@@ -84,8 +86,12 @@ def reference(prompts):
 
 
 def make_engine(loaded, **overrides) -> Engine:
-    cache = CacheConfig(**{k: v for k, v in overrides.items() if k in {f.name for f in dataclasses.fields(CacheConfig)}})
-    sched = SchedulerConfig(**{k: v for k, v in overrides.items() if k in {f.name for f in dataclasses.fields(SchedulerConfig)}})
+    cache = CacheConfig(
+        **{k: v for k, v in overrides.items() if k in {f.name for f in dataclasses.fields(CacheConfig)}}
+    )
+    sched = SchedulerConfig(
+        **{k: v for k, v in overrides.items() if k in {f.name for f in dataclasses.fields(SchedulerConfig)}}
+    )
     return Engine(Config(cache=cache, scheduler=sched), loaded=loaded)
 
 
@@ -136,8 +142,9 @@ def test_hf_checkpoint_dir_gives_the_same_tokens(loaded, prompts, reference, tmp
     config, state = load_gguf(default_model_path())
     save_hf_checkpoint(config, state, loaded.tokenizer, str(tmp_path / "smollm2-hf"))
     from_dir = load_model(ModelConfig(model=str(tmp_path / "smollm2-hf")), torch.device("cpu"), torch.float32)
-    assert from_dir.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == \
-        loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert from_dir.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}]
+    ) == loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     engine = Engine(Config(), loaded=from_dir)
     assert run(engine, prompts[0]) == reference[0]
 

@@ -32,11 +32,19 @@ def loop_rows(n: int, hidden: int, seed: int = 0) -> dict:
     signals = np.column_stack([share, rng.uniform(0.2, 1.0, len(ids)), rng.uniform(0, 0.3, len(ids))])
     # One constant state: the served model's real states then say nothing to the trees
     # (a feature constant in training is never split on), so only the loop decides.
-    return {"layers": np.array([LAYER]), "model_shape": np.array([hidden, 30, 49152]), "ids": ids.astype(str),
-            "point": point, "states": np.ones((len(ids), 1, hidden), dtype=np.float16),
-            "signals": signals.astype(np.float32), "prompt_tokens": np.full(len(ids), 40),
-            "max_tokens": np.full(len(ids), 600), "temperature": np.zeros(len(ids), dtype=np.float32),
-            "output_tokens": np.where(capped, 600, point + rng.integers(1, 100, len(ids))), "capped": capped}
+    return {
+        "layers": np.array([LAYER]),
+        "model_shape": np.array([hidden, 30, 49152]),
+        "ids": ids.astype(str),
+        "point": point,
+        "states": np.ones((len(ids), 1, hidden), dtype=np.float16),
+        "signals": signals.astype(np.float32),
+        "prompt_tokens": np.full(len(ids), 40),
+        "max_tokens": np.full(len(ids), 600),
+        "temperature": np.zeros(len(ids), dtype=np.float32),
+        "output_tokens": np.where(capped, 600, point + rng.integers(1, 100, len(ids))),
+        "capped": capped,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +56,14 @@ def probe(default_model):
 def engine(default_model):
     # The loop detector would cap the planted loop long before the probe's cap matters:
     # here the probe alone is under test.
-    return Engine(Config(cache=CacheConfig(num_blocks=128, block_size=16), scheduler=SchedulerConfig(max_num_seqs=4),
-                         admin=AdminConfig(loop_policy="off")), loaded=default_model)
+    return Engine(
+        Config(
+            cache=CacheConfig(num_blocks=128, block_size=16),
+            scheduler=SchedulerConfig(max_num_seqs=4),
+            admin=AdminConfig(loop_policy="off"),
+        ),
+        loaded=default_model,
+    )
 
 
 def test_a_planted_loop_is_flagged_at_its_first_estimate_and_moved_to_the_long_lane(engine, probe, caplog):
@@ -59,8 +73,12 @@ def test_a_planted_loop_is_flagged_at_its_first_estimate_and_moved_to_the_long_l
     caplog.set_level(logging.INFO, logger="headroom.inflight")
     # Neither ignores EOS (that would make running to the cap certain, no guess needed).
     looping, normal = engine.generate(
-        [ids, ids], [SamplingParams(max_tokens=600, temperature=0.0, logit_bias=((the, 100.0),)),
-                     SamplingParams(max_tokens=40, temperature=0.0)])
+        [ids, ids],
+        [
+            SamplingParams(max_tokens=600, temperature=0.0, logit_bias=((the, 100.0),)),
+            SamplingParams(max_tokens=40, temperature=0.0),
+        ],
+    )
     assert looping.output_token_ids == [the] * 600
     # After prefill nothing has been generated, so nothing loops yet; at 16 tokens it does.
     assert looping.runaway_flagged_at == 16
@@ -100,6 +118,7 @@ def test_the_probe_reads_the_steps_own_forward_pass(engine, probe):
         def spy(requests, states):
             scored.append(states.clone())
             return predict(requests, states)
+
         probe.predict = spy
         refiner = engine.use_inflight(probe, every=16, runaway_threshold=0.8, long_min_output=512)
         kept = []  # the steps that kept probe rows: only those with an estimate due
@@ -119,9 +138,13 @@ def test_the_probe_reads_the_steps_own_forward_pass(engine, probe):
 def test_ignore_eos_makes_the_estimate_exact(engine, probe):
     engine.use_inflight(probe, every=16, runaway_threshold=0.8, long_min_output=512)
     ids = engine.tokenizer.encode("Once upon a time")
-    certain, stoppable = engine.generate([ids, ids], [
-        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=(7,))])
+    certain, stoppable = engine.generate(
+        [ids, ids],
+        [
+            SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+            SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=(7,)),
+        ],
+    )
     assert (certain.runaway_probability, certain.predicted_remaining_tokens, certain.runaway_flagged_at) == (1.0, 4, 0)
     assert certain.size_class is None  # 20 tokens are not long work
     assert stoppable.runaway_probability < 0.2 and stoppable.runaway_flagged_at is None

@@ -16,15 +16,18 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 TEXTS = ["The capital of France is", "Once upon a time", "def fib(n):", "My favourite colour is"]
 
 
-@pytest.mark.parametrize("name, device, dtype, quantization, want, why", [
-    ("auto", CPU, torch.float32, "int4", torch.float16, "auto: float16 beside int4 weights"),
-    ("auto", CPU, torch.float32, "int8", torch.float16, "auto: float16 beside int8 weights"),
-    ("auto", CPU, torch.float32, "none", torch.float32, "auto: the model's dtype"),
-    ("auto", CPU, torch.bfloat16, "none", torch.bfloat16, "auto: the model's dtype"),
-    ("auto", CUDA, torch.bfloat16, "none", torch.bfloat16, "auto: the model's dtype"),
-    ("float32", CPU, torch.float32, "int4", torch.float32, "chosen by flag or config"),
-    ("bfloat16", CPU, torch.float32, "none", torch.bfloat16, "chosen by flag or config"),
-])
+@pytest.mark.parametrize(
+    "name, device, dtype, quantization, want, why",
+    [
+        ("auto", CPU, torch.float32, "int4", torch.float16, "auto: float16 beside int4 weights"),
+        ("auto", CPU, torch.float32, "int8", torch.float16, "auto: float16 beside int8 weights"),
+        ("auto", CPU, torch.float32, "none", torch.float32, "auto: the model's dtype"),
+        ("auto", CPU, torch.bfloat16, "none", torch.bfloat16, "auto: the model's dtype"),
+        ("auto", CUDA, torch.bfloat16, "none", torch.bfloat16, "auto: the model's dtype"),
+        ("float32", CPU, torch.float32, "int4", torch.float32, "chosen by flag or config"),
+        ("bfloat16", CPU, torch.float32, "none", torch.bfloat16, "chosen by flag or config"),
+    ],
+)
 def test_auto_takes_float16_only_beside_quantised_cpu_weights(name, device, dtype, quantization, want, why):
     got, reason = resolve_kv_dtype(name, device, dtype, quantization)
     assert got == want and reason.startswith(why)
@@ -38,8 +41,14 @@ def test_a_cache_dtype_unlike_the_weights_is_refused_off_the_cpu():
 
 
 def generate(loaded, prompts, kv_dtype: str, backend: str) -> tuple[Engine, list[list[int]]]:
-    engine = Engine(Config(cache=CacheConfig(num_blocks=64, block_size=8, kv_cache_dtype=kv_dtype),
-                           scheduler=SchedulerConfig(max_num_seqs=4), attention_backend=backend), loaded=loaded)
+    engine = Engine(
+        Config(
+            cache=CacheConfig(num_blocks=64, block_size=8, kv_cache_dtype=kv_dtype),
+            scheduler=SchedulerConfig(max_num_seqs=4),
+            attention_backend=backend,
+        ),
+        loaded=loaded,
+    )
     done = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     return engine, [r.output_token_ids for r in done]
 
@@ -61,8 +70,10 @@ def test_a_16_bit_cache_decodes_alike_through_the_kernel_and_the_reference(defau
 def test_a_16_bit_pool_holds_twice_the_blocks_in_the_same_memory(default_model):
     blocks = {}
     for kv_dtype in ("float32", "float16"):
-        engine = Engine(Config(cache=CacheConfig(kv_cache_memory_gib=0.01, block_size=16, kv_cache_dtype=kv_dtype)),
-                        loaded=default_model)
+        engine = Engine(
+            Config(cache=CacheConfig(kv_cache_memory_gib=0.01, block_size=16, kv_cache_dtype=kv_dtype)),
+            loaded=default_model,
+        )
         blocks[kv_dtype] = engine.block_manager.num_blocks
     args = default_model.args
     per_block_fp32 = 2 * args.num_layers * 16 * args.num_kv_heads * args.head_dim * 4

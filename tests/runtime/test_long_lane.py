@@ -81,8 +81,14 @@ def test_decode_only_steps_do_not_wash_out_what_prefill_taught():
 
 def test_allowance_is_a_quarter_of_the_short_target_and_the_floor_grows_with_the_long_wait():
     clock = Clock()
-    s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock,
-                         short_ttft_target_s=0.5, long_ttft_target_s=10.0)
+    s = create_scheduler(
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        num_blocks=2000,
+        clock=clock,
+        short_ttft_target_s=0.5,
+        long_ttft_target_s=10.0,
+    )
     policy = s.policy
     long = create_request(prompt=3000, size_class="long", arrival=clock.t)
     short_running = create_request(prompt=10, size_class="short", arrival=clock.t)
@@ -110,8 +116,9 @@ def test_allowance_is_a_quarter_of_the_short_target_and_the_floor_grows_with_the
 
 def test_where_a_step_is_slower_than_the_target_a_long_chunk_may_stretch_it_by_a_quarter():
     clock = Clock()
-    s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock,
-                         short_ttft_target_s=0.5)
+    s = create_scheduler(
+        max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock, short_ttft_target_s=0.5
+    )
     model = s.policy.cost
     for tokens in (1, 2, 4, 8, 16, 64, 256):  # a slow machine: 1.2 s a step before any token
         for context in (0, 500, 2000):
@@ -137,8 +144,9 @@ def chunks(s, request_id: str, steps: int) -> list[int]:
 
 def test_chunks_follow_the_learned_cost_as_the_context_grows():
     clock = Clock()
-    s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock,
-                         short_ttft_target_s=0.5)
+    s = create_scheduler(
+        max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock, short_ttft_target_s=0.5
+    )
     teach(s.policy.cost)
     long = create_request(prompt=1500, size_class="long", max_tokens=2, arrival=clock.t)
     short = create_request(prompt=10, size_class="short", max_tokens=500, arrival=clock.t)
@@ -183,8 +191,14 @@ def test_the_tightest_loop_cannot_starve_a_long_prefill():
     # at every other step (a step that starts one gives the long one nothing until it has
     # waited 10 s). The long one's share still grows with its wait, whole after 10 s.
     clock = Clock()
-    s = create_scheduler(max_num_seqs=64, max_num_batched_tokens=512, num_blocks=4000, clock=clock,
-                         short_ttft_target_s=0.5, long_ttft_target_s=10.0)
+    s = create_scheduler(
+        max_num_seqs=64,
+        max_num_batched_tokens=512,
+        num_blocks=4000,
+        clock=clock,
+        short_ttft_target_s=0.5,
+        long_ttft_target_s=10.0,
+    )
     teach(s.policy.cost)
     s.policy.long_lane_factor = TIGHTEST
     long = create_request(prompt=1000, size_class="long", max_tokens=2, arrival=clock.t)
@@ -233,8 +247,12 @@ def test_a_step_that_starts_a_shorter_request_leaves_long_decodes_out_never_twic
     second = create_request(prompt=10, size_class="short", max_tokens=50, arrival=clock.t)
     s.add_request(second)
     # Another short starts at once, but the long decode sat out the step before: it runs.
-    assert scheduled(run_step(s)[0]) == {long.request_id: 1, medium.request_id: 1, first.request_id: 1,
-                                        second.request_id: 10}
+    assert scheduled(run_step(s)[0]) == {
+        long.request_id: 1,
+        medium.request_id: 1,
+        first.request_id: 1,
+        second.request_id: 10,
+    }
     third = create_request(prompt=10, size_class="short", max_tokens=50, arrival=clock.t)
     s.add_request(third)
     assert long.request_id not in scheduled(run_step(s)[0])
@@ -297,8 +315,9 @@ def test_a_long_decode_does_not_sit_out_for_a_short_queued_behind_one_that_canno
 
 def test_the_head_of_line_loop_tightens_the_scheduler_and_relaxes_it():
     clock = Clock()
-    s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock,
-                         short_ttft_target_s=0.5)
+    s = create_scheduler(
+        max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock, short_ttft_target_s=0.5
+    )
     teach(s.policy.cost)
 
     def set_factor(factor: float) -> None:
@@ -356,8 +375,10 @@ def test_observability_config_is_untouched_by_the_loop():
     coupled, actions = [], []
     for interval in range(1, 7):  # as Observability.refresh: long sequences take all the engine's time
         busy = 10.0 * interval
-        state = monitor.update(EngineSnapshot(clock.t, busy, interval, 100, 0, ()),
-                               EngineStats(step_time_s=busy, device_time_by_class=Counter(long=busy)))
+        state = monitor.update(
+            EngineSnapshot(clock.t, busy, interval, 100, 0, ()),
+            EngineStats(step_time_s=busy, device_time_by_class=Counter(long=busy)),
+        )
         coupled.append(state.coupled)
         actions.append(feedback.update(state))
     assert coupled == [True] * 6 and actions == ["tighten"] * 4 + [None] * 2

@@ -24,8 +24,9 @@ def test_a_long_prefill_finishes_within_its_stated_steps_after_slow_first_chunks
     engine = Engine(Config(), loaded=default_model)
     assert engine.scheduler.policy.cost.ready, "the engine times a few steps at start-up"
     rng = random.Random(7)
-    long = engine.new_request([rng.randrange(300, 20000) for _ in range(PROMPT)],
-                              SamplingParams(max_tokens=2, ignore_eos=True))
+    long = engine.new_request(
+        [rng.randrange(300, 20000) for _ in range(PROMPT)], SamplingParams(max_tokens=2, ignore_eos=True)
+    )
     long.size_class = "long"
     slow = []
 
@@ -46,10 +47,12 @@ def test_a_long_prefill_finishes_within_its_stated_steps_after_slow_first_chunks
         bound = math.ceil(PROMPT / MIN_LONG_CHUNK) + len(shorts)
         assert steps <= bound, (
             f"{long.num_computed_tokens} of {PROMPT} prompt tokens after {steps} steps (bound {bound}); "
-            f"step cost {engine.scheduler.policy.cost.cost()}")
+            f"step cost {engine.scheduler.policy.cost.cost()}"
+        )
         if steps % SHORT_EVERY == 0:
-            short = engine.new_request([rng.randrange(300, 20000) for _ in range(20)],
-                                       SamplingParams(max_tokens=8, ignore_eos=True))
+            short = engine.new_request(
+                [rng.randrange(300, 20000) for _ in range(20)], SamplingParams(max_tokens=8, ignore_eos=True)
+            )
             short.size_class = "short"
             engine.submit(short, lambda _: None)
             shorts.append(short)

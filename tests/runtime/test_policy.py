@@ -64,8 +64,7 @@ def test_long_lane_concurrency_cap():
 
 def test_long_lane_kv_share():
     # 10 blocks of 4 tokens; long requests may hold at most 50% = 5 blocks.
-    s = create_scheduler(num_blocks=10, block_size=4, max_num_seqs=4, long_kv_share=0.5,
-                         enable_prefix_caching=False)
+    s = create_scheduler(num_blocks=10, block_size=4, max_num_seqs=4, long_kv_share=0.5, enable_prefix_caching=False)
     a = create_request(prompt=12, size_class="long")  # 3 blocks
     b = create_request(prompt=12, size_class="long")  # 3 more would make 6 > 5
     c = create_request(prompt=12, size_class="medium")
@@ -99,8 +98,10 @@ def test_in_flight_estimate_reorders_the_waiting_queue_and_counts_it():
     second = create_request(predicted=30, max_tokens=500, arrival=now)
     s.add_request(first)
     s.add_request(second)
-    assert [r.request_id for r in sorted(s.waiting, key=lambda r: s.policy.order_key(r, now))] == \
-        [first.request_id, second.request_id]
+    assert [r.request_id for r in sorted(s.waiting, key=lambda r: s.policy.order_key(r, now))] == [
+        first.request_id,
+        second.request_id,
+    ]
     # The probe has seen `first` run (a preempted request keeps its estimate): 400 to go.
     first.predicted_remaining_tokens, first.estimated_at_tokens = 400.0, 0
     out, _ = run_step(s)

@@ -29,7 +29,7 @@ def vllm_check(tokens: list[int], max_size: int, min_size: int, min_count: int) 
     for size in range(max(min_size, 1), max_size + 1):
         if size * min_count > len(tokens):
             return False
-        tail = tokens[len(tokens) - size * min_count:]
+        tail = tokens[len(tokens) - size * min_count :]
         if tail == tail[:size] * min_count:
             return True
     return False
@@ -60,12 +60,15 @@ def test_the_tracker_reports_the_smallest_repeating_pattern():
     assert tracker.period(RepetitionDetection(8, 1, 4)) is None  # three copies, not four
 
 
-@pytest.mark.parametrize("params, error", [
-    ((0, 0, 2), "max_pattern_size must be in [1, 256], got 0"),
-    ((257, 0, 2), "max_pattern_size must be in [1, 256], got 257"),
-    ((4, 5, 2), "min_pattern_size must be in [0, max_pattern_size], got 5"),
-    ((4, 1, 1), "min_count must be >= 2, got 1"),
-])
+@pytest.mark.parametrize(
+    "params, error",
+    [
+        ((0, 0, 2), "max_pattern_size must be in [1, 256], got 0"),
+        ((257, 0, 2), "max_pattern_size must be in [1, 256], got 257"),
+        ((4, 5, 2), "min_pattern_size must be in [0, max_pattern_size], got 5"),
+        ((4, 1, 1), "min_count must be >= 2, got 1"),
+    ],
+)
 def test_bad_parameters_are_refused(params, error):
     with pytest.raises(ValueError) as info:
         RepetitionDetection(*params)
@@ -85,8 +88,11 @@ def test_bad_loop_policies_are_refused_in_the_config():
 
 
 def make_engine(default_model, **admin) -> Engine:
-    config = Config(cache=CacheConfig(num_blocks=64, block_size=16), scheduler=SchedulerConfig(max_num_seqs=4),
-                    admin=AdminConfig(**admin))
+    config = Config(
+        cache=CacheConfig(num_blocks=64, block_size=16),
+        scheduler=SchedulerConfig(max_num_seqs=4),
+        admin=AdminConfig(**admin),
+    )
     return Engine(config, loaded=default_model)
 
 
@@ -103,10 +109,16 @@ def the(default_model) -> int:
 def test_a_requests_own_detection_ends_it_where_the_pattern_completes(default_model, prompt, the):
     engine = make_engine(default_model, loop_policy="off")
     # The bias makes every token " the": a pattern of one token, and of every size above.
-    looping = SamplingParams(max_tokens=64, temperature=0.0, logit_bias=((the, 100.0),),
-                             repetition_detection=RepetitionDetection(4, 2, 3))
-    late = SamplingParams(max_tokens=64, temperature=0.0, logit_bias=((the, 100.0),), min_tokens=10,
-                          repetition_detection=RepetitionDetection(4, 1, 3))
+    looping = SamplingParams(
+        max_tokens=64, temperature=0.0, logit_bias=((the, 100.0),), repetition_detection=RepetitionDetection(4, 2, 3)
+    )
+    late = SamplingParams(
+        max_tokens=64,
+        temperature=0.0,
+        logit_bias=((the, 100.0),),
+        min_tokens=10,
+        repetition_detection=RepetitionDetection(4, 1, 3),
+    )
     first, second = engine.generate([prompt, prompt], [looping, late])
     # Size 2 ("the the") three times: the 6th token; size 1 would have fired at the 3rd.
     assert first.output_token_ids == [the] * 6
@@ -118,25 +130,37 @@ def test_a_requests_own_detection_ends_it_where_the_pattern_completes(default_mo
     assert engine.block_manager.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("policy, finish, tokens", [("flag", "length", 40), ("cap", "length", 4 + 5),
-                                                    ("stop", "repetition", 4)])
-def test_the_servers_policy_acts_once_at_the_step_the_detector_fires(default_model, prompt, the, caplog, policy,
-                                                                     finish, tokens):
-    engine = make_engine(default_model, loop_policy=policy, loop_max_pattern_size=8, loop_min_pattern_size=1,
-                         loop_min_count=4, cap_tokens=5)
+@pytest.mark.parametrize(
+    "policy, finish, tokens", [("flag", "length", 40), ("cap", "length", 4 + 5), ("stop", "repetition", 4)]
+)
+def test_the_servers_policy_acts_once_at_the_step_the_detector_fires(
+    default_model, prompt, the, caplog, policy, finish, tokens
+):
+    engine = make_engine(
+        default_model,
+        loop_policy=policy,
+        loop_max_pattern_size=8,
+        loop_min_pattern_size=1,
+        loop_min_count=4,
+        cap_tokens=5,
+    )
     caplog.set_level(logging.WARNING, logger="headroom.runtime.actions")
     [looping] = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, logit_bias=((the, 100.0),)))
     assert looping.output_token_ids == [the] * tokens
     assert looping.status.finish_reason == finish
     assert (looping.loop_period, looping.loop_detected_at) == (1, 4)
     what = "a 1-token pattern repeated 4 times at 4 output tokens"
-    expected_action = {"flag": f"flag by loop detector: {what}", "cap": f"cap by loop detector at 9 tokens: {what}",
-                       "stop": f"stop by loop detector: {what}"}[policy]
+    expected_action = {
+        "flag": f"flag by loop detector: {what}",
+        "cap": f"cap by loop detector at 9 tokens: {what}",
+        "stop": f"stop by loop detector: {what}",
+    }[policy]
     assert looping.admin_actions == [expected_action]
     assert looping.stop_reason == (None if policy == "flag" else "loop_detected")
     assert engine.stats.loops == {policy: 1}
-    assert [r.getMessage() for r in caplog.records if r.name == "headroom.runtime.actions" and "loop" in r.getMessage()] == \
-        [f"loop {policy} on {looping.request_id}: {what}"]
+    assert [
+        r.getMessage() for r in caplog.records if r.name == "headroom.runtime.actions" and "loop" in r.getMessage()
+    ] == [f"loop {policy} on {looping.request_id}: {what}"]
     assert engine.block_manager.num_used_blocks == 0
 
 
@@ -152,21 +176,28 @@ def test_a_sequence_that_does_not_loop_is_never_touched(default_model, prompt):
 
 
 def test_ignore_eos_and_a_requests_own_detection_are_left_to_the_request(default_model, prompt, the):
-    engine = make_engine(default_model, loop_policy="stop", loop_max_pattern_size=8, loop_min_pattern_size=1,
-                         loop_min_count=4)
+    engine = make_engine(
+        default_model, loop_policy="stop", loop_max_pattern_size=8, loop_min_pattern_size=1, loop_min_count=4
+    )
     bias = ((the, 100.0),)
-    every, own = engine.generate([prompt, prompt], [
-        SamplingParams(max_tokens=24, temperature=0.0, logit_bias=bias, ignore_eos=True),
-        SamplingParams(max_tokens=24, temperature=0.0, logit_bias=bias, repetition_detection=RepetitionDetection(8, 1, 10)),
-    ])
+    every, own = engine.generate(
+        [prompt, prompt],
+        [
+            SamplingParams(max_tokens=24, temperature=0.0, logit_bias=bias, ignore_eos=True),
+            SamplingParams(
+                max_tokens=24, temperature=0.0, logit_bias=bias, repetition_detection=RepetitionDetection(8, 1, 10)
+            ),
+        ],
+    )
     assert every.output_token_ids == [the] * 24 and every.status.finish_reason == "length"
     assert own.output_token_ids == [the] * 10 and own.status.finish_reason == "repetition"
     assert every.admin_actions == own.admin_actions == [] and engine.stats.loops == {}
 
 
 def test_a_tenants_policy_overrides_the_servers(default_model, prompt, the):
-    engine = make_engine(default_model, loop_policy="flag", loop_max_pattern_size=8, loop_min_pattern_size=1,
-                         loop_min_count=4)
+    engine = make_engine(
+        default_model, loop_policy="flag", loop_max_pattern_size=8, loop_min_pattern_size=1, loop_min_count=4
+    )
     request = engine.new_request(prompt, SamplingParams(max_tokens=40, temperature=0.0, logit_bias=((the, 100.0),)))
     request.loop_policy = "stop"  # what build_request copies from the tenant's config
     outputs = []

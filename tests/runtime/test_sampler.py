@@ -101,9 +101,7 @@ def test_top_p_applies_after_temperature_and_top_k():
     assert set(draw(sampler, row, make_request(top_k=3, top_p=0.82), 2000)) == {3, 0}
 
 
-def seeded_sequence(
-    sampler: Sampler, request: Request, rows: torch.Tensor, neighbours: list[Request]
-) -> list[int]:
+def seeded_sequence(sampler: Sampler, request: Request, rows: torch.Tensor, neighbours: list[Request]) -> list[int]:
     """Sample one token per logits row for `request`, with `neighbours` sharing the batch."""
     sampler.add(request)
     for other in neighbours:
@@ -126,9 +124,7 @@ def test_seed_gives_the_same_tokens_across_samplers_and_batches():
         make_request("n2", temperature=0.0),
         make_request("n3", temperature=0.5),
     ]
-    crowded = seeded_sequence(
-        Sampler({EOS}, seed=55), make_request("b", seed=123), rows, neighbours
-    )
+    crowded = seeded_sequence(Sampler({EOS}, seed=55), make_request("b", seed=123), rows, neighbours)
     assert alone == crowded
     other_seed = seeded_sequence(Sampler({EOS}, seed=0), make_request("c", seed=124), rows, [])
     assert other_seed != alone
@@ -304,7 +300,11 @@ def test_a_batch_without_penalties_or_bias_is_not_copied():
 
 
 def test_penalties_and_bias_are_validated():
-    for fields in ({"presence_penalty": 2.5}, {"frequency_penalty": -3.0}, {"repetition_penalty": 0.0},
-                   {"logit_bias": ((1, 101.0),)}):
+    for fields in (
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": -3.0},
+        {"repetition_penalty": 0.0},
+        {"logit_bias": ((1, 101.0),)},
+    ):
         with pytest.raises(ValueError):
             SamplingParams(**fields)

@@ -22,8 +22,10 @@ def test_a_primed_model_is_ready_and_fits_the_start_up_steps_exactly():
 
 
 def start_up_samples() -> list[StepSample]:
-    return [StepSample(t, attention_pairs(t, c), scripted_cost(t, attention_pairs(t, c)))
-            for t, c in ((64, 0), (1, 64), (64, 960))]
+    return [
+        StepSample(t, attention_pairs(t, c), scripted_cost(t, attention_pairs(t, c)))
+        for t, c in ((64, 0), (1, 64), (64, 960))
+    ]
 
 
 def test_a_few_slow_first_steps_are_forgotten_not_locked_in():
@@ -70,8 +72,9 @@ def test_long_decodes_take_turns_within_the_shorter_requests_time_per_token():
     # one fits a step, and the others, having sat out one step (long_decode_max_skip 1),
     # run in the next one whatever it costs.
     clock = Clock()
-    s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=4000, clock=clock,
-                         long_lane_quiet_s=1e9)
+    s = create_scheduler(
+        max_num_seqs=8, max_num_batched_tokens=512, num_blocks=4000, clock=clock, long_lane_quiet_s=1e9
+    )
     teach(s.policy.cost)
     longs = [create_request(prompt=3000, size_class="long", max_tokens=500) for _ in range(3)]
     for r in longs:

@@ -53,8 +53,9 @@ def lengths(kind: str, block_size: int, rng: random.Random) -> tuple[list[int], 
 def test_triton_matches_torch(kind: str, block_size: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype):
     seed = block_size + num_heads + len(kind)
     q_lens, seq_lens = lengths(kind, block_size, random.Random(seed))
-    batch = make_batch(q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size,
-                       seed=seed, head_dim=32).to(DEVICE, dtype)
+    batch = make_batch(
+        q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size, seed=seed, head_dim=32
+    ).to(DEVICE, dtype)
     # The reference sees the very values the kernel sees (rounded to dtype), in float32.
     reference = batch.to(DEVICE, torch.float32)
     before = clone(batch)
@@ -68,8 +69,9 @@ def test_triton_matches_torch(kind: str, block_size: int, num_heads: int, num_kv
 
 def test_head_dim_that_is_not_a_power_of_two():
     q_lens, seq_lens = [1, 1, 9], [5, 30, 20]
-    batch = make_batch(q_lens, seq_lens, num_heads=4, num_kv_heads=1, block_size=16, seed=3,
-                       head_dim=48).to(DEVICE, torch.float32)
+    batch = make_batch(q_lens, seq_lens, num_heads=4, num_kv_heads=1, block_size=16, seed=3, head_dim=48).to(
+        DEVICE, torch.float32
+    )
     expected = run(TorchAttention(), clone(batch))
     torch.testing.assert_close(run(triton_paged.TritonAttention(), batch), expected, rtol=1e-3, atol=1e-3)
 
@@ -89,19 +91,25 @@ class Missing:
         raise ImportError("not installed")
 
 
-@pytest.mark.parametrize("installed,expected", [
-    ({"flash_attn", "triton", "xformers"}, "flash_attn"),
-    ({"triton", "xformers"}, "triton"),
-    ({"xformers"}, "xformers"),
-    (set(), "torch"),
-])
+@pytest.mark.parametrize(
+    "installed,expected",
+    [
+        ({"flash_attn", "triton", "xformers"}, "flash_attn"),
+        ({"triton", "xformers"}, "triton"),
+        ({"xformers"}, "xformers"),
+        (set(), "torch"),
+    ],
+)
 def test_auto_prefers_flash_then_triton_then_xformers_on_cuda(monkeypatch, installed, expected):
     monkeypatch.setattr(registry, "_load", lambda name: Usable if name in installed | {"torch"} else Missing)
     name, reason = registry.choose_backend("auto", torch.device("cuda"))
     assert name == expected
     assert reason.endswith(f"{expected} is the best available")
-    for skipped in registry.GPU_PREFERENCE[: registry.GPU_PREFERENCE.index(expected)] if expected != "torch" \
-            else registry.GPU_PREFERENCE:
+    for skipped in (
+        registry.GPU_PREFERENCE[: registry.GPU_PREFERENCE.index(expected)]
+        if expected != "torch"
+        else registry.GPU_PREFERENCE
+    ):
         assert f"{skipped} unavailable (ImportError: not installed)" in reason
 
 
@@ -127,8 +135,10 @@ def test_greedy_tokens_through_the_whole_model_equal_torch(default_model):
         default_model = load_model(ModelConfig(), DEVICE, torch.float32)
 
     # Two prompts of different lengths: the first steps are prefill, the rest decode.
-    prompts = [default_model.tokenizer.apply_chat_template([{"role": "user", "content": text}])
-               for text in ("What is the capital of France?", "Hi")]
+    prompts = [
+        default_model.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        for text in ("What is the capital of France?", "Hi")
+    ]
     sampling = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     outputs = {}
     for backend in ("torch", "triton"):

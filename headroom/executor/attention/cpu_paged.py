@@ -33,21 +33,27 @@ class CpuPagedAttention(TorchAttention):
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.num_decodes == meta.num_seqs and k_cache.dtype in KERNEL_DTYPES and q.dtype == torch.float32:
             # A decode-only step: one call writes this step's K/V and attends.
-            return self.kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                                       k, v, meta.slot_mapping)
+            return self.kernels.paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, k, v, meta.slot_mapping
+            )
         if self._prefill_in_place(q, k_cache):
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            return self.kernels.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                                        meta.query_start_loc, scale)
+            return self.kernels.paged_prefill_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
+            )
         return super().forward(q, k, v, k_cache, v_cache, meta, scale)
 
     def _prefill_in_place(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        return (k_cache.dtype in KERNEL_DTYPES and q.dtype == torch.float32
-                and self.kernels.paged_prefill_available(q.shape[-1]))
+        return (
+            k_cache.dtype in KERNEL_DTYPES
+            and q.dtype == torch.float32
+            and self.kernels.paged_prefill_available(q.shape[-1])
+        )
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if k_cache.dtype not in KERNEL_DTYPES:
             return super().decode(q, k_cache, v_cache, meta, scale)
         nd = meta.num_decodes
-        return self.kernels.paged_decode_attention(q.float(), k_cache, v_cache, meta.block_tables[:nd],
-                                                   meta.seq_lens[:nd], scale).to(q.dtype)
+        return self.kernels.paged_decode_attention(
+            q.float(), k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale
+        ).to(q.dtype)

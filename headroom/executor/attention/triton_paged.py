@@ -31,9 +31,25 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache, v_cache, out_ptr, block_tables, seq_lens, scale,
-    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_ptr,
+    k_cache,
+    v_cache,
+    out_ptr,
+    block_tables,
+    seq_lens,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0)  # decode row == sequence index (decodes come first, one row each)
     head = tl.program_id(1)
@@ -67,10 +83,30 @@ def _decode_kernel(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache, v_cache, out_ptr, block_tables, seq_lens, query_start_loc, scale, first_seq,
-    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, IEEE: tl.constexpr, DOT_FP32: tl.constexpr,
+    q_ptr,
+    k_cache,
+    v_cache,
+    out_ptr,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    scale,
+    first_seq,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    IEEE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):
     seq = first_seq + tl.program_id(0)
     head = tl.program_id(1)
@@ -157,19 +193,44 @@ class TritonAttention:
         out = torch.empty_like(q)
         num_heads, head_dim = q.shape[1], q.shape[2]
         group = num_heads // k_cache.shape[2]
-        strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                   meta.block_tables.stride(0), out.stride(0), out.stride(1))
-        shape = {"GROUP": group, "BLOCK_SIZE": k_cache.shape[1], "HEAD_DIM": head_dim,
-                 "BLOCK_D": max(16, triton.next_power_of_2(head_dim))}
+        strides = (
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            meta.block_tables.stride(0),
+            out.stride(0),
+            out.stride(1),
+        )
+        shape = {
+            "GROUP": group,
+            "BLOCK_SIZE": k_cache.shape[1],
+            "HEAD_DIM": head_dim,
+            "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
+        }
         if meta.num_decodes:
             _decode_kernel[(meta.num_decodes, num_heads)](
-                q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, scale, *strides, **shape)
+                q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, scale, *strides, **shape
+            )
         num_prefills = meta.num_seqs - meta.num_decodes
         if num_prefills:
-            longest = max(meta.query_lens_cpu[meta.num_decodes:])
+            longest = max(meta.query_lens_cpu[meta.num_decodes :])
             grid = (num_prefills, num_heads, triton.cdiv(longest, self.block_m))
             _prefill_kernel[grid](
-                q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-                meta.num_decodes, *strides, **shape, BLOCK_M=self.block_m,
-                IEEE=q.dtype == torch.float32 or INTERPRETED, DOT_FP32=INTERPRETED)
+                q,
+                k_cache,
+                v_cache,
+                out,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                scale,
+                meta.num_decodes,
+                *strides,
+                **shape,
+                BLOCK_M=self.block_m,
+                IEEE=q.dtype == torch.float32 or INTERPRETED,
+                DOT_FP32=INTERPRETED,
+            )
         return out

@@ -12,9 +12,7 @@ def context_slots(meta: AttentionMetadata, block_size: int) -> torch.Tensor:
     """Cache slots of every context position, sequence after sequence: (sum(seq_lens),)."""
     device = meta.block_tables.device
     total = sum(meta.seq_lens_cpu)
-    seq_ids = torch.repeat_interleave(
-        torch.arange(meta.num_seqs, device=device), meta.seq_lens, output_size=total
-    )
+    seq_ids = torch.repeat_interleave(torch.arange(meta.num_seqs, device=device), meta.seq_lens, output_size=total)
     positions = torch.arange(total, device=device) - meta.seq_start_loc[seq_ids]
     blocks = meta.block_tables[seq_ids, positions // block_size].long()
     return blocks * block_size + positions % block_size

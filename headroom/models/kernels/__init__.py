@@ -32,8 +32,17 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-SOURCES = ("bindings.cpp", "q4_linear.cpp", "q8_linear.cpp", "qdot_linear.cpp", "paged_attention.cpp",
-           "paged_tile.cpp", "paged_prefill.cpp", "fused_ops.cpp", "pool.cpp")
+SOURCES = (
+    "bindings.cpp",
+    "q4_linear.cpp",
+    "q8_linear.cpp",
+    "qdot_linear.cpp",
+    "paged_attention.cpp",
+    "paged_tile.cpp",
+    "paged_prefill.cpp",
+    "fused_ops.cpp",
+    "pool.cpp",
+)
 VNNI_FLAGS = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"}
 # One build per checkout: torch's builder writes the sources' absolute paths into its
 # build file, so two checkouts sharing one name rebuild over each other (3 minutes, the
@@ -79,12 +88,16 @@ def cpu_kernels() -> tuple[ModuleType | None, str]:
     if VNNI_FLAGS <= cpu:
         flags += ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni"]
     try:
-        module = load(name=NAME, sources=[str(HERE / name) for name in SOURCES],
-                      extra_cflags=flags, extra_ldflags=["-fopenmp"], extra_include_paths=[str(HERE)],
-                      verbose=False)
+        module = load(
+            name=NAME,
+            sources=[str(HERE / name) for name in SOURCES],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(HERE)],
+            verbose=False,
+        )
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler, or it failed
         log.warning("headroom's CPU kernels did not build (%s); using PyTorch's ops", exc)
         return None, f"build failed: {str(exc).splitlines()[0][:200]}"
     simd = "AVX-512 VNNI" if "-mavx512vnni" in flags else "AVX2+FMA" if "-mavx2" in flags else "portable C++"
     return module, f"headroom's CPU kernels ({simd})"
-
