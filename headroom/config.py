@@ -91,12 +91,10 @@ class SchedulerConfig:
     # with the long request's wait and is whole at long_ttft_target_s. long_lane = false
     # turns it all off.
     long_lane: bool = True
-    # 0.15 s: a long chunk may add ~37 ms to a step (in practice 40-60: a chunk deep in a
-    # long context pays ~20 ms for attention's gather however few its tokens). With no long
-    # chunk in a step that starts a short request, a short one meets one chunk, not two: on
-    # 2 cores (bench/hol.py --repeat 2, 2026-11-24) its p99 TTFT mixed 1.13-1.20x its p99
-    # alone, against 1.61-1.93x at 0.25 s with chunks in both steps; the long class's first
-    # token 2.0-2.9x later than under FCFS. 0.1 s stretched the long prefill to 9-15 s.
+    # A long chunk may add a quarter of this to a step. 0.15 s keeps the short class's p99
+    # TTFT near its p99 alone at a bounded cost to the long class's first token; 0.25 s
+    # let chunks into the steps that start a short request, 0.1 s stretched long prefill
+    # (bench/RESULTS.md, the seventh session: "one long chunk per short request").
     short_ttft_target_s: float = 0.15
     long_ttft_target_s: float = 10.0
     # With no shorter request running or waiting, and none arrived for this long, long

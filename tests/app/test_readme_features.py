@@ -13,6 +13,7 @@ import httpx
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
+from headroom.admission import tool
 from headroom.admission.features import RequestFeatures
 from headroom.admission.predictor import LengthPredictor, load_predictor
 from headroom.admission.train import load_records
@@ -264,7 +265,7 @@ def test_predictor_calibrate_labels_prompts_with_the_models_real_lengths(tmp_pat
         made.append(Engine(config, loaded=default_model))
         return made[-1]
 
-    monkeypatch.setattr(cli, "Engine", engine)
+    monkeypatch.setattr(tool, "Engine", engine)
     rows = [
         {"id": "r1", "prompt": "Is the sky blue? Yes or no.", "max_tokens": 4, "temperature": 0},  # stops early
         {

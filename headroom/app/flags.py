@@ -1,0 +1,121 @@
+"""The engine's command-line flags and the Config they build: --config FILE (TOML) first,
+then each flag given overrides its field. `headroom serve`, `generate` and
+`predictor calibrate` share them."""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+
+from headroom.config import (
+    AdminConfig,
+    AdmissionConfig,
+    CacheConfig,
+    Config,
+    ConfigError,
+    ModelConfig,
+    ObservabilityConfig,
+    PoolsConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
+
+# flag dest -> (config section, field)
+_FLAGS = {
+    "model": ("model", "model"),
+    "served_model_name": ("model", "served_model_name"),
+    "dtype": ("model", "dtype"),
+    "quantization": ("model", "quantization"),
+    "device": ("model", "device"),
+    "max_model_len": ("model", "max_model_len"),
+    "enforce_eager": ("model", "enforce_eager"),
+    "block_size": ("cache", "block_size"),
+    "num_kv_blocks": ("cache", "num_blocks"),
+    "kv_cache_memory_gib": ("cache", "kv_cache_memory_gib"),
+    "kv_cache_dtype": ("cache", "kv_cache_dtype"),
+    "prefix_caching": ("cache", "enable_prefix_caching"),
+    "max_num_seqs": ("scheduler", "max_num_seqs"),
+    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+    "chunked_prefill": ("scheduler", "enable_chunked_prefill"),
+    "host": ("server", "host"),
+    "port": ("server", "port"),
+    "max_body_bytes": ("server", "max_body_bytes"),
+    "max_queue_len": ("server", "max_queue_len"),
+    "drain_timeout": ("server", "drain_timeout_s"),
+    "unknown_fields": ("server", "unknown_fields"),
+    "request_metrics": ("server", "request_metrics"),
+    "attention_backend": (None, "attention_backend"),
+    "seed": (None, "seed"),
+    "admission": ("admission", "enabled"),
+    "log_format": ("observability", "log_format"),
+    "log_prompts": ("observability", "log_prompts"),
+}
+_SECTIONS = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "server": ServerConfig,
+    "admission": AdmissionConfig,
+    "pools": PoolsConfig,
+    "observability": ObservabilityConfig,
+    "admin": AdminConfig,
+}
+
+
+def on_off(value: str) -> bool:
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
+    return value == "on"
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine (flags override --config)")
+    g.add_argument("--config", default=None, help="TOML file with [model] [cache] [scheduler] [server] tables")
+    g.add_argument("--model", help="GGUF file or HF checkpoint dir (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--served-model-name")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument(
+        "--quantization",
+        choices=["auto", "none", "int8", "int4"],
+        help="weight-only quantised linears on the CPU (auto: int4 for a float32 model on the CPU)",
+    )
+    g.add_argument("--device", help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--attention-backend", help="auto, torch, triton, flash_attn, xformers")
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=None,
+        help="on CUDA, run decode eagerly instead of replaying captured CUDA graphs",
+    )
+    g.add_argument("--block-size", type=int)
+    g.add_argument("--num-kv-blocks", type=int)
+    g.add_argument("--kv-cache-memory-gib", type=float)
+    g.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the KV cache's dtype (auto: float16 beside quantised CPU weights, else the model's)",
+    )
+    g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--max-num-seqs", type=int)
+    g.add_argument("--max-num-batched-tokens", type=int)
+    g.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--seed", type=int)
+
+
+def build_config(ns: argparse.Namespace) -> Config:
+    tables: dict = {}
+    if ns.config:
+        with open(ns.config, "rb") as f:
+            tables = tomllib.load(f)
+    sections = {name: dict(tables.get(name, {})) for name in _SECTIONS}
+    top = {k: v for k, v in tables.items() if k not in _SECTIONS}
+    for dest, (section, name) in _FLAGS.items():
+        value = getattr(ns, dest, None)
+        if value is not None:
+            (sections[section] if section else top)[name] = value
+    try:
+        built = {name: cls(**sections[name]) for name, cls in _SECTIONS.items()}
+        return Config(**built, **top)
+    except TypeError as exc:  # an unknown key in the file
+        raise ConfigError(f"config: {exc}") from None
