@@ -4,7 +4,6 @@ CUDA graphs. Built once at start; the engine then only calls `runner.execute`.""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -15,8 +14,6 @@ from headroom.executor.cuda_graphs import graph_plan
 from headroom.executor.device import prepare_model, resolve_kv_dtype
 from headroom.executor.model_runner import ModelRunner, kv_block_bytes
 from headroom.models.loader import LoadedModel
-
-log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -324,19 +324,22 @@ class Engine:
         """Estimate each running sequence's remaining length in flight with `probe`, from
         the hidden state its forward pass computes anyway (runtime/inflight.py)."""
         refiner = InflightRefiner(probe, self.scheduler.policy, every, runaway_threshold, long_min_output)
-        self.watch_hidden(frozenset({probe.layer}), refiner.observe, refiner.due)
-        with self._state_lock:
-            self.inflight = refiner
+        self.watch_hidden(frozenset({probe.layer}), refiner.observe, refiner.due, refiner)
         return refiner
 
     def watch_hidden(
-        self, layers: frozenset[int], hook: ProbeHook | None, due: Callable[[SchedulerOutput], bool] | None = None
+        self,
+        layers: frozenset[int],
+        hook: ProbeHook | None,
+        due: Callable[[SchedulerOutput], bool] | None = None,
+        inflight: InflightRefiner | None = None,
     ) -> None:
         """Keep the rows of `layers` for the sequences that sample and pass them to `hook`
-        after each forward pass (when `due` says the step needs them); empty layers: stop."""
+        after each forward pass (when `due` says the step needs them); empty layers: stop.
+        `inflight`: the refiner the hook belongs to, whose estimates counters() reports."""
         with self._state_lock:  # the engine may be stepping already
             self.runner.probe_layers = layers
-            self.probe_hook, self.probe_due = hook, due
+            self.probe_hook, self.probe_due, self.inflight = hook, due, inflight
 
     def long_lane(self) -> LongLaneState:
         """The long lane's settings and what the engine has learned of its own step cost."""

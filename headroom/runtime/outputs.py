@@ -47,7 +47,8 @@ class EngineStats:
     inflight_decisions: Counter[str] = field(default_factory=Counter)  # changed by them: order, victim, long_lane
     loops: Counter[str] = field(default_factory=Counter)  # found by the server's detector, by action taken
     policy_actions: Counter[str] = field(default_factory=Counter)  # the automatic policies', by action
-    # Gauges, read with the counters (Engine.counters) so that a scrape sees one instant.
+    # Gauges, filled in only on the copy Engine.counters returns (0 on the live counters),
+    # so that a scrape reads them and the counters at one instant.
     num_running: int = 0
     num_waiting: int = 0
     kv_blocks_used: int = 0

@@ -255,7 +255,7 @@ def test_graphed_decode_follows_the_eager_tokens(backend):
         sampling = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
         outputs[eager] = [r.output_token_ids for r in engine.generate(prompts, sampling)]
         engines[eager] = engine
-    assert engines[True].runner.graphs is None and engines[True].cuda_graphs == "off (enforce_eager)"
+    assert engines[True].runner.graphs is None and engines[True].executor.cuda_graphs == "off (enforce_eager)"
     graphs = engines[False].runner.graphs
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8, 16]
     assert graphs.replays >= 20  # every decode step after the prefill
