@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from headroom.app.admission_gate import FAIRNESS_HEADER, OBJECTIVE_HEADER
 from headroom.app.background import BackgroundServer
-from headroom.config import AdminConfig, AdmissionConfig, CacheConfig, Config, SchedulerConfig
+from headroom.config import AdminConfig, AdmissionConfig, CacheConfig, Config, SchedulerConfig, TenantConfig
 from headroom.runtime.engine import Engine
 
 pytestmark = pytest.mark.slow
@@ -26,7 +26,15 @@ ADMIN_TOKEN = "admin-token-for-tests-0123456789"
 CONFIG = Config(
     cache=CacheConfig(num_blocks=256),
     scheduler=SchedulerConfig(max_num_seqs=4),
-    admission=AdmissionConfig(global_max_in_flight_seqs=1, fair_share="tokens", objectives={"interactive": "premium"}),
+    admission=AdmissionConfig(
+        global_max_in_flight_seqs=1,
+        fair_share="tokens",
+        objectives={"interactive": "premium"},
+        # Tenants made on first sight take the default tenant's limits. b3 waits behind
+        # b1's 128 tokens, a1 and b2; on a loaded 2-core machine that passed the default
+        # 30 s and it was refused. Waits are not what this test checks.
+        tenants=(TenantConfig("default", max_wait_s=600),),
+    ),
     admin=AdminConfig(token=ADMIN_TOKEN),
 )
 HOLD = {"prompt": "Write a long story about a lighthouse keeper.", "max_tokens": 128, "ignore_eos": True}
