@@ -1,0 +1,261 @@
+"""One step of the engine, in EngineCore's shape: apply the commands other threads sent,
+schedule, execute, sample, update_from_output, deliver outputs (output_processor.py) and
+count the step's cost (stats.py). Only the engine thread changes this state; engine.py
+runs the step there and takes the commands in. Other threads read the state only through
+counters(), long_lane() and snapshot(), under `_state_lock`: the step holds that lock
+while it changes state, but not while the model runs, so a reader waits at most for the
+bookkeeping half of a step."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import assert_never
+
+import torch
+
+from headroom.config import Config
+from headroom.executor.executor import Executor
+from headroom.executor.model_runner import ModelOutput
+from headroom.executor.warmup import measure_step_cost
+from headroom.models.loader import LoadedModel
+from headroom.runtime import actions
+from headroom.runtime.block_manager import BlockManager
+from headroom.runtime.commands import Abort, Add, Command, Control, SetLongLaneFactor
+from headroom.runtime.detokenizer import IncrementalDetokenizer
+from headroom.runtime.grammar import Grammars
+from headroom.runtime.inflight import InflightRefiner, LengthProbe
+from headroom.runtime.loops import LoopPolicy
+from headroom.runtime.output_processor import OutputProcessor
+from headroom.runtime.outputs import (
+    EngineSnapshot,
+    EngineStats,
+    LongLaneState,
+    OutputSink,
+    SequenceFinished,
+    UnknownSequence,
+)
+from headroom.runtime.request import Request, SamplingParams, check_fits
+from headroom.runtime.sampler import Sampler, SampleResult, TokenLogprob
+from headroom.runtime.scheduler import Scheduler, SchedulerOutput
+from headroom.runtime.stats import StepAccounting, engine_counters, engine_snapshot, long_lane_state
+
+log = logging.getLogger(__name__)
+
+ProbeHook = Callable[[list[Request], dict[int, torch.Tensor]], None]
+
+
+class EngineCore:
+    def __init__(self, config: Config, loaded: LoadedModel | None = None):
+        self.config = config
+        self.executor = Executor.build(config, loaded)
+        self.loaded, self.runner = self.executor.loaded, self.executor.runner
+        self.tokenizer, self.max_model_len = self.loaded.tokenizer, self.executor.max_model_len
+        self.block_manager = BlockManager(
+            self.executor.num_blocks, self.executor.block_size, config.cache.enable_prefix_caching
+        )
+        eos = self.tokenizer.eos_token_ids
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, eos)
+        self.sampler = Sampler(eos, seed=config.seed, device=self.executor.device)
+        self.loops = LoopPolicy.of(config.admin)
+        if config.scheduler.long_lane:
+            self.scheduler.policy.cost.prime(measure_step_cost(self.runner, self.block_manager))
+        self.stats = EngineStats()
+        log.info("engine ready: %s", self.executor.describe())
+
+        self.output_processor = OutputProcessor(self.tokenizer.hf, self.scheduler, self.sampler)
+        self.accounting = StepAccounting(self.scheduler.policy.cost)
+        self._inbox: list[Command] = []
+        self._wakeup = threading.Condition()
+        self._state_lock = threading.Lock()
+        # (out, perf_counter start) while the model runs
+        self._running_step: tuple[SchedulerOutput, float] | None = None
+        # Tests set this to inject a fault into a step (it may raise); never set in serving.
+        self.fault_hook: Callable[[SchedulerOutput], None] | None = None
+        # Set with watch_hidden: called on the engine thread after each forward pass with the
+        # sequences that sample (before this step's token is appended) and their rows.
+        self.probe_hook: ProbeHook | None = None
+        self.probe_due: Callable[[SchedulerOutput], bool] | None = None
+        self.inflight: InflightRefiner | None = None  # see use_inflight
+        self._ids = itertools.count()
+
+    # ---- called from any thread -------------------------------------------------------
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """The structured-output compiler for this model's tokenizer, built on first use."""
+        return Grammars(self.tokenizer.hf, self.loaded.args.vocab_size, self.tokenizer.eos_token_ids)
+
+    def new_request(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> Request:
+        """Validate and build a request (not yet submitted); raises ValueError."""
+        request = Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), sampling, priority)
+        cache_tokens = self.block_manager.num_blocks * self.block_manager.block_size
+        check_fits(request, self.max_model_len, cache_tokens, self.loaded.args.vocab_size)
+        return request
+
+    # ---- engine thread ----------------------------------------------------------------
+
+    def _drain_inbox(self) -> None:
+        with self._wakeup:
+            commands, self._inbox = self._inbox, []
+        for command in commands:
+            match command:
+                case Add(request, sink):
+                    self._add(request, sink)
+                case Abort(request_id, cause):
+                    self.output_processor.abort(request_id, cause, self.stats)
+                case Control(request_id, action, args, future):
+                    try:
+                        future.set_result(
+                            actions.apply(request_id, action, args, self.scheduler, self.output_processor, self.stats)
+                        )
+                    except (UnknownSequence, SequenceFinished) as exc:
+                        future.set_exception(exc)
+                case SetLongLaneFactor(factor):
+                    self.scheduler.policy.long_lane_factor = factor
+                case _:
+                    assert_never(command)
+
+    def _add(self, request: Request, sink: OutputSink) -> None:
+        if request.request_id in self.output_processor:
+            # Never let a duplicate id replace a live request's sink and detokenizer
+            # (the scheduler would then raise here and end the engine thread).
+            self.output_processor.reject(request, sink, f"request id {request.request_id!r} is already in use")
+            return
+        try:
+            self.sampler.add(request)
+        except Exception as exc:  # one request the engine cannot take fails alone, at once
+            log.exception("engine could not take %s", request.request_id)
+            self.output_processor.reject(request, sink, f"engine error: {exc}")
+            return
+        self.output_processor.add(request, sink)
+        request.busy_at_arrival = self.stats.step_time_s
+        self.loops.attach(request)
+        self.scheduler.add_request(request)
+        self.stats.prompt_tokens += request.num_prompt_tokens
+
+    def step(self) -> None:
+        """One iteration: schedule, run the model, sample, update the scheduler, deliver outputs."""
+        with self._state_lock:
+            self._drain_inbox()
+            if not self.scheduler.has_work():
+                return
+            actions.enforce_deadlines(self.scheduler, self.output_processor, self.stats)
+            started = time.perf_counter()
+            out = self.scheduler.schedule()
+            self.stats.preemptions += len(out.preempted)
+            if out.is_empty:
+                return
+            self._running_step = (out, started)
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook(out)
+            model_out = self.runner.execute(
+                out, self.block_manager, probe=self.probe_due is None or self.probe_due(out)
+            )
+            sampling = [out.requests[i] for i in model_out.sample_indices]
+            samples = self.sampler(model_out.logits, sampling)
+        except Exception as exc:  # a failed step fails its own sequences, not the engine
+            log.exception("engine step failed; failing %d sequences", len(out.requests))
+            with self._state_lock:
+                self._running_step = None
+                for request in out.requests:
+                    self.output_processor.abort(request.request_id, "engine_error", self.stats, f"engine error: {exc}")
+            return
+        with self._state_lock:
+            try:
+                self._complete_step(out, model_out, samples, started)
+            except Exception:
+                self.output_processor.close_finished(out.requests, self.stats)
+                raise
+
+    def _complete_step(
+        self, out: SchedulerOutput, model_out: ModelOutput, samples: SampleResult, started: float
+    ) -> None:
+        self._running_step = None
+        self._observe_probes(out, model_out)
+        # The tokens exist from here on; update_from_output stamps finished_time later.
+        sampled_time = time.monotonic()
+        sampled: list[int | None] = [None] * len(out.requests)
+        logprobs: dict[str, TokenLogprob | None] = {}
+        for row, i in enumerate(model_out.sample_indices):
+            sampled[i] = samples.token_ids[row]
+            logprobs[out.requests[i].request_id] = samples.logprobs[row]
+        # Blocks each request held for this step, read before update_from_output frees
+        # those of the requests that finish in it.
+        held = [len(self.block_manager.block_table(r.request_id)) for r in out.requests]
+        with_token = self.scheduler.update_from_output(out, sampled)
+        actions.check_loops(self.loops, with_token, self.scheduler, self.stats)
+
+        elapsed = time.perf_counter() - started
+        self.accounting.step_done(self.stats, out, held, elapsed, model_out.timer)
+        for request in with_token:
+            if request.first_token_time is None:
+                request.first_token_time = sampled_time
+            self.output_processor.token(request, logprobs.get(request.request_id), self.stats)
+
+    def _observe_probes(self, out: SchedulerOutput, model_out: ModelOutput) -> None:
+        if self.probe_hook is not None and model_out.probes:
+            try:
+                self.probe_hook([out.requests[i] for i in model_out.sample_indices], model_out.probes)
+            except Exception:  # an estimate is advice: losing one must not lose the step's tokens
+                log.exception("in-flight length probe failed; this step's sequences keep their estimates")
+
+    # ---- called from any thread: observability ----------------------------------------
+
+    def counters(self) -> EngineStats:
+        """A consistent copy of the engine's counters."""
+        with self._state_lock:
+            return engine_counters(self.stats, self.scheduler, self.inflight)
+
+    def use_inflight(
+        self, probe: LengthProbe, every: int, runaway_threshold: float, long_min_output: int
+    ) -> InflightRefiner:
+        """Estimate each running sequence's remaining length in flight with `probe`, from
+        the hidden state its forward pass computes anyway (runtime/inflight.py)."""
+        refiner = InflightRefiner(probe, self.scheduler.policy, every, runaway_threshold, long_min_output)
+        self.watch_hidden(frozenset({probe.layer}), refiner.observe, refiner.due, refiner)
+        return refiner
+
+    def watch_hidden(
+        self,
+        layers: frozenset[int],
+        hook: ProbeHook | None,
+        due: Callable[[SchedulerOutput], bool] | None = None,
+        inflight: InflightRefiner | None = None,
+    ) -> None:
+        """Keep the rows of `layers` for the sequences that sample and pass them to `hook`
+        after each forward pass (when `due` says the step needs them); empty layers: stop.
+        `inflight`: the refiner the hook belongs to, whose estimates counters() reports."""
+        with self._state_lock:  # the engine may be stepping already
+            self.runner.probe_layers = layers
+            self.probe_hook, self.probe_due, self.inflight = hook, due, inflight
+
+    def long_lane(self) -> LongLaneState:
+        """The long lane's settings and what the engine has learned of its own step cost."""
+        with self._state_lock:
+            return long_lane_state(self.config.scheduler, self.scheduler, time.monotonic())
+
+    def snapshot(self) -> EngineSnapshot:
+        """Every live sequence's cost, and the pool's, at one consistent instant."""
+        with self._state_lock:
+            return engine_snapshot(self.stats, self.scheduler, self.block_manager, self._running_step, time.monotonic())
+
+    # The tests check that a finished request leaves nothing behind in either.
+    @property
+    def _sinks(self) -> dict[str, OutputSink]:
+        return self.output_processor.sinks
+
+    @property
+    def _detokenizers(self) -> dict[str, IncrementalDetokenizer]:
+        return self.output_processor.detokenizers
