@@ -66,6 +66,9 @@ def on_loop(request: Request, finding: Finding, cap_tokens: int) -> RequestStatu
     return None
 
 
+ACTIONS = ("abort", "deprioritize", "cap")
+
+
 def apply(
     request_id: str,
     action: str,
@@ -76,6 +79,8 @@ def apply(
 ) -> SequenceSnapshot:
     """An operator's or a policy's action on a live sequence; its snapshot as the action
     took effect. Raises SequenceFinished or UnknownSequence where there is none."""
+    if action not in ACTIONS:
+        raise ValueError(f"unknown action {action!r}")
     request = scheduler.requests.get(request_id)
     if request is None:
         if request_id in outputs.finished:
@@ -93,7 +98,7 @@ def apply(
     elif action == "deprioritize":
         deprioritize(request, by, args.get("reason"), bool(args.get("long_lane")))
         snapshot = sequence_snapshot(request, time.monotonic(), stats.step_time_s, scheduler.block_manager)
-    else:
+    elif action == "cap":
         limit = int(args["max_tokens"])
         reached = cap(request, limit, f"cap by {by} at {limit} tokens")
         snapshot = sequence_snapshot(request, time.monotonic(), stats.step_time_s, scheduler.block_manager)

@@ -93,9 +93,11 @@ class OutputProcessor:
                 self.finish(request, stats, "internal engine error")
 
     def reject(self, request: Request, sink: OutputSink, error: str) -> None:
-        """Fail a request the engine never took: its one output is an error."""
-        request.status = RequestStatus.FINISHED_ABORTED
-        request.finished_time = time.monotonic()
+        """Fail a request the engine never took: its one output is an error. The same
+        object submitted again while it runs is the live request, and stays as it is."""
+        if self.scheduler.requests.get(request.request_id) is not request:
+            request.status = RequestStatus.FINISHED_ABORTED
+            request.finished_time = time.monotonic()
         output = RequestOutput(request.request_id, [], "", error=error, request=request)
         output.finished, output.finish_reason = True, "error"
         sink(output)
