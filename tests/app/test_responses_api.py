@@ -88,7 +88,9 @@ def client(server):
     return c
 
 
-def assert_idle(server: BackgroundServer, timeout: float = 5.0) -> None:
+# A leak never clears, so the wait only bounds how long a busy 2-core CI may take to
+# finish the steps already under way (5 s was passed under load).
+def assert_idle(server: BackgroundServer, timeout: float = 60.0) -> None:
     """Nothing held after the responses: no sequence, no block, no reservation."""
     engine = server.engine
     deadline = time.monotonic() + timeout
