@@ -284,7 +284,7 @@ class AdmissionConfig:
     long_min_output_tokens: int = 512
     # Wall-clock budget of one sequence from arrival (None: none); past it the sequence
     # finishes with finish_reason "length".
-    max_wall_s: float | None = None
+    deadline_s: float | None = None
     # Append one JSON record per finished request (features + actual tokens) here, for
     # retraining; the file is rotated to <path>.1 after record_log_max_lines lines.
     record_log_path: str | None = None
@@ -372,8 +372,8 @@ class AdmissionConfig:
             raise ConfigError(f"admission.backfill_max_wait_s must be >= 0, got {self.backfill_max_wait_s}")
         if self.global_max_in_flight_seqs is not None and self.global_max_in_flight_seqs < 1:
             raise ConfigError(f"admission.global_max_in_flight_seqs must be >= 1, got {self.global_max_in_flight_seqs}")
-        if self.max_wall_s is not None and not self.max_wall_s > 0:
-            raise ConfigError(f"admission.max_wall_s must be > 0, got {self.max_wall_s}")
+        if self.deadline_s is not None and not self.deadline_s > 0:
+            raise ConfigError(f"admission.deadline_s must be > 0, got {self.deadline_s}")
         if self.record_log_max_lines < 1:
             raise ConfigError("admission.record_log_max_lines must be >= 1")
         if not (self.prompt_weight >= 0 and self.output_weight >= 0 and self.prompt_weight + self.output_weight > 0):
@@ -485,10 +485,10 @@ class AdminConfig:
     # The /admin/ API's bearer token (else HEADROOM_ADMIN_TOKEN). No token: no admin API.
     token: str | None = None
     # Automatic policies, each off (None) by default: act on a sequence that has run
-    # longer than max_wall_s, holds more than max_kv_share of the KV pool, or has produced
+    # longer than max_age_s, holds more than max_kv_share of the KV pool, or has produced
     # more than max_predicted_ratio times its predicted output tokens.
     policy_action: str = "deprioritize"  # or abort
-    max_wall_s: float | None = None
+    max_age_s: float | None = None
     max_kv_share: float | None = None
     max_predicted_ratio: float | None = None
     # Act on a sequence the in-flight probe gives at least this probability of running to
@@ -528,7 +528,7 @@ class AdminConfig:
             RepetitionDetection(self.loop_max_pattern_size, self.loop_min_pattern_size, self.loop_min_count)
         except ValueError as exc:
             raise ConfigError(f"admin.loop_*: {exc}") from None
-        for name in ("max_wall_s", "max_predicted_ratio", "policy_interval_s", "ladder_step_s"):
+        for name in ("max_age_s", "max_predicted_ratio", "policy_interval_s", "ladder_step_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name} must be > 0, got {value}")

@@ -1,7 +1,7 @@
 """Automatic policies: act on a sequence, as an operator would, when it runs past a
 wall-clock budget, holds too much of the KV pool, has produced far more than was
 predicted, is predicted in flight to run to its cap, or (where a ladder is set) was found
-looping by the engine's detector. All are off unless configured ([admin] max_wall_s,
+looping by the engine's detector. All are off unless configured ([admin] max_age_s,
 max_kv_share, max_predicted_ratio, max_runaway_probability, ladder). The action
 (deprioritize, cap or abort) goes through the same engine command as the admin API's, so
 it is logged and recorded on the sequence's span. With a ladder (server-wide, or a
@@ -40,8 +40,8 @@ def violations(config: AdminConfig, snapshot: EngineSnapshot) -> list[Violation]
     for s in snapshot.sequences:
         if s.deprioritized and config.policy_action == "deprioritize" and not ladder_of(config, s):
             continue  # already acted on (a ladder keeps its own count)
-        if config.max_wall_s is not None and s.age_s > config.max_wall_s:
-            found.append(Violation(s.request_id, f"ran {s.age_s:.1f}s, over the {config.max_wall_s:g}s budget"))
+        if config.max_age_s is not None and s.age_s > config.max_age_s:
+            found.append(Violation(s.request_id, f"ran {s.age_s:.1f}s, over the {config.max_age_s:g}s budget"))
         elif config.max_kv_share is not None and s.kv_share > config.max_kv_share:
             found.append(
                 Violation(s.request_id, f"holds {s.kv_share:.0%} of the KV pool, over {config.max_kv_share:.0%}")
@@ -95,7 +95,7 @@ def enabled(config: AdminConfig, tenants: tuple[TenantConfig, ...] = ()) -> bool
         or any(
             v is not None
             for v in (
-                config.max_wall_s,
+                config.max_age_s,
                 config.max_kv_share,
                 config.max_predicted_ratio,
                 config.max_runaway_probability,

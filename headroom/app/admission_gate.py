@@ -157,8 +157,8 @@ class AdmissionGate:
         for r in engine_requests:
             r.admission_decision = ticket.decision
             r.priority += priority * TIER_STRIDE
-            if self.config.max_wall_s is not None:
-                r.deadline = r.arrival_time + self.config.max_wall_s
+            if self.config.deadline_s is not None:
+                r.deadline = r.arrival_time + self.config.deadline_s
         return admitted
 
     def settle(self, admitted: Admitted, engine_requests: list[Request], finish_reason: str | None) -> None:

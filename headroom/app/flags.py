@@ -5,6 +5,7 @@ then each flag given overrides its field. `headroom serve`, `generate` and
 from __future__ import annotations
 
 import argparse
+import logging
 import tomllib
 
 from headroom.config import (
@@ -103,12 +104,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int)
 
 
+log = logging.getLogger(__name__)
+
+# Keys renamed, per section: the old name still loads, with a warning, until it is removed.
+# Both were max_wall_s: [admission]'s is a hard deadline, [admin]'s a policy's trigger.
+_RENAMED = {"admission": {"max_wall_s": "deadline_s"}, "admin": {"max_wall_s": "max_age_s"}}
+
+
 def build_config(ns: argparse.Namespace) -> Config:
     tables: dict = {}
     if ns.config:
         with open(ns.config, "rb") as f:
             tables = tomllib.load(f)
     sections = {name: dict(tables.get(name, {})) for name in _SECTIONS}
+    _rename(sections)
     top = {k: v for k, v in tables.items() if k not in _SECTIONS}
     for dest, (section, name) in _FLAGS.items():
         value = getattr(ns, dest, None)
@@ -119,3 +128,15 @@ def build_config(ns: argparse.Namespace) -> Config:
         return Config(**built, **top)
     except TypeError as exc:  # an unknown key in the file
         raise ConfigError(f"config: {exc}") from None
+
+
+def _rename(sections: dict[str, dict]) -> None:
+    for section, names in _RENAMED.items():
+        table = sections[section]
+        for old, new in names.items():
+            if old not in table:
+                continue
+            if new in table:
+                raise ConfigError(f"config: [{section}] sets both {old} and {new}; {old} is the old name of {new}")
+            log.warning("config: [%s] %s is deprecated; it is now %s", section, old, new)
+            table[new] = table.pop(old)

@@ -30,7 +30,7 @@ def looping(rid: str, ladder: tuple[str, ...] | None = None, policy: str | None 
 
 
 def test_each_violation_climbs_one_step_no_sooner_than_the_step_interval():
-    config = AdminConfig(max_wall_s=10, ladder=LADDER, ladder_step_s=5)
+    config = AdminConfig(max_age_s=10, ladder=LADDER, ladder_step_s=5)
     ladder = Ladder(config)
     s = seq("a", age=11)
     v = Violation("a", "ran 11.0s, over the 10s budget")
@@ -44,7 +44,7 @@ def test_each_violation_climbs_one_step_no_sooner_than_the_step_interval():
 
 
 def test_without_a_ladder_the_policy_action_is_taken_once():
-    ladder = Ladder(AdminConfig(max_wall_s=10, policy_action="cap"))
+    ladder = Ladder(AdminConfig(max_age_s=10, policy_action="cap"))
     s, v = seq("a", age=11), Violation("a", "late")
     assert ladder.next_action(v, s, 0.0) == "cap"
     ladder.took("a", 0.0)

@@ -58,7 +58,7 @@ def test_off_by_default():
 
 
 def test_each_rule_names_what_was_broken():
-    config = AdminConfig(max_wall_s=30, max_kv_share=0.25, max_predicted_ratio=4, policy_action="abort")
+    config = AdminConfig(max_age_s=30, max_kv_share=0.25, max_predicted_ratio=4, policy_action="abort")
     found = violations(
         config,
         snap(
@@ -92,10 +92,10 @@ def test_the_runaway_rule_reads_the_in_flight_estimate():
 
 
 def test_deprioritize_acts_once():
-    config = AdminConfig(max_wall_s=10)  # action: deprioritize
+    config = AdminConfig(max_age_s=10)  # action: deprioritize
     assert violations(config, snap(seq("a", age=11, deprioritized=True))) == []
     assert [v.request_id for v in violations(config, snap(seq("a", age=11)))] == ["a"]
-    aborting = AdminConfig(max_wall_s=10, policy_action="abort")
+    aborting = AdminConfig(max_age_s=10, policy_action="abort")
     assert [v.request_id for v in violations(aborting, snap(seq("a", age=11, deprioritized=True)))] == ["a"]
 
 
@@ -105,7 +105,7 @@ def test_deprioritize_acts_once():
         ({"policy_action": "kill"}, "policy_action must be one of deprioritize, cap, abort, got 'kill'"),
         ({"max_kv_share": 1.5}, "max_kv_share must be in (0, 1], got 1.5"),
         ({"max_runaway_probability": 0}, "max_runaway_probability must be in (0, 1], got 0"),
-        ({"max_wall_s": 0}, "max_wall_s must be > 0, got 0"),
+        ({"max_age_s": 0}, "max_age_s must be > 0, got 0"),
         ({"token": "short"}, "admin token must be at least 16 characters"),
     ],
 )
@@ -122,7 +122,7 @@ def test_the_policy_loop_aborts_a_runaway_on_the_real_server(default_model):
     from tests.admin.conftest import admin_config, plant_runaway, wait_until
     from tests.app.test_openai_api import wait_idle
 
-    config = admin_config(max_wall_s=1.5, policy_action="abort", policy_interval_s=0.1)
+    config = admin_config(max_age_s=1.5, policy_action="abort", policy_interval_s=0.1)
     server = BackgroundServer(config, Engine(config, loaded=default_model)).start()
     try:
         runaway = plant_runaway(server, "too-slow")

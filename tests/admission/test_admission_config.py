@@ -117,6 +117,17 @@ def test_bad_admission_config_is_refused(tmp_path, text, message):
         load(tmp_path, text)
 
 
+def test_the_old_max_wall_s_keys_load_under_their_new_names(tmp_path, caplog):
+    config = load(tmp_path, "[admission]\nmax_wall_s = 60\n[admin]\nmax_wall_s = 30\n")
+    assert (config.admission.deadline_s, config.admin.max_age_s) == (60, 30)
+    assert [r.getMessage() for r in caplog.records if r.name == "headroom.app.flags"] == [
+        "config: [admission] max_wall_s is deprecated; it is now deadline_s",
+        "config: [admin] max_wall_s is deprecated; it is now max_age_s",
+    ]
+    with pytest.raises(ConfigError, match=r"\[admin\] sets both max_wall_s and max_age_s"):
+        load(tmp_path, "[admin]\nmax_wall_s = 30\nmax_age_s = 30\n")
+
+
 def test_unknown_tenant_key_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="unexpected keyword argument 'rate'"):
         load(tmp_path, '[[admission.tenants]]\nname = "default"\nrate = 5\n')
