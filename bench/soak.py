@@ -143,7 +143,7 @@ def leaks(server: BackgroundServer, timeout_s: float = 60) -> dict:
         held = {
             "kv_blocks": engine.block_manager.num_used_blocks,
             "engine_sequences": len(engine.scheduler.requests),
-            "in_flight": len(client.in_flight),
+            "submitted": len(client.submitted),
             "tenant_tokens": sum(t.bucket.in_flight for t in gate.registry),
             "admission_seats": gate.admission.in_flight_seqs,
         }

@@ -18,20 +18,20 @@ from headroom.runtime.request import Request
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_in_flight: int):
+    def __init__(self, engine: Engine, max_submitted: int):
         self.engine = engine
-        self.max_in_flight = max_in_flight
-        self.in_flight: dict[str, Request] = {}
+        self.max_submitted = max_submitted
+        self.submitted: dict[str, Request] = {}
         # Called on the loop once the engine is done with a request, also one whose client
         # left first (the engine finishes it a step later): where its cost is final.
         self.on_closed: Callable[[Request], None] | None = None
 
     @property
     def is_full(self) -> bool:
-        return len(self.in_flight) >= self.max_in_flight
+        return len(self.submitted) >= self.max_submitted
 
-    def is_in_flight(self, request_id: str) -> bool:
-        return request_id in self.in_flight
+    def is_submitted(self, request_id: str) -> bool:
+        return request_id in self.submitted
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
@@ -42,7 +42,7 @@ class AsyncEngine:
             if output.finished and self.on_closed is not None:
                 loop.call_soon_threadsafe(self.on_closed, request)
 
-        self.in_flight[request.request_id] = request
+        self.submitted[request.request_id] = request
         request.admitted_time = time.monotonic()
         finished = False
         try:
@@ -52,10 +52,10 @@ class AsyncEngine:
                 finished = output.finished
                 yield output
         finally:
-            self.in_flight.pop(request.request_id, None)
+            self.submitted.pop(request.request_id, None)
             if not finished:
                 self.engine.abort(request.request_id)
 
     def abort_all(self, cause: str = "shutdown") -> None:
-        for request_id in list(self.in_flight):
+        for request_id in list(self.submitted):
             self.engine.abort(request_id, cause)

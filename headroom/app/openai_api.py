@@ -49,7 +49,7 @@ def request_id(request: web.Request, prefix: str, tenant: Tenant) -> str:
     given = request.headers.get("X-Request-Id")
     if given:
         rid = f"{prefix}{given}"
-        other = request.app[keys.ENGINE].in_flight.get(rid)
+        other = request.app[keys.ENGINE].submitted.get(rid)
         if other is None or other.tenant == tenant.name:
             return rid
     return f"{prefix}{uuid.uuid4().hex}"
@@ -118,7 +118,7 @@ def build_request(
 ) -> Request:
     client = request.app[keys.ENGINE]
     engine = client.engine
-    if client.is_in_flight(rid):
+    if client.is_submitted(rid):
         raise Conflict(f"request id {rid!r} is already in flight", param="X-Request-Id", code="duplicate_request_id")
     # The tenant's own limits, where set, are hard caps below the server's.
     max_len = min(engine.max_model_len, tenant.config.max_model_len or engine.max_model_len)

@@ -75,8 +75,8 @@ def create_app(config: Config, engine: Engine) -> web.Application:
         middlewares=[observe_middleware, error_middleware], client_max_size=config.server.max_body_bytes
     )
     app[keys.CONFIG] = config
-    max_in_flight = config.scheduler.max_num_seqs + config.server.max_queue_len
-    app[keys.ENGINE] = AsyncEngine(engine, max_in_flight)
+    max_submitted = config.scheduler.max_num_seqs + config.server.max_queue_len
+    app[keys.ENGINE] = AsyncEngine(engine, max_submitted)
     # Admission holds back what the engine cannot seat soon, so that fairness across
     # tenants decides who goes next rather than arrival order in the engine's queue.
     admission_seats = config.admission.global_max_in_flight_seqs or config.scheduler.max_num_seqs + 8
@@ -188,13 +188,13 @@ async def drain(app: web.Application, timeout_s: float) -> None:
     app[keys.LIFECYCLE].draining = True
     client = app[keys.ENGINE]
     deadline = asyncio.get_running_loop().time() + timeout_s
-    log.info("draining: %d requests in flight, timeout %.1fs", len(client.in_flight), timeout_s)
-    while client.in_flight and asyncio.get_running_loop().time() < deadline:
+    log.info("draining: %d requests submitted, timeout %.1fs", len(client.submitted), timeout_s)
+    while client.submitted and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.05)
-    if client.in_flight:
-        log.warning("drain timeout: aborting %d requests", len(client.in_flight))
+    if client.submitted:
+        log.warning("drain timeout: aborting %d requests", len(client.submitted))
         client.abort_all()
-        while client.in_flight:  # their streams end with finish_reason "abort"
+        while client.submitted:  # their streams end with finish_reason "abort"
             await asyncio.sleep(0.02)
 
 

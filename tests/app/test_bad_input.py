@@ -219,7 +219,7 @@ def test_hostile_input_leaves_the_server_healthy_and_holding_nothing(server):
     engine.block_manager.check_invariants()
     gate = server.app[keys.GATE]
     assert all(t.bucket.in_flight == 0 for t in gate.registry)
-    assert server.app[keys.ENGINE].in_flight == {}
+    assert server.app[keys.ENGINE].submitted == {}
 
 
 def test_a_top_k_beyond_the_vocabulary_is_no_top_k(server):

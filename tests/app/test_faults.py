@@ -114,7 +114,7 @@ def test_a_failing_step_is_a_500_engine_error_for_a_non_streaming_request(server
     wait_idle(engine)
     engine.block_manager.check_invariants()
     assert engine.counters().aborts["engine_error"] == 1
-    assert server.app[keys.ENGINE].in_flight == {}
+    assert server.app[keys.ENGINE].submitted == {}
 
 
 async def hang_up(url: str, rng: random.Random, prompt: list[int], rid: str) -> tuple[str, int]:
@@ -193,7 +193,7 @@ def test_500_clients_that_hang_up_leave_nothing_behind(default_model):
         client = server.app[keys.ENGINE]
         gate = server.app[keys.GATE]
         wait_idle(engine, timeout=60)
-        assert wait_until(lambda: not client.in_flight, timeout=30)
+        assert wait_until(lambda: not client.submitted, timeout=30)
 
         # What the engine saw of each client, by where the client left.
         by_label: dict[str, list[Request | None]] = {}

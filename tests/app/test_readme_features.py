@@ -219,10 +219,10 @@ def test_admission_off_serves_in_arrival_order_whatever_the_tier(fcfs_server):
         for i, (rid, tenant, max_tokens) in enumerate(sent):
             threads.append(threading.Thread(target=send, args=(rid, tenant, max_tokens)))
             threads[-1].start()
-            wait_until(lambda n=i + 1: len(client.in_flight) == n)
+            wait_until(lambda n=i + 1: len(client.submitted) == n)
             if i == 0:
                 assert held.wait(10)
-        requests = {rid.removeprefix("chatcmpl-fcfs-"): r for rid, r in client.in_flight.items()}
+        requests = {rid.removeprefix("chatcmpl-fcfs-"): r for rid, r in client.submitted.items()}
     finally:
         hold.set()
         for t in threads:

@@ -94,7 +94,7 @@ def assert_idle(server: BackgroundServer, timeout: float = 60.0) -> None:
     """Nothing held after the responses: no sequence, no block, no reservation."""
     engine = server.engine
     deadline = time.monotonic() + timeout
-    while engine.block_manager.num_used_blocks or engine.scheduler.has_work() or server.app[keys.ENGINE].in_flight:
+    while engine.block_manager.num_used_blocks or engine.scheduler.has_work() or server.app[keys.ENGINE].submitted:
         assert time.monotonic() < deadline, "engine not idle"
         time.sleep(0.02)
     engine.block_manager.check_invariants()

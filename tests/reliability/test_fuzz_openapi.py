@@ -101,4 +101,4 @@ def test_no_5xx_and_errors_are_openai_shaped(api_schema, fuzz_server):
     fuzz_server.engine.block_manager.check_invariants()
     gate = fuzz_server.app[keys.GATE]
     assert all(t.bucket.in_flight == 0 for t in gate.registry)
-    assert fuzz_server.app[keys.ENGINE].in_flight == {}
+    assert fuzz_server.app[keys.ENGINE].submitted == {}
