@@ -5,7 +5,7 @@ The engine runs the default model with its defaults. Each round generates the sa
 --concurrency requests (prompts of --prompt-len token ids, --output-len tokens,
 temperature 0; ignore_eos is off so the probe has to guess, as it does in serving) with
 the probe off, then on, then off and on again; the ratio is on/off over the rounds.
-The probe's own time is measured around Engine.probe_hook (its predictions, the loop
+The probe's own time is measured around Engine.hidden_hook (its predictions, the loop
 signals and the PCA), and the forward pass's extra gather of the probe rows is inside
 the step time it is compared with.
 """
@@ -61,18 +61,16 @@ def main() -> None:
     observe = refiner.observe
     hook_time: list[float] = []
 
-    def timed(requests, probes):
+    def timed(requests, hidden):
         start = time.perf_counter()
-        observe(requests, probes)
+        observe(requests, hidden)
         hook_time.append(time.perf_counter() - start)
 
-    runner = engine.runner
-    probe_layers, due = runner.probe_layers, engine.probe_due
-
     def switch(on: bool) -> None:
-        runner.probe_layers = probe_layers if on else frozenset()
-        engine.probe_hook = timed if on else None
-        engine.probe_due = due if on else None
+        if on:
+            engine.watch_hidden(frozenset({probe.layer}), timed, refiner.due, refiner)
+        else:
+            engine.watch_hidden(frozenset(), None)
 
     rng = random.Random(0)
     prompts = [[rng.randrange(100, shape.vocab_size) for _ in range(args.prompt_len)] for _ in range(args.concurrency)]

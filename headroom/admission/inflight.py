@@ -3,7 +3,7 @@ calibration, and how well they predict its remaining length.
 
 At fixed points (after prefill, then after 16, 32, 64 and 128 generated tokens) a
 running sequence offers: the served model's residual stream after a chosen layer at its
-last token (computed anyway; `Llama.probe_layers` keeps it), how many tokens it has
+last token (computed anyway; `Llama.hidden_layers` keeps it), how many tokens it has
 generated against its max_tokens, and cheap signals of looping in the ids it generated.
 `headroom predictor calibrate --probe-layers ...` records them (InflightRecorder);
 `headroom predictor eval --inflight FILE` scores them with grouped 4-fold CV (evaluate).
@@ -61,14 +61,14 @@ class InflightRecorder:
     _seen: dict[str, dict[int, tuple[list[np.ndarray], list[float]]]] = field(default_factory=dict)
     rows: list[dict] = field(default_factory=list)
 
-    def observe(self, requests: list[Request], probes: dict) -> None:
-        """Engine.probe_hook: each request has generated num_output_tokens so far."""
+    def observe(self, requests: list[Request], hidden: dict) -> None:
+        """Engine.hidden_hook: each request has generated num_output_tokens so far."""
         rows = [r for r, request in enumerate(requests) if request.num_output_tokens in POINTS]
         if not rows:
             return
         # One copy per layer for the rows at a point, not one per row and layer.
         index = torch.tensor(rows)
-        layers = [probes[layer][index].float().cpu().numpy().astype(np.float16) for layer in self.layers]
+        layers = [hidden[layer][index].float().cpu().numpy().astype(np.float16) for layer in self.layers]
         for i, r in enumerate(rows):
             request = requests[r]
             point = request.num_output_tokens

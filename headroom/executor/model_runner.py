@@ -30,12 +30,12 @@ class ModelOutput:
         logits: torch.Tensor,
         sample_indices: list[int],
         timer: StepTimer,
-        probes: dict[int, torch.Tensor] | None = None,
+        hidden: dict[int, torch.Tensor] | None = None,
     ):
         self.logits = logits  # (S, V) float32 for the S sampling requests
         self.sample_indices = sample_indices  # positions in SchedulerOutput.requests that sample
         self.timer = timer  # device time of the forward pass
-        self.probes = probes or {}  # layer -> (S, hidden): residual stream after it, as logits
+        self.hidden = hidden or {}  # layer -> (S, hidden): residual stream after it, as logits
 
 
 class StepTimer:
@@ -112,8 +112,8 @@ class ModelRunner:
         ]
         self.graphs: DecodeGraphs | None = None
         # Decoder layers whose residual stream at the sampling rows a step keeps
-        # (ModelOutput.probes), for the in-flight length probe and its calibration.
-        self.probe_layers: frozenset[int] = frozenset()
+        # (ModelOutput.hidden), for the in-flight length probe and its calibration.
+        self.hidden_layers: frozenset[int] = frozenset()
         if graph_sizes:
             self.graphs = DecodeGraphs(
                 model,
@@ -192,23 +192,23 @@ class ModelRunner:
         return t.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, block_manager: BlockManager, probe: bool = True) -> ModelOutput:
-        """probe: keep the rows of probe_layers this step (a step that keeps them runs
+    def execute(self, out: SchedulerOutput, block_manager: BlockManager, keep_hidden: bool = True) -> ModelOutput:
+        """keep_hidden: keep the rows of hidden_layers this step (a step that keeps them runs
         eagerly, never from a CUDA graph)."""
         batch = self.prepare(out, block_manager)
         timer = StepTimer(self.device)
         meta = batch.meta
-        probing = probe and bool(self.probe_layers) and bool(batch.sample_indices)
+        keeping = keep_hidden and bool(self.hidden_layers) and bool(batch.sample_indices)
         ctx = ForwardContext(
             meta=meta,
             kv_caches=self.kv_caches,
             backend=self.backend,
-            probe_rows=batch.logits_rows if probing else None,
-            probe_layers=self.probe_layers,
+            hidden_rows=batch.logits_rows if keeping else None,
+            hidden_layers=self.hidden_layers,
         )
-        if self.graphs is not None and not probing and self.graphs.can_run(meta.num_seqs, meta.num_decodes):
+        if self.graphs is not None and not keeping and self.graphs.can_run(meta.num_seqs, meta.num_decodes):
             hidden = self.graphs.run(batch.input_ids, batch.positions, meta)
         else:
             hidden = self.model(batch.input_ids, batch.positions, ctx)
         logits = self.model.compute_logits(hidden[batch.logits_rows]) if batch.sample_indices else hidden[:0]
-        return ModelOutput(logits, batch.sample_indices, timer.stop(), ctx.probes)
+        return ModelOutput(logits, batch.sample_indices, timer.stop(), ctx.hidden)

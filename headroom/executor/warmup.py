@@ -40,7 +40,7 @@ def time_step(runner: ModelRunner, block_manager: BlockManager, tokens: int, con
         times = []
         for _ in range(1 + TIMED_RUNS):
             started = time.perf_counter()
-            runner.execute(out, block_manager, probe=False)
+            runner.execute(out, block_manager, keep_hidden=False)
             if runner.device.type == "cuda":
                 torch.cuda.synchronize(runner.device)
             times.append(time.perf_counter() - started)

@@ -117,11 +117,11 @@ class ForwardContext:
     meta: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
     backend: AttentionBackend
-    # Rows whose residual stream is kept after each layer in probe_layers (the rows that
+    # Rows whose residual stream is kept after each layer in hidden_layers (the rows that
     # sample: each sequence's last token), for the in-flight length probe.
-    probe_rows: torch.Tensor | None = None
-    probe_layers: frozenset[int] = frozenset()
-    probes: dict[int, torch.Tensor] = field(default_factory=dict)
+    hidden_rows: torch.Tensor | None = None
+    hidden_layers: frozenset[int] = frozenset()
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class Attention(nn.Module):
@@ -194,8 +194,8 @@ class Llama(nn.Module):
         sin = freqs.sin().to(x.dtype)[:, None, :]
         for i, (layer, kv_cache) in enumerate(zip(self.layers, ctx.kv_caches, strict=True)):
             x = layer(x, cos, sin, kv_cache, ctx)
-            if ctx.probe_rows is not None and i in ctx.probe_layers:
-                ctx.probes[i] = x[ctx.probe_rows]
+            if ctx.hidden_rows is not None and i in ctx.hidden_layers:
+                ctx.hidden[i] = x[ctx.hidden_rows]
         return self.norm(x)
 
     def use_cpu_kernels(self, kernels: ModuleType) -> None:

@@ -46,7 +46,7 @@ from headroom.runtime.stats import StepAccounting, engine_counters, engine_snaps
 
 log = logging.getLogger(__name__)
 
-ProbeHook = Callable[[list[Request], dict[int, torch.Tensor]], None]
+HiddenHook = Callable[[list[Request], dict[int, torch.Tensor]], None]
 
 
 class EngineCore:
@@ -78,8 +78,8 @@ class EngineCore:
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
         # Set with watch_hidden: called on the engine thread after each forward pass with the
         # sequences that sample (before this step's token is appended) and their rows.
-        self.probe_hook: ProbeHook | None = None
-        self.probe_due: Callable[[SchedulerOutput], bool] | None = None
+        self.hidden_hook: HiddenHook | None = None
+        self.hidden_due: Callable[[SchedulerOutput], bool] | None = None
         self.inflight: InflightRefiner | None = None  # see use_inflight
         self._ids = itertools.count()
 
@@ -161,7 +161,7 @@ class EngineCore:
             if self.fault_hook is not None:
                 self.fault_hook(out)
             model_out = self.runner.execute(
-                out, self.block_manager, probe=self.probe_due is None or self.probe_due(out)
+                out, self.block_manager, keep_hidden=self.hidden_due is None or self.hidden_due(out)
             )
             sampling = [out.requests[i] for i in model_out.sample_indices]
             samples = self.sampler(model_out.logits, sampling)
@@ -183,7 +183,7 @@ class EngineCore:
         self, out: SchedulerOutput, model_out: ModelOutput, samples: SampleResult, started: float
     ) -> None:
         self._running_step = None
-        self._observe_probes(out, model_out)
+        self._observe_hidden(out, model_out)
         # The tokens exist from here on; update_from_output stamps finished_time later.
         sampled_time = time.monotonic()
         sampled: list[int | None] = [None] * len(out.requests)
@@ -204,10 +204,10 @@ class EngineCore:
                 request.first_token_time = sampled_time
             self.output_processor.token(request, logprobs.get(request.request_id), self.stats)
 
-    def _observe_probes(self, out: SchedulerOutput, model_out: ModelOutput) -> None:
-        if self.probe_hook is not None and model_out.probes:
+    def _observe_hidden(self, out: SchedulerOutput, model_out: ModelOutput) -> None:
+        if self.hidden_hook is not None and model_out.hidden:
             try:
-                self.probe_hook([out.requests[i] for i in model_out.sample_indices], model_out.probes)
+                self.hidden_hook([out.requests[i] for i in model_out.sample_indices], model_out.hidden)
             except Exception:  # an estimate is advice: losing one must not lose the step's tokens
                 log.exception("in-flight length probe failed; this step's sequences keep their estimates")
 
@@ -230,7 +230,7 @@ class EngineCore:
     def watch_hidden(
         self,
         layers: frozenset[int],
-        hook: ProbeHook | None,
+        hook: HiddenHook | None,
         due: Callable[[SchedulerOutput], bool] | None = None,
         inflight: InflightRefiner | None = None,
     ) -> None:
@@ -238,8 +238,8 @@ class EngineCore:
         after each forward pass (when `due` says the step needs them); empty layers: stop.
         `inflight`: the refiner the hook belongs to, whose estimates counters() reports."""
         with self._state_lock:  # the engine may be stepping already
-            self.runner.probe_layers = layers
-            self.probe_hook, self.probe_due, self.inflight = hook, due, inflight
+            self.runner.hidden_layers = layers
+            self.hidden_hook, self.hidden_due, self.inflight = hook, due, inflight
 
     def long_lane(self) -> LongLaneState:
         """The long lane's settings and what the engine has learned of its own step cost."""

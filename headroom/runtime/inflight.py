@@ -54,20 +54,20 @@ class InflightRefiner:
         return generated % self.every == 0 and generated <= self.last_point
 
     def due(self, out: SchedulerOutput) -> bool:
-        """Engine.probe_due: does any sequence that samples in this step need an estimate?"""
+        """Engine.hidden_due: does any sequence that samples in this step need an estimate?"""
         return any(
             r.num_computed_tokens + n == r.num_tokens and self._is_due(r)
             for r, n in zip(out.requests, out.num_scheduled_tokens, strict=True)
         )
 
-    def observe(self, requests: list[Request], probes: dict[int, torch.Tensor]) -> None:
-        """Engine.probe_hook: each request has generated num_output_tokens before this
-        step's token; probes[layer] holds their rows in the same order."""
+    def observe(self, requests: list[Request], hidden: dict[int, torch.Tensor]) -> None:
+        """Engine.hidden_hook: each request has generated num_output_tokens before this
+        step's token; hidden[layer] holds their rows in the same order."""
         due = [i for i, r in enumerate(requests) if self._is_due(r)]
         if not due:
             return
         rows = [requests[i] for i in due]
-        states = probes[self.probe.layer][torch.tensor(due)] if len(due) < len(requests) else probes[self.probe.layer]
+        states = hidden[self.probe.layer][torch.tensor(due)] if len(due) < len(requests) else hidden[self.probe.layer]
         remaining, p_cap = self.probe.predict(rows, states)
         self.estimates += len(rows)
         for request, left, p in zip(rows, remaining.tolist(), p_cap.tolist(), strict=True):

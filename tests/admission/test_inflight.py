@@ -55,8 +55,7 @@ def test_probe_of_the_last_layer_gives_the_steps_logits(engine):
     model = engine.loaded.model
     last = model.args.num_layers - 1
     seen = []
-    engine.runner.probe_layers = frozenset({3, last})
-    engine.probe_hook = lambda requests, probes: seen.append((len(requests), probes))
+    engine.watch_hidden(frozenset({3, last}), lambda requests, hidden: seen.append((len(requests), hidden)))
     sampler = engine.sampler
     engine.sampler = recording = RecordingSampler(sampler)
     try:
@@ -64,22 +63,20 @@ def test_probe_of_the_last_layer_gives_the_steps_logits(engine):
         engine.generate([ids, ids[:3]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     finally:
         engine.sampler = sampler
-        engine.runner.probe_layers = frozenset()
-        engine.probe_hook = None
+        engine.watch_hidden(frozenset(), None)
     # One prefill step and two decode steps, each sampling both sequences.
     assert [rows for rows, _ in seen] == [2, 2, 2] and len(recording.logits) == 3
-    for (rows, probes), logits in zip(seen, recording.logits, strict=True):
-        assert set(probes) == {3, last}
-        assert probes[3].shape == probes[last].shape == (rows, model.args.hidden_size)
+    for (rows, hidden), logits in zip(seen, recording.logits, strict=True):
+        assert set(hidden) == {3, last}
+        assert hidden[3].shape == hidden[last].shape == (rows, model.args.hidden_size)
         with torch.inference_mode():
-            again = model.compute_logits(model.norm(probes[last]))
+            again = model.compute_logits(model.norm(hidden[last]))
         torch.testing.assert_close(again, logits, rtol=0, atol=0)
 
 
 def test_recorder_keeps_each_point_a_sequence_reached_with_what_remained(engine):
     recorder = InflightRecorder(layers=(5, 20))
-    engine.runner.probe_layers = frozenset(recorder.layers)
-    engine.probe_hook = recorder.observe
+    engine.watch_hidden(frozenset(recorder.layers), recorder.observe)
     try:
         ids = engine.tokenizer.encode("Once upon a time")
         requests = engine.generate(
@@ -90,8 +87,7 @@ def test_recorder_keeps_each_point_a_sequence_reached_with_what_remained(engine)
             ],
         )
     finally:
-        engine.runner.probe_layers = frozenset()
-        engine.probe_hook = None
+        engine.watch_hidden(frozenset(), None)
     for i, request in enumerate(requests):
         recorder.finish({"id": f"r{i}"}, request, "length")
     rows = [(r["id"], r["point"], r["output_tokens"], r["max_tokens"], r["capped"]) for r in recorder.rows]

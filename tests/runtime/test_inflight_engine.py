@@ -121,8 +121,13 @@ def test_the_probe_reads_the_steps_own_forward_pass(engine, probe):
 
         probe.predict = spy
         refiner = engine.use_inflight(probe, every=16, runaway_threshold=0.8, long_min_output=512)
-        kept = []  # the steps that kept probe rows: only those with an estimate due
-        engine.probe_hook = lambda requests, probes: (kept.append(len(requests)), refiner.observe(requests, probes))
+        kept = []  # the steps that kept hidden rows: only those with an estimate due
+        engine.watch_hidden(
+            frozenset({probe.layer}),
+            lambda requests, hidden: (kept.append(len(requests)), refiner.observe(requests, hidden)),
+            refiner.due,
+            refiner,
+        )
         probed = engine.generate([ids], sampling)[0].output_token_ids
     finally:
         counter.remove()
