@@ -102,10 +102,10 @@ def test_deprioritize_acts_once():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"policy_action": "kill"}, "policy_action must be one of deprioritize, cap, abort, got 'kill'"),
-        ({"max_kv_share": 1.5}, "max_kv_share must be in (0, 1], got 1.5"),
-        ({"max_runaway_probability": 0}, "max_runaway_probability must be in (0, 1], got 0"),
-        ({"max_age_s": 0}, "max_age_s must be > 0, got 0"),
+        ({"policy_action": "kill"}, "admin.policy_action must be one of deprioritize, cap, abort, got 'kill'"),
+        ({"max_kv_share": 1.5}, "admin.max_kv_share must be in (0, 1], got 1.5"),
+        ({"max_runaway_probability": 0}, "admin.max_runaway_probability must be in (0, 1], got 0"),
+        ({"max_age_s": 0}, "admin.max_age_s must be > 0, got 0"),
         ({"token": "short"}, "admin token must be at least 16 characters"),
     ],
 )
