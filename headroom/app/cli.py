@@ -12,7 +12,7 @@ import queue
 import sys
 
 from headroom.admission.tool import add_predictor_parser
-from headroom.app.flags import add_engine_args, build_config, on_off
+from headroom.app.flags import add_engine_args, build_config, choices, on_off
 from headroom.config import ConfigError
 from headroom.observability.logs import configure_logging
 from headroom.runtime.engine import Engine
@@ -77,7 +77,7 @@ def cmd_top(ns: argparse.Namespace) -> int:
     return top.main(ns)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="headroom", description="headroom LLM inference server")
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--drain-timeout", type=float, help="seconds streams may run on after SIGTERM")
     srv.add_argument(
         "--unknown-fields",
-        choices=["reject", "accept"],
+        choices=choices("unknown_fields"),
         help="a request field no schema knows: 400 naming it (reject, as OpenAI) "
         "or ignored with a warning (accept, as vLLM)",
     )
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--admission", type=on_off, metavar="on|off", help="per-tenant admission control")
     srv.add_argument(
         "--log-format",
-        choices=["auto", "json", "console"],
+        choices=choices("log_format"),
         help="log lines as JSON (default when not a terminal) or for a human",
     )
     srv.add_argument(
@@ -134,8 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     top.add_argument("--sort", choices=["cost", "kv_blocks", "age", "output_tokens", "progress"], default="cost")
     top.set_defaults(func=cmd_top)
+    return parser
 
-    ns = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return ns.func(ns)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import tomllib
+from typing import get_args
 
 from headroom.config import (
     AdminConfig,
@@ -63,6 +64,18 @@ _SECTIONS = {
 }
 
 
+def config_field(dest: str) -> tuple[type, str]:
+    """The config class and field a flag sets."""
+    section, name = _FLAGS[dest]
+    return (_SECTIONS[section] if section else Config), name
+
+
+def choices(dest: str) -> list[str]:
+    """A flag's choices: the Literal values its config field allows, so the two never differ."""
+    cls, name = config_field(dest)
+    return list(get_args(cls.__pydantic_fields__[name].annotation))
+
+
 def on_off(value: str) -> bool:
     if value not in ("on", "off"):
         raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
@@ -74,10 +87,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--config", default=None, help="TOML file with [model] [cache] [scheduler] [server] tables")
     g.add_argument("--model", help="GGUF file or HF checkpoint dir (default: SmolLM2-135M-Instruct)")
     g.add_argument("--served-model-name")
-    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", choices=choices("dtype"))
     g.add_argument(
         "--quantization",
-        choices=["auto", "none", "int8", "int4"],
+        choices=choices("quantization"),
         help="weight-only quantised linears on the CPU (auto: int4 for a float32 model on the CPU)",
     )
     g.add_argument("--device", help="auto, cpu, cuda, cuda:N")
@@ -94,7 +107,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-gib", type=float)
     g.add_argument(
         "--kv-cache-dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=choices("kv_cache_dtype"),
         help="the KV cache's dtype (auto: float16 beside quantised CPU weights, else the model's)",
     )
     g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None)

@@ -1,0 +1,55 @@
+"""The CLI's flags against the config they set: each names a real field, offers that field's
+choices, and hands it a value of the type the (strict) config takes."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Literal, get_args, get_origin
+
+import pytest
+
+from headroom.app.cli import build_parser
+from headroom.app.flags import _FLAGS, build_config, config_field
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return subparsers.choices["serve"]
+
+
+def literal_values(annotation) -> tuple:
+    if get_origin(annotation) is Literal:
+        return get_args(annotation)
+    return tuple(v for arg in get_args(annotation) for v in literal_values(arg))
+
+
+@pytest.mark.parametrize("dest", sorted(_FLAGS))
+def test_every_flag_sets_a_real_field_and_offers_its_choices(dest):
+    cls, name = config_field(dest)
+    assert name in {f.name for f in dataclasses.fields(cls)}, f"--{dest} sets {cls.__name__}.{name}, no such field"
+    actions = [a for a in serve_parser()._actions if a.dest == dest]
+    assert len(actions) == 1, f"serve has no flag --{dest}"
+    allowed = literal_values(cls.__pydantic_fields__[name].annotation)
+    assert tuple(actions[0].choices or ()) == allowed, f"--{dest} offers {actions[0].choices}, the config {allowed}"
+
+
+SERVE = [
+    "serve",
+    *("--model", "m.gguf", "--served-model-name", "m", "--dtype", "float32", "--quantization", "int8"),
+    *("--device", "cpu", "--max-model-len", "512", "--enforce-eager", "--attention-backend", "torch"),
+    *("--block-size", "16", "--num-kv-blocks", "64", "--kv-cache-memory-gib", "2", "--kv-cache-dtype", "float16"),
+    *("--no-prefix-caching", "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--no-chunked-prefill"),
+    *("--host", "0.0.0.0", "--port", "9000", "--max-body-bytes", "4096", "--max-queue-len", "5"),
+    *("--drain-timeout", "3", "--unknown-fields", "accept", "--request-metrics", "--seed", "7"),
+    *("--admission", "off", "--log-format", "json", "--log-prompts"),
+]
+
+
+def test_every_flag_hands_the_strict_config_a_value_it_takes():
+    ns = serve_parser().parse_args(SERVE[1:])
+    assert {dest for dest in _FLAGS if getattr(ns, dest) is not None} == set(_FLAGS)  # SERVE gives them all
+    config = build_config(ns)
+    for dest in _FLAGS:
+        section, name = _FLAGS[dest]
+        assert getattr(getattr(config, section) if section else config, name) == getattr(ns, dest), dest
