@@ -10,6 +10,7 @@ import logging
 import time
 from typing import Any
 
+from headroom.config import ACTIONS
 from headroom.runtime.loops import Finding, LoopPolicy
 from headroom.runtime.output_processor import OutputProcessor
 from headroom.runtime.outputs import (
@@ -64,9 +65,6 @@ def on_loop(request: Request, finding: Finding, cap_tokens: int) -> RequestStatu
         return None
     request.admin_actions.append(f"flag by loop detector: {finding.what}")
     return None
-
-
-ACTIONS = ("abort", "deprioritize", "cap")
 
 
 def apply(
