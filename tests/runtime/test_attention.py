@@ -299,6 +299,18 @@ def test_cpu_paged_prefill_in_place_matches_naive(cache_dtype: torch.dtype, num_
     check_cpu_paged_backend(rounded_to_cache(batch, cache_dtype))
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("seq_lens", [[3001], [2600, 1], [1500, 2100, 7]], ids=str)
+def test_cpu_paged_decode_merges_spans_of_long_contexts(cache_dtype: torch.dtype, seq_lens: list[int]) -> None:
+    # Few long rows: on AVX2 each context is cut into spans (4, 2 and 2 here, on one
+    # thread) whose partial softmaxes are merged; [2600, 1] gives the 1-token row an
+    # empty span, and block_size 16 puts span edges inside blocks.
+    batch = make_batch(
+        [1] * len(seq_lens), seq_lens, num_heads=9, num_kv_heads=3, block_size=16, head_dim=64, seed=len(seq_lens)
+    )
+    check_cpu_paged_backend(rounded_to_cache(batch, cache_dtype))
+
+
 @settings(max_examples=60, deadline=None)
 @given(batch_shapes(), st.sampled_from([64, 128]), st.sampled_from([torch.float32, torch.float16]))
 def test_cpu_paged_matches_naive_on_random_shapes(shape: dict, head_dim: int, cache_dtype: torch.dtype) -> None:

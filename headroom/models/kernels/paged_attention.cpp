@@ -1,11 +1,12 @@
 // Decode attention on the CPU that reads K and V in place from the paged cache (no
 // gather into a padded copy, no mask): one query token per sequence, float32 queries and
 // arithmetic over a float32, float16 or bfloat16 cache (16 bits halve the bytes a step
-// reads; they are widened to float32 as they are loaded), any GQA ratio. Threads over (sequence, kv head); the query heads that share a kv head are
-// scored together so each cached key and value is read once per step. Given this step's
-// keys and values with their slots, it writes them into the cache first (the same
-// thread that then reads them). With AVX-512 and a head_dim of 64 or 128, a query
-// group's heads live in registers and the softmax's exp is vectorised.
+// reads; they are widened to float32 as they are loaded), any GQA ratio. The query heads
+// that share a kv head are scored together so each cached key and value is read once per
+// step. Given this step's keys and values with their slots, it writes them into the cache
+// first. With AVX2, each sequence's context is read in spans by the tile kernel (see
+// decode_spans); with AVX-512 and a head_dim of 64 or 128, threads go over (sequence, kv
+// head), a query group's heads live in registers and the softmax's exp is vectorised.
 #include <torch/extension.h>
 
 #include "paged_tile.h"
@@ -129,6 +130,76 @@ void attend_512(const float* qh, const T* kp, const T* vp, const int32_t* table,
 }
 #endif
 
+// Keys a span of one context covers at least: below this, splitting a context across
+// threads costs more in merging and in passes begun than it gains.
+constexpr int64_t kMinSpan = 512;
+
+// The AVX2 path: one item per sequence and all its kv heads, so that a pass reads whole
+// token rows (a block is one run of memory, which the hardware prefetcher follows; an
+// item per kv head read a third of every row and ran at three quarters the speed). A
+// context is cut into spans when there are too few sequences to keep every thread busy
+// (one or two long rows), and the spans' partial softmaxes are merged after.
+template <typename T>
+void decode_spans(const float* qp, T* kc, T* vc, const int32_t* tp, const int32_t* lp, float* op, int64_t B,
+                  int64_t Hq, int64_t Hkv, int64_t D, int64_t W, int64_t block_size, float s, const float* knp,
+                  const float* vnp, int64_t kn_row, int64_t vn_row, const int64_t* sp) {
+  const int64_t group = Hq / Hkv;
+  const int64_t token_stride = Hkv * D, block_stride = block_size * Hkv * D;
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = lp[b];
+    TORCH_CHECK(len >= 1 && (len + block_size - 1) / block_size <= W, "seq_len does not fit the block table");
+    longest = std::max(longest, len);
+    if (sp != nullptr)  // this step's keys and values first, before any span reads them
+      for (int64_t h = 0; h < Hkv; ++h) {
+        store_row(knp + b * kn_row + h * D, kc + sp[b] * token_stride + h * D, D);
+        store_row(vnp + b * vn_row + h * D, vc + sp[b] * token_stride + h * D, D);
+      }
+  }
+  const int64_t threads = at::get_num_threads();
+  const int64_t spans = std::clamp<int64_t>((4 * threads + B - 1) / B, 1, std::max<int64_t>(1, longest / kMinSpan));
+  const int64_t part = Hq * (D + 2);  // a span's m, l and output
+  std::vector<float> partial(spans > 1 ? B * spans * part : 0);
+  headroom::parallel_rows(B, B * spans, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> own(spans > 1 ? 0 : part);
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t b = work / spans, span = work % spans;
+      const int64_t len = lp[b], first = len * span / spans, last = len * (span + 1) / spans;
+      float* m = spans > 1 ? partial.data() + work * part : own.data();
+      float *l = m + Hq, *o = l + Hq;
+      std::fill(m, m + Hq, -std::numeric_limits<float>::infinity());
+      std::fill(l, o + Hq * D, 0.f);
+      const headroom::TileArgs a{qp + b * Hq * D, nullptr, Hq * D, 1, len - 1, group, D, tp + b * W,
+                                 block_size, token_stride, block_stride, 0, s};
+      if (first < last) headroom::decode_span(a, Hkv, kc, vc, first, last, m, l, o);
+      if (spans == 1)
+        for (int64_t r = 0; r < Hq; ++r) {
+          const float inv = 1.f / l[r];
+          float* dst = op + (b * Hq + r) * D;
+          for (int64_t i = 0; i < D; ++i) dst[i] = o[r * D + i] * inv;
+        }
+    }
+  });
+  if (spans == 1) return;
+  for (int64_t b = 0; b < B; ++b) {  // o = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M)
+    for (int64_t r = 0; r < Hq; ++r) {
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t span = 0; span < spans; ++span) top = std::max(top, partial[(b * spans + span) * part + r]);
+      float* dst = op + (b * Hq + r) * D;
+      std::fill(dst, dst + D, 0.f);
+      float total = 0.f;
+      for (int64_t span = 0; span < spans; ++span) {
+        const float* m = partial.data() + (b * spans + span) * part;
+        const float w = std::exp(m[r] - top);  // 0 for an empty span (m = -inf)
+        total += m[Hq + r] * w;
+        axpy(w, m + 2 * Hq + r * D, dst, D);
+      }
+      const float inv = 1.f / total;
+      for (int64_t i = 0; i < D; ++i) dst[i] *= inv;
+    }
+  }
+}
+
 // The cache's element type T is float or bf16; q, k_new, v_new and the output are float32.
 template <typename T>
 void decode(const float* qp, T* kc, T* vc, const int32_t* tp, const int32_t* lp, float* op, int64_t B, int64_t Hq,
@@ -136,6 +207,15 @@ void decode(const float* qp, T* kc, T* vc, const int32_t* tp, const int32_t* lp,
             int64_t kn_row, int64_t vn_row, const int64_t* sp) {
   const int64_t group = Hq / Hkv;
   const int64_t token_stride = Hkv * D, block_stride = block_size * Hkv * D;
+#ifdef __AVX512F__
+  const bool wide = D == 64 || D == 128;  // attend_512 below
+#else
+  const bool wide = false;
+#endif
+  if (!wide && headroom::tile_available(D)) {
+    decode_spans(qp, kc, vc, tp, lp, op, B, Hq, Hkv, D, W, block_size, s, knp, vnp, kn_row, vn_row, sp);
+    return;
+  }
   headroom::parallel_rows(B, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, row(D);
     for (int64_t item = begin; item < end; ++item) {
@@ -158,12 +238,6 @@ void decode(const float* qp, T* kc, T* vc, const int32_t* tp, const int32_t* lp,
         continue;
       }
 #endif
-      if (headroom::tile_available(D)) {  // AVX2: the tiled kernel, one query token
-        const headroom::TileArgs a{qh, op + (b * Hq + h * group) * D, Hq * D, 1, len - 1, group, D, table,
-                                   block_size, token_stride, block_stride, h, s};
-        headroom::attend_tile(a, kc, vc);
-        continue;
-      }
       scores.assign(group * len, 0.f);
       // Portable: each cached row widened to float32 first, then AVX2 where the build has it.
       auto cached = [&](const T* cache, int64_t t) -> const float* {

@@ -27,6 +27,7 @@ using bf16 = c10::BFloat16;
 using f16 = c10::Half;
 constexpr int64_t kKeys = 16;  // keys per pass
 
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m256 load8(const bf16* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -185,12 +186,145 @@ void attend(const TileArgs& a, const T* kc, const T* vc) {
     }
 }
 
+
+// The sum of each of four vectors' lanes: [sum a0, sum a1, sum a2, sum a3].
+inline __m128 sums4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// One pass of up to kKeys keys (rows at `here`, n of them) for G query heads (G <= 3) of
+// one decode token that share a kv head, each key and value read straight from the cache
+// into registers: no float32 copy of the rows. Folds the pass into the heads' running max
+// m, softmax denominator l and unnormalised output o (G x d), and asks for its `count`
+// of the next pass's cache lines a quarter at a time along the way.
+template <int G, typename T>
+inline void pass_heads(const float* q, const T* kc, const T* vc, const int64_t* here, int64_t n, int64_t d,
+                       float scale, float* m, float* l, float* o, const char* const* lines, int64_t count) {
+  alignas(32) float p[G][kKeys];
+  // Scores, four keys at a time: G x 4 accumulators and one row's vector live, 16 registers.
+  for (int64_t t0 = 0; t0 < kKeys; t0 += 4) {
+    if (t0 >= n) {
+      for (int g = 0; g < G; ++g) _mm_store_ps(&p[g][t0], _mm_set1_ps(-std::numeric_limits<float>::infinity()));
+      continue;
+    }
+    for (int64_t i = count * t0 / kKeys; i < count * (t0 + 4) / kKeys; ++i) _mm_prefetch(lines[i], _MM_HINT_T0);
+    __m256 acc[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+      for (int j = 0; j < 4; ++j) {
+        const __m256 x = load8(kc + here[t0 + j] + i);
+        for (int g = 0; g < G; ++g) acc[g][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + i), x, acc[g][j]);
+      }
+    }
+    for (int g = 0; g < G; ++g) _mm_store_ps(&p[g][t0], sums4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+  }
+  // Online softmax per head: p <- e^(s - m'), the running output rescaled by e^(m - m').
+  const __m256 sv = _mm256_set1_ps(scale);
+  const __m256 none = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  float carry[G];
+  for (int g = 0; g < G; ++g) {
+    const __m256 s0 = mask_from(_mm256_mul_ps(_mm256_load_ps(p[g]), sv), n);
+    const __m256 s1 = mask_from(_mm256_mul_ps(_mm256_load_ps(p[g] + 8), sv), n - 8);
+    const float top = std::max(m[g], hmax(_mm256_max_ps(s0, s1)));
+    carry[g] = std::exp(m[g] - top);  // 0 for the first keys (m = -inf)
+    const __m256 tv = _mm256_set1_ps(top);
+    const __m256 e0 = _mm256_and_ps(exp8(_mm256_sub_ps(s0, tv)), _mm256_cmp_ps(s0, none, _CMP_NEQ_OQ));
+    const __m256 e1 = _mm256_and_ps(exp8(_mm256_sub_ps(s1, tv)), _mm256_cmp_ps(s1, none, _CMP_NEQ_OQ));
+    _mm256_store_ps(p[g], e0);
+    _mm256_store_ps(p[g] + 8, e1);
+    l[g] = l[g] * carry[g] + hsum(_mm256_add_ps(e0, e1));
+    m[g] = top;
+  }
+  // Values, 32 output dims at a time: G x 4 accumulators, G weights and one row's vector.
+  for (int64_t i = 0; i < d; i += 32) {
+    __m256 acc[G][4];
+    for (int g = 0; g < G; ++g) {
+      const __m256 cv = _mm256_set1_ps(carry[g]);
+      for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_mul_ps(_mm256_loadu_ps(o + g * d + i + 8 * j), cv);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const T* v = vc + here[t] + i;
+      __m256 pt[G];
+      for (int g = 0; g < G; ++g) pt[g] = _mm256_broadcast_ss(&p[g][t]);
+      for (int j = 0; j < 4; ++j) {
+        const __m256 x = load8(v + 8 * j);
+        for (int g = 0; g < G; ++g) acc[g][j] = _mm256_fmadd_ps(pt[g], x, acc[g][j]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(o + g * d + i + 8 * j, acc[g][j]);
+  }
+}
+
+// Keys [begin, end) for the query heads of kv heads [a.kv_head, a.kv_head + kv_heads):
+// pass by pass, every kv head's rows of a token before the next token's, so that a pass
+// reads the cache's token rows whole (a block is one run of memory). The next pass's lines
+// are prefetched spread across this pass's work: asked for in one burst at its start (as
+// the prefill tile does), the prefetches outnumber the core's outstanding misses and
+// hold up the arithmetic they were meant to overlap, so memory and arithmetic took turns.
+template <typename T>
+void decode(const TileArgs& a, int64_t kv_heads, const T* kc, const T* vc, int64_t begin, int64_t end, float* m,
+            float* l, float* o) {
+  const int64_t d = a.head_dim, width = kv_heads * d;
+  TileArgs rows = a;
+  rows.kv_head = 0;  // offsets of whole token rows; each head adds its own
+  const int64_t row_bytes = width * static_cast<int64_t>(sizeof(T)), calls = kv_heads * ((a.group + 2) / 3);
+  thread_local std::vector<const char*> lines;
+  lines.resize(2 * kKeys * ((row_bytes + 63) / 64));
+  int64_t here[kKeys], ahead[kKeys];
+  offsets_of(rows, begin, std::min(kKeys, end - begin), ahead);
+  for (int64_t c0 = begin; c0 < end; c0 += kKeys) {
+    const int64_t n = std::min(kKeys, end - c0);
+    const int64_t next = std::min(kKeys, end - c0 - n);
+    std::copy(ahead, ahead + n, here);
+    for (int64_t t = n; t < kKeys; ++t) here[t] = here[0];  // scored, then masked
+    int64_t count = 0;  // the next pass's cache lines, asked for a slice at a time as this pass runs
+    if (next > 0) {
+      offsets_of(rows, c0 + n, next, ahead);
+      for (int64_t t = 0; t < next; ++t)
+        for (int64_t line = 0; line < row_bytes; line += 64) {
+          lines[count++] = reinterpret_cast<const char*>(kc + a.kv_head * d + ahead[t]) + line;
+          lines[count++] = reinterpret_cast<const char*>(vc + a.kv_head * d + ahead[t]) + line;
+        }
+    }
+    int64_t call = 0;
+    for (int64_t h = a.kv_head; h < a.kv_head + kv_heads; ++h) {
+      for (int64_t g0 = 0; g0 < a.group; g0 += 3, ++call) {  // three heads at a time fill the registers
+        const char* const* slice = lines.data() + count * call / calls;
+        const int64_t share = count * (call + 1) / calls - count * call / calls;
+        const int64_t r = (h - a.kv_head) * a.group + g0;
+        const float* q = a.q + r * d;
+        const T *k = kc + h * d, *v = vc + h * d;
+        switch (std::min<int64_t>(3, a.group - g0)) {
+          case 1: pass_heads<1>(q, k, v, here, n, d, a.scale, m + r, l + r, o + r * d, slice, share); break;
+          case 2: pass_heads<2>(q, k, v, here, n, d, a.scale, m + r, l + r, o + r * d, slice, share); break;
+          default: pass_heads<3>(q, k, v, here, n, d, a.scale, m + r, l + r, o + r * d, slice, share); break;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 bool tile_available(int64_t head_dim) { return head_dim > 0 && head_dim % 64 == 0; }
 void attend_tile(const TileArgs& a, const float* k, const float* v) { attend(a, k, v); }
 void attend_tile(const TileArgs& a, const c10::Half* k, const c10::Half* v) { attend(a, k, v); }
 void attend_tile(const TileArgs& a, const c10::BFloat16* k, const c10::BFloat16* v) { attend(a, k, v); }
+void decode_span(const TileArgs& a, int64_t kv_heads, const float* k, const float* v, int64_t begin,
+                 int64_t end, float* m, float* l, float* o) {
+  decode(a, kv_heads, k, v, begin, end, m, l, o);
+}
+void decode_span(const TileArgs& a, int64_t kv_heads, const c10::Half* k, const c10::Half* v, int64_t begin,
+                 int64_t end, float* m, float* l, float* o) {
+  decode(a, kv_heads, k, v, begin, end, m, l, o);
+}
+void decode_span(const TileArgs& a, int64_t kv_heads, const c10::BFloat16* k, const c10::BFloat16* v, int64_t begin,
+                 int64_t end, float* m, float* l, float* o) {
+  decode(a, kv_heads, k, v, begin, end, m, l, o);
+}
 
 #else  // no AVX2+FMA+F16C: callers keep their portable paths
 
@@ -198,6 +332,16 @@ bool tile_available(int64_t) { return false; }
 void attend_tile(const TileArgs&, const float*, const float*) { TORCH_CHECK(false, "no tiled attention in this build"); }
 void attend_tile(const TileArgs&, const c10::Half*, const c10::Half*) { TORCH_CHECK(false, "no tiled attention in this build"); }
 void attend_tile(const TileArgs&, const c10::BFloat16*, const c10::BFloat16*) {
+  TORCH_CHECK(false, "no tiled attention in this build");
+}
+void decode_span(const TileArgs&, int64_t, const float*, const float*, int64_t, int64_t, float*, float*, float*) {
+  TORCH_CHECK(false, "no tiled attention in this build");
+}
+void decode_span(const TileArgs&, int64_t, const c10::Half*, const c10::Half*, int64_t, int64_t, float*, float*, float*) {
+  TORCH_CHECK(false, "no tiled attention in this build");
+}
+void decode_span(const TileArgs&, int64_t, const c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t, float*, float*,
+                 float*) {
   TORCH_CHECK(false, "no tiled attention in this build");
 }
 

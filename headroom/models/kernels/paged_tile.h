@@ -30,4 +30,17 @@ void attend_tile(const TileArgs& a, const float* k_cache, const float* v_cache);
 void attend_tile(const TileArgs& a, const c10::Half* k_cache, const c10::Half* v_cache);
 void attend_tile(const TileArgs& a, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache);
 
+// One decode token (a.tokens == 1) over keys [begin, end) only, for the query heads of kv
+// heads [a.kv_head, a.kv_head + kv_heads) (a.q at the first one's first query head): the
+// span's running max and softmax denominator per query head (m, l: kv_heads x group
+// floats, set by the caller to -inf and 0) and its unnormalised output (o: kv_heads x group
+// x head_dim, zeroed by the caller), so that spans of one context computed on different
+// threads merge into the whole.
+void decode_span(const TileArgs& a, int64_t kv_heads, const float* k_cache, const float* v_cache, int64_t begin,
+                 int64_t end, float* m, float* l, float* o);
+void decode_span(const TileArgs& a, int64_t kv_heads, const c10::Half* k_cache, const c10::Half* v_cache,
+                 int64_t begin, int64_t end, float* m, float* l, float* o);
+void decode_span(const TileArgs& a, int64_t kv_heads, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+                 int64_t begin, int64_t end, float* m, float* l, float* o);
+
 }  // namespace headroom
