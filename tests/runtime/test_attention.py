@@ -300,11 +300,12 @@ def test_cpu_paged_prefill_in_place_matches_naive(cache_dtype: torch.dtype, num_
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("seq_lens", [[3001], [2600, 1], [1500, 2100, 7]], ids=str)
+@pytest.mark.parametrize("seq_lens", [[3001], [2600, 1], [1500, 2100, 7], [40, 2600, 9, 1300]], ids=str)
 def test_cpu_paged_decode_merges_spans_of_long_contexts(cache_dtype: torch.dtype, seq_lens: list[int]) -> None:
-    # Few long rows: on AVX2 each context is cut into spans (4, 2 and 2 here, on one
-    # thread) whose partial softmaxes are merged; [2600, 1] gives the 1-token row an
-    # empty span, and block_size 16 puts span edges inside blocks.
+    # On AVX2 each context is cut into spans of about an equal share of the step's keys
+    # (on one thread, four shares: 3001 -> 4 spans, 2600 -> 4, 2100 -> 3, ...) dealt to
+    # threads, their partial softmaxes merged after; block_size 16 puts span edges inside
+    # blocks, and short rows beside long ones stay whole.
     batch = make_batch(
         [1] * len(seq_lens), seq_lens, num_heads=9, num_kv_heads=3, block_size=16, head_dim=64, seed=len(seq_lens)
     )

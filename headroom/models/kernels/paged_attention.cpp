@@ -134,68 +134,117 @@ void attend_512(const float* qh, const T* kp, const T* vp, const int32_t* table,
 // threads costs more in merging and in passes begun than it gains.
 constexpr int64_t kMinSpan = 512;
 
-// The AVX2 path: one item per sequence and all its kv heads, so that a pass reads whole
-// token rows (a block is one run of memory, which the hardware prefetcher follows; an
-// item per kv head read a third of every row and ran at three quarters the speed). A
-// context is cut into spans when there are too few sequences to keep every thread busy
-// (one or two long rows), and the spans' partial softmaxes are merged after.
+// Keys [first, last) of sequence b: one unit of work.
+struct Span {
+  int64_t b, first, last;
+};
+
+// The spans, dealt into 4 bins a thread, so that bins are of about equal work. Contexts
+// differ in length by 100x in one step (a reasoning row beside chat rows), and
+// at::parallel_for hands each thread a contiguous run of items, so by count alone one
+// thread would take the long rows. Each context is cut into spans of about an equal share
+// of all keys; longest first, each goes to the bin with the least work, ties going to the
+// thread with the least, so that equal spans alternate between threads.
+inline std::vector<std::vector<Span>> deal(const int32_t* lp, int64_t B, int64_t threads, int64_t* spans_of) {
+  const int64_t per = 4, bins = per * threads;
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) total += lp[b];
+  const int64_t target = std::max(kMinSpan, (total + bins - 1) / bins);
+  std::vector<Span> spans;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = lp[b], n = std::max<int64_t>(1, (len + target - 1) / target);
+    spans_of[b] = n;
+    for (int64_t i = 0; i < n; ++i) spans.push_back({b, len * i / n, len * (i + 1) / n});
+  }
+  std::stable_sort(spans.begin(), spans.end(),
+                   [](const Span& x, const Span& y) { return x.last - x.first > y.last - y.first; });
+  std::vector<std::vector<Span>> dealt(bins);
+  std::vector<int64_t> load(bins, 0);
+  for (const Span& span : spans) {
+    int64_t best = 0;
+    for (int64_t i = 1; i < bins; ++i) {  // bins in the order thread 0's first, thread 1's first, ...
+      const int64_t bin = (i % threads) * per + i / threads;
+      if (load[bin] < load[best]) best = bin;
+    }
+    dealt[best].push_back(span);
+    load[best] += span.last - span.first;
+  }
+  return dealt;
+}
+
+// The AVX2 path: an item per span of one sequence's context with all its kv heads, so
+// that a pass reads whole token rows (a block is one run of memory, which the hardware
+// prefetcher follows; an item per kv head read a third of every row and ran at three
+// quarters the speed). Spans of one context computed on different threads are merged
+// after from their partial softmaxes.
 template <typename T>
 void decode_spans(const float* qp, T* kc, T* vc, const int32_t* tp, const int32_t* lp, float* op, int64_t B,
                   int64_t Hq, int64_t Hkv, int64_t D, int64_t W, int64_t block_size, float s, const float* knp,
                   const float* vnp, int64_t kn_row, int64_t vn_row, const int64_t* sp) {
   const int64_t group = Hq / Hkv;
   const int64_t token_stride = Hkv * D, block_stride = block_size * Hkv * D;
-  int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t len = lp[b];
-    TORCH_CHECK(len >= 1 && (len + block_size - 1) / block_size <= W, "seq_len does not fit the block table");
-    longest = std::max(longest, len);
+    TORCH_CHECK(lp[b] >= 1 && (lp[b] + block_size - 1) / block_size <= W, "seq_len does not fit the block table");
     if (sp != nullptr)  // this step's keys and values first, before any span reads them
       for (int64_t h = 0; h < Hkv; ++h) {
         store_row(knp + b * kn_row + h * D, kc + sp[b] * token_stride + h * D, D);
         store_row(vnp + b * vn_row + h * D, vc + sp[b] * token_stride + h * D, D);
       }
   }
-  const int64_t threads = at::get_num_threads();
-  const int64_t spans = std::clamp<int64_t>((4 * threads + B - 1) / B, 1, std::max<int64_t>(1, longest / kMinSpan));
+  std::vector<int64_t> spans_of(B);
+  const auto bins = deal(lp, B, at::get_num_threads(), spans_of.data());
   const int64_t part = Hq * (D + 2);  // a span's m, l and output
-  std::vector<float> partial(spans > 1 ? B * spans * part : 0);
-  headroom::parallel_rows(B, B * spans, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> own(spans > 1 ? 0 : part);
-    for (int64_t work = begin; work < end; ++work) {
-      const int64_t b = work / spans, span = work % spans;
-      const int64_t len = lp[b], first = len * span / spans, last = len * (span + 1) / spans;
-      float* m = spans > 1 ? partial.data() + work * part : own.data();
-      float *l = m + Hq, *o = l + Hq;
-      std::fill(m, m + Hq, -std::numeric_limits<float>::infinity());
-      std::fill(l, o + Hq * D, 0.f);
-      const headroom::TileArgs a{qp + b * Hq * D, nullptr, Hq * D, 1, len - 1, group, D, tp + b * W,
-                                 block_size, token_stride, block_stride, 0, s};
-      if (first < last) headroom::decode_span(a, Hkv, kc, vc, first, last, m, l, o);
-      if (spans == 1)
-        for (int64_t r = 0; r < Hq; ++r) {
-          const float inv = 1.f / l[r];
-          float* dst = op + (b * Hq + r) * D;
-          for (int64_t i = 0; i < D; ++i) dst[i] = o[r * D + i] * inv;
-        }
+  // Where each sequence's spans keep their partial results (none for a single span).
+  std::vector<int64_t> slot_of(B, -1);
+  int64_t slots = 0;
+  for (int64_t b = 0; b < B; ++b)
+    if (spans_of[b] > 1) {
+      slot_of[b] = slots;
+      slots += spans_of[b];
     }
+  std::vector<float> partial(slots * part);
+  std::vector<int64_t> next_slot(slot_of);  // handed out here, not on the threads
+  std::vector<std::vector<int64_t>> slot_in(bins.size());
+  for (size_t i = 0; i < bins.size(); ++i)
+    for (const Span& span : bins[i]) slot_in[i].push_back(spans_of[span.b] > 1 ? next_slot[span.b]++ : -1);
+  headroom::parallel_rows(B, static_cast<int64_t>(bins.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> own(part);
+    for (int64_t i = begin; i < end; ++i)
+      for (size_t j = 0; j < bins[i].size(); ++j) {
+        const Span& span = bins[i][j];
+        const int64_t b = span.b, slot = slot_in[i][j];
+        float* m = slot >= 0 ? partial.data() + slot * part : own.data();
+        float *l = m + Hq, *o = l + Hq;
+        std::fill(m, m + Hq, -std::numeric_limits<float>::infinity());
+        std::fill(l, o + Hq * D, 0.f);
+        const headroom::TileArgs a{qp + b * Hq * D, nullptr, Hq * D, 1, lp[b] - 1, group, D, tp + b * W,
+                                   block_size, token_stride, block_stride, 0, s};
+        headroom::decode_span(a, Hkv, kc, vc, span.first, span.last, m, l, o);
+        if (slot < 0)
+          for (int64_t r = 0; r < Hq; ++r) {
+            const float inv = 1.f / l[r];
+            float* dst = op + (b * Hq + r) * D;
+            for (int64_t k = 0; k < D; ++k) dst[k] = o[r * D + k] * inv;
+          }
+      }
   });
-  if (spans == 1) return;
   for (int64_t b = 0; b < B; ++b) {  // o = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M)
+    if (slot_of[b] < 0) continue;
+    const float* first = partial.data() + slot_of[b] * part;
     for (int64_t r = 0; r < Hq; ++r) {
       float top = -std::numeric_limits<float>::infinity();
-      for (int64_t span = 0; span < spans; ++span) top = std::max(top, partial[(b * spans + span) * part + r]);
+      for (int64_t span = 0; span < spans_of[b]; ++span) top = std::max(top, first[span * part + r]);
       float* dst = op + (b * Hq + r) * D;
       std::fill(dst, dst + D, 0.f);
       float total = 0.f;
-      for (int64_t span = 0; span < spans; ++span) {
-        const float* m = partial.data() + (b * spans + span) * part;
-        const float w = std::exp(m[r] - top);  // 0 for an empty span (m = -inf)
+      for (int64_t span = 0; span < spans_of[b]; ++span) {
+        const float* m = first + span * part;
+        const float w = std::exp(m[r] - top);
         total += m[Hq + r] * w;
         axpy(w, m + 2 * Hq + r * D, dst, D);
       }
       const float inv = 1.f / total;
-      for (int64_t i = 0; i < D; ++i) dst[i] *= inv;
+      for (int64_t k = 0; k < D; ++k) dst[k] *= inv;
     }
   }
 }
