@@ -6,16 +6,12 @@ short class's p99 TTFT is above its threshold while long-class sequences took at
 `hol_long_share` of the engine's time in the last interval or hold that share of the KV
 pool. When it rises, a warning names the sequences that took the most engine time.
 
-HolFeedback closes the loop: while coupling lasts, each interval halves the long lane's
-per-step prefill allowance (down to TIGHTEST of it); once it clears, each interval
-doubles it back. The long lane's own floor still bounds the long class's wait.
+The scheduler's policy closes the loop with it (HolFeedback in runtime/policy.py).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from headroom.config import ObservabilityConfig
@@ -23,8 +19,6 @@ from headroom.observability.windows import LatencyWindows
 from headroom.runtime.outputs import EngineSnapshot, EngineStats
 
 log = logging.getLogger("headroom.hol")
-
-TIGHTEST = 1 / 16
 
 
 @dataclass(frozen=True)
@@ -103,35 +97,3 @@ class HolMonitor:
             log.info("head-of-line coupling cleared")
         self.state = state
         return state
-
-
-class HolFeedback:
-    def __init__(self, set_factor: Callable[[float], None], enabled: bool = True):
-        self.set_factor = set_factor
-        self.enabled = enabled  # False when the long lane is off: nothing to act on
-        self.factor = 1.0
-        self.actions: Counter[str] = Counter()  # tighten / relax
-
-    def update(self, state: HolState) -> str | None:
-        """Act on one interval's state; returns the action taken, if any."""
-        if not self.enabled:
-            return None
-        if state.coupled and self.factor > TIGHTEST:
-            action, factor = "tighten", max(TIGHTEST, self.factor / 2)
-        elif not state.coupled and self.factor < 1.0:
-            action, factor = "relax", min(1.0, self.factor * 2)
-        else:
-            return None
-        self.set_factor(factor)
-        self.factor = factor
-        self.actions[action] += 1
-        log.warning(
-            "head-of-line loop: %s the long lane to %.3g of its prefill allowance (short p99 TTFT %s, long "
-            "sequences %.0f%% of engine time)",
-            "tightened" if action == "tighten" else "relaxed",
-            factor,
-            "n/a" if state.short_ttft_p99_s is None else f"{state.short_ttft_p99_s:.2f}s",
-            100 * state.long_device_share,
-            extra={"hol_action": action, "long_lane_factor": factor},
-        )
-        return action

@@ -14,7 +14,7 @@ from opentelemetry.trace import Span, format_trace_id
 from headroom.admission.admission import Admission
 from headroom.config import ObservabilityConfig
 from headroom.observability.finished import FinishedRequest
-from headroom.observability.hol import HolFeedback, HolMonitor, HolState
+from headroom.observability.hol import HolMonitor, HolState
 from headroom.observability.ledger import Usage, UsageLedger
 from headroom.observability.logs import log_finished
 from headroom.observability.metrics import Metrics, refused_outcome
@@ -23,6 +23,7 @@ from headroom.observability.split import SplitSignal, SplitState
 from headroom.observability.tracing import Tracing, exporter_from_env
 from headroom.observability.windows import LatencyWindows
 from headroom.runtime.engine import Engine
+from headroom.runtime.policy import HolFeedback
 from headroom.runtime.request import Request
 
 log = logging.getLogger("headroom.observability")
@@ -147,7 +148,7 @@ class Observability:
         metrics = self.metrics
         metrics.hol_coupling.set(1 if state.coupled else 0)
         metrics.long_device_share.set(state.long_device_share)
-        action = self.hol_feedback.update(state)
+        action = self.hol_feedback.update(state.coupled, state.short_ttft_p99_s, state.long_device_share)
         if action is not None:
             metrics.hol_actions.labels(action).inc()
         metrics.long_lane_factor.set(self.hol_feedback.factor)

@@ -13,11 +13,18 @@ carries none until the long one has waited long_ttft_target_s (see long_prefill_
 Such a step also leaves out long decodes, each at most every other step
 (long_decodes_sit_out): a runaway the length probe moved to the long lane stops
 taxing the first token of every short request that arrives while it runs.
+
+HolFeedback closes the head-of-line loop (observability/hol.py raises the signal): while
+coupling lasts, each interval halves the long lane's per-step prefill allowance (down to
+TIGHTEST of it); once it clears, each interval doubles it back. The long lane's own
+floor still bounds the long class's wait.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
+from collections.abc import Callable
 
 from headroom.config import SchedulerConfig
 from headroom.runtime.block_manager import BlockManager
@@ -29,6 +36,9 @@ LONG = "long"
 UNTRAINED_LONG_CHUNK = 2 * MIN_PREFILL_TOKENS
 MIN_LONG_CHUNK = MIN_PREFILL_TOKENS  # the fewest tokens a long chunk takes when it takes any
 LONG_STEP_STRETCH = 0.25  # a long chunk may make a step this much longer than it is without
+TIGHTEST = 1 / 16  # the head-of-line loop's lowest scale on the long lane's allowance
+
+log = logging.getLogger("headroom.hol")
 
 
 class SchedulingPolicy:
@@ -202,3 +212,37 @@ class SchedulingPolicy:
         # whole context) for almost nothing, and the prefill then crawled; with the floor it
         # finishes within ceil(prompt / MIN_LONG_CHUNK) steps that allow it anything.
         return min(limit, max(MIN_LONG_CHUNK, self.cost.tokens_within(allowance_s, context, limit)))
+
+
+class HolFeedback:
+    """Moves SchedulingPolicy.long_lane_factor (through set_factor) by the head-of-line signal."""
+
+    def __init__(self, set_factor: Callable[[float], None], enabled: bool = True):
+        self.set_factor = set_factor
+        self.enabled = enabled  # False when the long lane is off: nothing to act on
+        self.factor = 1.0
+        self.actions: Counter[str] = Counter()  # tighten / relax
+
+    def update(self, coupled: bool, short_ttft_p99_s: float | None, long_device_share: float) -> str | None:
+        """Act on one interval's head-of-line signal; returns the action taken, if any."""
+        if not self.enabled:
+            return None
+        if coupled and self.factor > TIGHTEST:
+            action, factor = "tighten", max(TIGHTEST, self.factor / 2)
+        elif not coupled and self.factor < 1.0:
+            action, factor = "relax", min(1.0, self.factor * 2)
+        else:
+            return None
+        self.set_factor(factor)
+        self.factor = factor
+        self.actions[action] += 1
+        log.warning(
+            "head-of-line loop: %s the long lane to %.3g of its prefill allowance (short p99 TTFT %s, long "
+            "sequences %.0f%% of engine time)",
+            "tightened" if action == "tighten" else "relaxed",
+            factor,
+            "n/a" if short_ttft_p99_s is None else f"{short_ttft_p99_s:.2f}s",
+            100 * long_device_share,
+            extra={"hol_action": action, "long_lane_factor": factor},
+        )
+        return action

@@ -10,10 +10,10 @@ from collections import Counter
 import pytest
 
 from headroom.config import ObservabilityConfig
-from headroom.observability.hol import TIGHTEST, HolFeedback, HolMonitor, HolState
+from headroom.observability.hol import HolMonitor
 from headroom.observability.windows import LatencyWindows
 from headroom.runtime.outputs import EngineSnapshot, EngineStats
-from headroom.runtime.policy import MIN_LONG_CHUNK, UNTRAINED_LONG_CHUNK
+from headroom.runtime.policy import MIN_LONG_CHUNK, TIGHTEST, UNTRAINED_LONG_CHUNK, HolFeedback
 from headroom.runtime.step_cost import StepCostModel, attention_pairs
 from tests.runtime.factories import create_request, create_scheduler, run_step
 
@@ -324,8 +324,8 @@ def test_the_head_of_line_loop_tightens_the_scheduler_and_relaxes_it():
         s.policy.long_lane_factor = factor
 
     feedback = HolFeedback(set_factor)
-    coupled, clear = HolState(True, 3.0, 0.8, 0.3), HolState(False, 0.4, 0.8, 0.3)
-    actions = [feedback.update(state) for state in [coupled] * 5 + [clear] * 5]
+    coupled, clear = (True, 3.0, 0.8), (False, 0.4, 0.8)  # (coupled, short p99 TTFT, long share)
+    actions = [feedback.update(*signal) for signal in [coupled] * 5 + [clear] * 5]
     assert actions == ["tighten"] * 4 + [None] + ["relax"] * 4 + [None]
     assert feedback.actions == {"tighten": 4, "relax": 4} and s.policy.long_lane_factor == 1.0
 
@@ -336,20 +336,20 @@ def test_the_head_of_line_loop_tightens_the_scheduler_and_relaxes_it():
     run_step(s)
     context = long.num_computed_tokens
     assert chunks(s, long.request_id, 1) == [largest_chunk(0.125, context, 511)]
-    feedback.update(coupled)
-    feedback.update(coupled)
+    feedback.update(*coupled)
+    feedback.update(*coupled)
     assert s.policy.long_lane_factor == 0.25
     context = long.num_computed_tokens
     assert chunks(s, long.request_id, 1) == [long_chunk(0.125 * 0.25, context, 511)]
     for _ in range(10):
-        feedback.update(coupled)
+        feedback.update(*coupled)
     assert s.policy.long_lane_factor == TIGHTEST
 
 
 def test_the_loop_does_nothing_when_the_long_lane_is_off():
     calls = []
     feedback = HolFeedback(calls.append, enabled=False)
-    assert feedback.update(HolState(True, 3.0, 0.9, 0.9)) is None and calls == []
+    assert feedback.update(True, 3.0, 0.9) is None and calls == []
 
 
 def test_long_lane_off_means_no_long_limits():
@@ -380,7 +380,7 @@ def test_observability_config_is_untouched_by_the_loop():
             EngineStats(step_time_s=busy, device_time_by_class=Counter(long=busy)),
         )
         coupled.append(state.coupled)
-        actions.append(feedback.update(state))
+        actions.append(feedback.update(state.coupled, state.short_ttft_p99_s, state.long_device_share))
     assert coupled == [True] * 6 and actions == ["tighten"] * 4 + [None] * 2
     assert factors == [0.5, 0.25, 0.125, TIGHTEST]
     assert monitor.config is config
