@@ -26,9 +26,9 @@ from pathlib import Path
 
 import aiohttp
 
+from headroom.executor.grammar import Grammars, GrammarSpec
 from headroom.models.loader import default_model_path
 from headroom.models.tokenizer import Tokenizer
-from headroom.runtime.grammar import Grammars, GrammarSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hol import cpu_line, free_port, start_server, stop_server

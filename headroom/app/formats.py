@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from headroom.app.structured import ToolUse
-from headroom.runtime.sampler import TokenLogprob
+from headroom.executor.sampler import TokenLogprob
 
 
 @dataclass

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from headroom.app.errors import BadRequest
-from headroom.runtime.grammar import GrammarSpec
+from headroom.executor.grammar import GrammarSpec
 
 HERMES_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 

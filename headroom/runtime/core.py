@@ -20,14 +20,14 @@ import torch
 
 from headroom.config import Config
 from headroom.executor.executor import Executor
+from headroom.executor.grammar import Grammars
 from headroom.executor.model_runner import ModelOutput
+from headroom.executor.sampler import Sampler, SampleResult, TokenLogprob
 from headroom.executor.warmup import measure_step_cost
 from headroom.models.loader import LoadedModel
 from headroom.runtime import actions
 from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.commands import Abort, Add, Command, Control, SetLongLaneFactor
-from headroom.runtime.detokenizer import IncrementalDetokenizer
-from headroom.runtime.grammar import Grammars
 from headroom.runtime.inflight import InflightRefiner, LengthProbe
 from headroom.runtime.loops import LoopPolicy
 from headroom.runtime.output_processor import OutputProcessor
@@ -40,7 +40,6 @@ from headroom.runtime.outputs import (
     UnknownSequence,
 )
 from headroom.runtime.request import Request, SamplingParams, check_fits
-from headroom.runtime.sampler import Sampler, SampleResult, TokenLogprob
 from headroom.runtime.scheduler import Scheduler, SchedulerOutput
 from headroom.runtime.stats import StepAccounting, engine_counters, engine_snapshot, long_lane_state
 
@@ -74,8 +73,6 @@ class EngineCore:
         self._state_lock = threading.Lock()
         # (out, perf_counter start) while the model runs
         self._running_step: tuple[SchedulerOutput, float] | None = None
-        # Tests set this to inject a fault into a step (it may raise); never set in serving.
-        self.fault_hook: Callable[[SchedulerOutput], None] | None = None
         # Set with watch_hidden: called on the engine thread after each forward pass with the
         # sequences that sample (before this step's token is appended) and their rows.
         self.hidden_hook: HiddenHook | None = None
@@ -158,8 +155,6 @@ class EngineCore:
                 return
             self._running_step = (out, started)
         try:
-            if self.fault_hook is not None:
-                self.fault_hook(out)
             model_out = self.runner.execute(
                 out, self.block_manager, keep_hidden=self.hidden_due is None or self.hidden_due(out)
             )
@@ -250,12 +245,3 @@ class EngineCore:
         """Every live sequence's cost, and the pool's, at one consistent instant."""
         with self._state_lock:
             return engine_snapshot(self.stats, self.scheduler, self.block_manager, self._running_step, time.monotonic())
-
-    # The tests check that a finished request leaves nothing behind in either.
-    @property
-    def _sinks(self) -> dict[str, OutputSink]:
-        return self.output_processor.sinks
-
-    @property
-    def _detokenizers(self) -> dict[str, IncrementalDetokenizer]:
-        return self.output_processor.detokenizers

@@ -6,8 +6,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from headroom.executor.sampler import TokenLogprob
 from headroom.runtime.request import Request
-from headroom.runtime.sampler import TokenLogprob
 from headroom.runtime.step_cost import StepCost
 
 

@@ -139,7 +139,7 @@ class Request:
     admin_actions: list[str] = field(default_factory=list)
     deprioritized: bool = False
     max_tokens_cap: int | None = None  # an operator's cap below sampling.max_tokens
-    # Structured output: an xgrammar matcher (runtime/grammar.py) that masks every token
+    # Structured output: an xgrammar matcher (executor/grammar.py) that masks every token
     # this sequence samples and advances with it; None: unconstrained.
     grammar: Any = None
 

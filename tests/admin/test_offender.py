@@ -15,6 +15,7 @@ import pytest
 
 from tests.admin.conftest import TENANT_KEY, admin, plant_runaway, wait_until
 from tests.app.test_openai_api import wait_idle
+from tests.steps import before_each_step
 
 pytestmark = pytest.mark.slow
 
@@ -98,45 +99,41 @@ def test_planted_offender_is_found_aborted_and_forgotten(admin_server):
         if any(r.request_id == rid for r in out.requests):
             steps_with_offender.append(engine.stats.steps)
 
-    engine.fault_hook = watch
-    try:
-        with ShortLoad(admin_server.url) as load:
-            time.sleep(1.0)  # warm: every worker has its first request in
-            a = time.monotonic()
-            sent = load.wait_phase(a)
-            runaway = plant_runaway(admin_server, "offender", api_key=TENANT_KEY)
-            admitted_at_step = engine.stats.steps  # its headers came: it is admitted
+    with before_each_step(engine, watch), ShortLoad(admin_server.url) as load:
+        time.sleep(1.0)  # warm: every worker has its first request in
+        a = time.monotonic()
+        sent = load.wait_phase(a)
+        runaway = plant_runaway(admin_server, "offender", api_key=TENANT_KEY)
+        admitted_at_step = engine.stats.steps  # its headers came: it is admitted
 
-            def offender_first() -> bool:
-                data = admin(admin_server, "GET", "/sequences?sort=cost&limit=5").json()["data"]
-                return bool(data) and data[0]["id"] == rid
+        def offender_first() -> bool:
+            data = admin(admin_server, "GET", "/sequences?sort=cost&limit=5").json()["data"]
+            return bool(data) and data[0]["id"] == rid
 
-            assert wait_until(offender_first, timeout=60, interval=0.02)
-            found_after_steps = engine.stats.steps - admitted_at_step
-            found_after_s = time.monotonic() - sent
-            assert found_after_steps <= FOUND_WITHIN_STEPS, f"first by cost only {found_after_steps} steps in"
-            top = admin(admin_server, "GET", f"/sequences/{rid}").json()
-            assert top["kv_blocks"] > 0 and top["prompt_tokens"] == 1500
-            time.sleep(PHASE_S)
-            # Prefill chunks are rationed while short requests wait, so on a busy machine it
-            # may still be prefilling: it is aborted wherever it is, holding what it holds.
-            held = admin(admin_server, "GET", f"/sequences/{rid}").json()["kv_blocks"]
+        assert wait_until(offender_first, timeout=60, interval=0.02)
+        found_after_steps = engine.stats.steps - admitted_at_step
+        found_after_s = time.monotonic() - sent
+        assert found_after_steps <= FOUND_WITHIN_STEPS, f"first by cost only {found_after_steps} steps in"
+        top = admin(admin_server, "GET", f"/sequences/{rid}").json()
+        assert top["kv_blocks"] > 0 and top["prompt_tokens"] == 1500
+        time.sleep(PHASE_S)
+        # Prefill chunks are rationed while short requests wait, so on a busy machine it
+        # may still be prefilling: it is aborted wherever it is, holding what it holds.
+        held = admin(admin_server, "GET", f"/sequences/{rid}").json()["kv_blocks"]
 
-            aborted = time.monotonic()
-            r = admin(admin_server, "POST", f"/sequences/{rid}/abort", json={"reason": "runaway"})
-            assert r.status_code == 200
-            aborted_at_step = engine.stats.steps
-            # Its blocks are free when the answer arrives; what is used belongs to the others
-            # (who share their chat template's prefix blocks, hence <=).
-            assert r.json()["sequence"]["kv_blocks"] >= held  # (0 only if preempted just then)
-            assert engine.block_manager.block_table(rid) == []
-            snap = engine.snapshot()
-            assert rid not in {s.request_id for s in snap.sequences}
-            assert snap.used_blocks <= sum(s.blocks_held for s in snap.sequences)
-            assert runaway.wait().finish_reason == "abort"
-            c = load.wait_phase(aborted + 0.5)
-    finally:
-        engine.fault_hook = None
+        aborted = time.monotonic()
+        r = admin(admin_server, "POST", f"/sequences/{rid}/abort", json={"reason": "runaway"})
+        assert r.status_code == 200
+        aborted_at_step = engine.stats.steps
+        # Its blocks are free when the answer arrives; what is used belongs to the others
+        # (who share their chat template's prefix blocks, hence <=).
+        assert r.json()["sequence"]["kv_blocks"] >= held  # (0 only if preempted just then)
+        assert engine.block_manager.block_table(rid) == []
+        snap = engine.snapshot()
+        assert rid not in {s.request_id for s in snap.sequences}
+        assert snap.used_blocks <= sum(s.blocks_held for s in snap.sequences)
+        assert runaway.wait().finish_reason == "abort"
+        c = load.wait_phase(aborted + 0.5)
 
     assert not load.errors, load.errors
     # The abort answers after the engine applied it: no step from then on carried it.

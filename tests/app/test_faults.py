@@ -19,6 +19,7 @@ from headroom.runtime.engine import Engine
 from headroom.runtime.request import Request, RequestStatus
 from tests.admin.conftest import wait_until
 from tests.app.test_openai_api import wait_idle
+from tests.steps import before_each_step
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +33,6 @@ def server(default_model):
     )
     srv = BackgroundServer(config, Engine(config, loaded=default_model)).start()
     yield srv
-    srv.engine.fault_hook = None
     srv.stop()
 
 
@@ -56,65 +56,67 @@ def fail_step(request_id: str, nth: int):
 
 def test_a_failing_step_fails_only_its_sequences(server):
     engine = server.engine
-    engine.fault_hook = fail_step("cmpl-victim", 3)
-    body = {"prompt": "Once upon a time", "max_tokens": 20, "ignore_eos": True, "stream": True}
+    with before_each_step(engine, fail_step("cmpl-victim", 3)):
+        body = {"prompt": "Once upon a time", "max_tokens": 20, "ignore_eos": True, "stream": True}
 
-    async def both() -> tuple[str, str]:
-        async with aiohttp.ClientSession() as session:
+        async def both() -> tuple[str, str]:
+            async with aiohttp.ClientSession() as session:
 
-            async def one(rid: str) -> str:
-                async with session.post(server.url + "/v1/completions", json=body, headers={"X-Request-Id": rid}) as r:
-                    assert r.status == 200
-                    return await r.text()
+                async def one(rid: str) -> str:
+                    async with session.post(
+                        server.url + "/v1/completions", json=body, headers={"X-Request-Id": rid}
+                    ) as r:
+                        assert r.status == 200
+                        return await r.text()
 
-            victim = asyncio.create_task(one("victim"))
-            await asyncio.sleep(0.2)  # max_num_seqs=1: the bystander waits, outside the victim's steps
-            return await victim, await one("bystander")
+                victim = asyncio.create_task(one("victim"))
+                await asyncio.sleep(0.2)  # max_num_seqs=1: the bystander waits, outside the victim's steps
+                return await victim, await one("bystander")
 
-    victim, bystander = server.call(both())
-    [error] = [e for e in events(victim) if "error" in e]
-    assert error["error"] == {
-        "message": "engine error: injected device fault",
-        "type": "server_error",
-        "param": None,
-        "code": "engine_error",
-    }
-    assert victim.rstrip().endswith("data: [DONE]")
-    chunks = events(bystander)
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert sum(1 for c in chunks if c["choices"][0]["text"]) >= 1
-    # The engine keeps serving, the victim's blocks are free, and its abort is counted.
-    r = httpx.post(
-        server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True}, timeout=60
-    )
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-    wait_idle(engine)
-    engine.block_manager.check_invariants()
-    assert engine.counters().aborts["engine_error"] == 1
-
-
-def test_a_failing_step_is_a_500_engine_error_for_a_non_streaming_request(server):
-    engine = server.engine
-    engine.fault_hook = fail_step("cmpl-plain", 2)
-    r = httpx.post(
-        server.url + "/v1/completions",
-        timeout=60,
-        headers={"X-Request-Id": "plain"},
-        json={"prompt": "Once upon a time", "max_tokens": 20, "ignore_eos": True},
-    )
-    assert r.status_code == 500 and r.headers["Content-Type"].startswith("application/json")
-    assert r.json() == {
-        "error": {
+        victim, bystander = server.call(both())
+        [error] = [e for e in events(victim) if "error" in e]
+        assert error["error"] == {
             "message": "engine error: injected device fault",
             "type": "server_error",
             "param": None,
             "code": "engine_error",
         }
-    }
-    wait_idle(engine)
-    engine.block_manager.check_invariants()
-    assert engine.counters().aborts["engine_error"] == 1
-    assert server.app[keys.ENGINE].submitted == {}
+        assert victim.rstrip().endswith("data: [DONE]")
+        chunks = events(bystander)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert sum(1 for c in chunks if c["choices"][0]["text"]) >= 1
+        # The engine keeps serving, the victim's blocks are free, and its abort is counted.
+        r = httpx.post(
+            server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True}, timeout=60
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        wait_idle(engine)
+        engine.block_manager.check_invariants()
+        assert engine.counters().aborts["engine_error"] == 1
+
+
+def test_a_failing_step_is_a_500_engine_error_for_a_non_streaming_request(server):
+    engine = server.engine
+    with before_each_step(engine, fail_step("cmpl-plain", 2)):
+        r = httpx.post(
+            server.url + "/v1/completions",
+            timeout=60,
+            headers={"X-Request-Id": "plain"},
+            json={"prompt": "Once upon a time", "max_tokens": 20, "ignore_eos": True},
+        )
+        assert r.status_code == 500 and r.headers["Content-Type"].startswith("application/json")
+        assert r.json() == {
+            "error": {
+                "message": "engine error: injected device fault",
+                "type": "server_error",
+                "param": None,
+                "code": "engine_error",
+            }
+        }
+        wait_idle(engine)
+        engine.block_manager.check_invariants()
+        assert engine.counters().aborts["engine_error"] == 1
+        assert server.app[keys.ENGINE].submitted == {}
 
 
 async def hang_up(url: str, rng: random.Random, prompt: list[int], rid: str) -> tuple[str, int]:

@@ -32,6 +32,7 @@ from headroom.config import (
 )
 from headroom.runtime.engine import Engine
 from headroom.runtime.request import SamplingParams
+from tests.steps import before_each_step
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 ADMIN_TOKEN = "readme-admin-token-0123456789"
@@ -213,21 +214,20 @@ def test_admission_off_serves_in_arrival_order_whatever_the_tier(fcfs_server):
             headers={"X-Tenant": tenant, "X-Request-Id": f"fcfs-{rid}"},
         )
 
-    engine.fault_hook = pause_first_step
     threads = []
-    try:
-        for i, (rid, tenant, max_tokens) in enumerate(sent):
-            threads.append(threading.Thread(target=send, args=(rid, tenant, max_tokens)))
-            threads[-1].start()
-            wait_until(lambda n=i + 1: len(client.submitted) == n)
-            if i == 0:
-                assert held.wait(10)
-        requests = {rid.removeprefix("chatcmpl-fcfs-"): r for rid, r in client.submitted.items()}
-    finally:
-        hold.set()
-        for t in threads:
-            t.join(60)
-        engine.fault_hook = None
+    with before_each_step(engine, pause_first_step):
+        try:
+            for i, (rid, tenant, max_tokens) in enumerate(sent):
+                threads.append(threading.Thread(target=send, args=(rid, tenant, max_tokens)))
+                threads[-1].start()
+                wait_until(lambda n=i + 1: len(client.submitted) == n)
+                if i == 0:
+                    assert held.wait(10)
+            requests = {rid.removeprefix("chatcmpl-fcfs-"): r for rid, r in client.submitted.items()}
+        finally:
+            hold.set()
+            for t in threads:
+                t.join(60)
     assert {rid: r.status_code for rid, r in results.items()} == {"a": 200, "b": 200, "c": 200}
     a, b, c = requests["a"], requests["b"], requests["c"]
     assert a.finished_time <= b.first_scheduled_time and b.finished_time <= c.first_scheduled_time

@@ -24,6 +24,7 @@ from headroom.app import keys
 from headroom.app.background import BackgroundServer
 from headroom.config import AdminConfig, CacheConfig, Config, SchedulerConfig
 from headroom.runtime.engine import Engine
+from tests.steps import before_each_step
 
 pytestmark = pytest.mark.slow
 
@@ -388,8 +389,7 @@ def fail_third_step_of(request_id: str):
 
 
 def test_an_engine_fault_mid_stream_is_an_error_event_then_failed(client, server):
-    server.engine.fault_hook = fail_third_step_of("resp_victim")
-    try:
+    with before_each_step(server.engine, fail_third_step_of("resp_victim")):
         events = list(
             client.responses.create(
                 model=client.model_name,
@@ -399,8 +399,6 @@ def test_an_engine_fault_mid_stream_is_an_error_event_then_failed(client, server
                 extra_headers={"X-Request-Id": "victim"},
             )
         )
-    finally:
-        server.engine.fault_hook = None
     assert [e.type for e in events[:4]] == TEXT_EVENTS_HEAD and events[-2].type == "error"
     assert events[-2].code == "engine_error" and "injected device fault" in events[-2].message
     failed = events[-1]

@@ -13,11 +13,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from headroom.executor.model_runner import StepTimer
+from headroom.executor.sampler import Sampler
 from headroom.runtime import actions
 from headroom.runtime.output_processor import OutputProcessor
 from headroom.runtime.outputs import EngineStats, RequestOutput, SequenceFinished, UnknownSequence
 from headroom.runtime.request import Request, RequestStatus, SamplingParams
-from headroom.runtime.sampler import Sampler
 from headroom.runtime.scheduler import SchedulerOutput
 from headroom.runtime.stats import StepAccounting, engine_counters, engine_snapshot
 from headroom.runtime.step_cost import StepCostModel

@@ -96,7 +96,9 @@ def assert_engine_idle(engine: Engine) -> None:
     assert not engine.block_manager.tables
     scheduler = engine.scheduler
     assert not scheduler.requests and not scheduler.waiting and not scheduler.running
-    assert not engine._sinks and not engine._detokenizers and not engine.sampler.generators
+    assert (
+        not engine.output_processor.sinks and not engine.output_processor.detokenizers and not engine.sampler.generators
+    )
 
 
 def assert_well_formed(sink: Sink, request: Request, tokenizer) -> None:

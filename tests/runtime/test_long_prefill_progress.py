@@ -13,6 +13,7 @@ from headroom.config import Config
 from headroom.runtime.engine import Engine
 from headroom.runtime.policy import MIN_LONG_CHUNK
 from headroom.runtime.request import SamplingParams
+from tests.steps import before_each_step
 
 PROMPT = 1500
 SLOW_STEPS = 2
@@ -36,32 +37,32 @@ def test_a_long_prefill_finishes_within_its_stated_steps_after_slow_first_chunks
             slow.append(out)
             time.sleep(SLOW_S)
 
-    engine.fault_hook = slow_first_long_chunks
-    engine.submit(long, lambda _: None)
-    shorts = []
-    # Each step either gives the long request a chunk of at least MIN_LONG_CHUNK tokens, or
-    # starts a short request (a step that does carries no long chunk before the long one
-    # has waited long_ttft_target_s). So its prompt is in within this many steps:
-    steps = 0
-    while long.num_computed_tokens < PROMPT:
-        bound = math.ceil(PROMPT / MIN_LONG_CHUNK) + len(shorts)
-        assert steps <= bound, (
-            f"{long.num_computed_tokens} of {PROMPT} prompt tokens after {steps} steps (bound {bound}); "
-            f"step cost {engine.scheduler.policy.cost.cost()}"
-        )
-        if steps % SHORT_EVERY == 0:
-            short = engine.new_request(
-                [rng.randrange(300, 20000) for _ in range(20)], SamplingParams(max_tokens=8, ignore_eos=True)
+    with before_each_step(engine, slow_first_long_chunks):
+        engine.submit(long, lambda _: None)
+        shorts = []
+        # Each step either gives the long request a chunk of at least MIN_LONG_CHUNK tokens, or
+        # starts a short request (a step that does carries no long chunk before the long one
+        # has waited long_ttft_target_s). So its prompt is in within this many steps:
+        steps = 0
+        while long.num_computed_tokens < PROMPT:
+            bound = math.ceil(PROMPT / MIN_LONG_CHUNK) + len(shorts)
+            assert steps <= bound, (
+                f"{long.num_computed_tokens} of {PROMPT} prompt tokens after {steps} steps (bound {bound}); "
+                f"step cost {engine.scheduler.policy.cost.cost()}"
             )
-            short.size_class = "short"
-            engine.submit(short, lambda _: None)
-            shorts.append(short)
-        engine.step()
-        steps += 1
-    assert len(slow) == SLOW_STEPS
-    assert all(s.first_scheduled_time is not None for s in shorts)  # the shorts were not held back either
-    while engine.scheduler.has_work():
-        engine.step()
-    assert long.num_output_tokens == 2 and all(s.num_output_tokens == 8 for s in shorts)
-    engine.block_manager.check_invariants()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+            if steps % SHORT_EVERY == 0:
+                short = engine.new_request(
+                    [rng.randrange(300, 20000) for _ in range(20)], SamplingParams(max_tokens=8, ignore_eos=True)
+                )
+                short.size_class = "short"
+                engine.submit(short, lambda _: None)
+                shorts.append(short)
+            engine.step()
+            steps += 1
+        assert len(slow) == SLOW_STEPS
+        assert all(s.first_scheduled_time is not None for s in shorts)  # the shorts were not held back either
+        while engine.scheduler.has_work():
+            engine.step()
+        assert long.num_output_tokens == 2 and all(s.num_output_tokens == 8 for s in shorts)
+        engine.block_manager.check_invariants()
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from headroom.runtime import grammar
+from headroom.executor import grammar
 from headroom.runtime.request import Request
 
 CPU = torch.device("cpu")
