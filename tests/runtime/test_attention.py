@@ -312,6 +312,27 @@ def test_cpu_paged_decode_merges_spans_of_long_contexts(cache_dtype: torch.dtype
     check_cpu_paged_backend(rounded_to_cache(batch, cache_dtype))
 
 
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_cpu_paged_decode_spans_on_two_threads_match_naive(head_dim: int) -> None:
+    # Spans of six contexts dealt to two threads (at::parallel_for past four rows), merged
+    # after; head_dim 256 takes the same path on AVX-512 builds, whose own kernel covers
+    # 64 and 128 only.
+    batch = make_batch(
+        [1] * 6,
+        [40, 2600, 9, 1300, 700, 3000],
+        num_heads=8,
+        num_kv_heads=2,
+        block_size=16,
+        head_dim=head_dim,
+        seed=head_dim,
+    )
+    torch.set_num_threads(2)
+    try:
+        check_cpu_paged_backend(rounded_to_cache(batch, torch.float16))
+    finally:
+        torch.set_num_threads(1)  # the module's setting (one_cpu_thread)
+
+
 @settings(max_examples=60, deadline=None)
 @given(batch_shapes(), st.sampled_from([64, 128]), st.sampled_from([torch.float32, torch.float16]))
 def test_cpu_paged_matches_naive_on_random_shapes(shape: dict, head_dim: int, cache_dtype: torch.dtype) -> None:

@@ -130,8 +130,9 @@ void attend_512(const float* qh, const T* kp, const T* vp, const int32_t* table,
 }
 #endif
 
-// Keys a span of one context covers at least: below this, splitting a context across
-// threads costs more in merging and in passes begun than it gains.
+// The share of a step's keys below which a context is not cut (its spans then cover about
+// this many keys, never fewer than half): smaller spans cost more in merging and in
+// passes begun than they gain.
 constexpr int64_t kMinSpan = 512;
 
 // Keys [first, last) of sequence b: one unit of work.
@@ -140,11 +141,12 @@ struct Span {
 };
 
 // The spans, dealt into 4 bins a thread, so that bins are of about equal work. Contexts
-// differ in length by 100x in one step (a reasoning row beside chat rows), and
-// at::parallel_for hands each thread a contiguous run of items, so by count alone one
-// thread would take the long rows. Each context is cut into spans of about an equal share
-// of all keys; longest first, each goes to the bin with the least work, ties going to the
-// thread with the least, so that equal spans alternate between threads.
+// differ in length by 100x in one step (a reasoning row beside chat rows), and past a
+// few rows at::parallel_for hands each thread a contiguous run of bins, so by count alone
+// one thread would take the long rows. Each context is cut into spans of about an equal
+// share of all keys; longest first, each goes to the bin with the least work, ties to
+// the first in the order thread 0's first bin, thread 1's first, ..., so that equal spans
+// alternate between threads. (Unequal spans can still leave one thread more.)
 inline std::vector<std::vector<Span>> deal(const int32_t* lp, int64_t B, int64_t threads, int64_t* spans_of) {
   const int64_t per = 4, bins = per * threads;
   int64_t total = 0;

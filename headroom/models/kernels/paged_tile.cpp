@@ -259,8 +259,8 @@ inline void pass_heads(const float* q, const T* kc, const T* vc, const int64_t* 
 }
 
 // Keys [begin, end) for the query heads of kv heads [a.kv_head, a.kv_head + kv_heads):
-// pass by pass, every kv head's rows of a token before the next token's, so that a pass
-// reads the cache's token rows whole (a block is one run of memory). The next pass's lines
+// pass by pass, each pass every kv head in turn over its 16 keys, so that a pass reads
+// the cache's token rows whole (a block is one run of memory). The next pass's lines
 // are prefetched spread across this pass's work: asked for in one burst at its start (as
 // the prefill tile does), the prefetches outnumber the core's outstanding misses and
 // hold up the arithmetic they were meant to overlap, so memory and arithmetic took turns.

@@ -1,6 +1,7 @@
-// One tile of query rows against a sequence's paged context, for one kv head: the core
-// that both the decode kernel (one query token) and the prefill kernel (a chunk of
-// tokens deep in a context) run per work item. See paged_tile.cpp.
+// Attention over a sequence's paged context read in place (AVX2+FMA+F16C): a tile of query
+// rows for one kv head, which the prefill kernel runs per (sequence, kv head, tile), and a
+// decode token over a span of keys for all kv heads, which the decode kernel runs per span.
+// See paged_tile.cpp.
 #pragma once
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
