@@ -1,10 +1,10 @@
 """Runaways on the real server: short chat requests (Poisson) plus prompts that make the
 default model run on to a large cap, with length prediction in flight (the defaults)
-against the prompt-only predictor (`[admission] inflight = false`), each against a
+against the prompt-only predictor (`[admission] probe = false`), each against a
 fresh `headroom serve` on 127.0.0.1.
 
   prompt-only   admission's prediction from the prompt is all the scheduler has
-  in-flight     the defaults: the in-flight probe re-estimates every 16 tokens
+  in-flight     the defaults: the length probe re-estimates every 16 tokens
   in-flight+policy   also [admin] max_runaway_probability = 0.9 (deprioritize)
 
 Tenants with the default limits: `chat` sends the shorts, --batch-tenants others (batch-0,
@@ -45,9 +45,9 @@ from hol import PROMPTS, cpu_line, free_port, pct, start_server, stop_server
 LABELS = PROMPTS.parent / "smollm2-135m-labels.jsonl"
 ADMIN_TOKEN = "bench-runaways-admin-token-0123456789"
 VARIANTS = {
-    "prompt-only": "[admission]\ninflight = false\n",
-    "in-flight": "[admission]\ninflight = true\n",
-    "in-flight+policy": "[admission]\ninflight = true\n\n[admin]\nmax_runaway_probability = 0.9\n",
+    "prompt-only": "[admission]\nprobe = false\n",
+    "in-flight": "[admission]\nprobe = true\n",
+    "in-flight+policy": "[admission]\nprobe = true\n\n[admin]\nmax_runaway_probability = 0.9\n",
 }
 
 
@@ -164,7 +164,7 @@ async def server_counters(url: str) -> dict:
         text = await r.text()
     wanted = {}
     for line in text.splitlines():
-        if line.startswith(("headroom:num_preemptions_total", "headroom:inflight_decisions_total")):
+        if line.startswith(("headroom:num_preemptions_total", "headroom:probe_decisions_total")):
             name, value = line.rsplit(" ", 1)
             wanted[name] = float(value)
     return wanted

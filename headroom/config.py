@@ -332,13 +332,13 @@ class AdmissionConfig:
     # What a finished request is charged to its tenant's fair share: "device", its engine
     # seconds (in weighted tokens at the engine's own rate), or "tokens", its tokens alone.
     fair_share: Literal["device", "tokens"] = "device"
-    # Length estimates in flight (runtime/inflight.py): after prefill and every
-    # inflight_every generated tokens, from the served model's own hidden state. The
-    # probe at inflight_probe_path, else the one shipped for the default model (none for
+    # The length probe (runtime/probe.py): length estimates after prefill and every
+    # probe_every generated tokens, from the served model's own hidden state. The
+    # probe at probe_path, else the one shipped for the default model (none for
     # another model: then admission's prediction is all there is).
-    inflight: bool = True
-    inflight_probe_path: str | None = None
-    inflight_every: AtLeast1 = 16
+    probe: bool = True
+    probe_path: str | None = None
+    probe_every: AtLeast1 = 16
     # Run-to-cap probability at which a sequence is flagged a runaway (and, with a
     # max_tokens of long work, moved to the long lane).
     runaway_threshold: Share = 0.8
@@ -503,7 +503,7 @@ class AdminConfig:
     max_age_s: Positive | None = None
     max_kv_share: Share | None = None
     max_predicted_ratio: Positive | None = None
-    # Act on a sequence the in-flight probe gives at least this probability of running to
+    # Act on a sequence the length probe gives at least this probability of running to
     # its cap (deprioritize also moves it to the long lane).
     max_runaway_probability: Share | None = None
     policy_interval_s: Positive = 0.5

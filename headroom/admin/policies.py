@@ -1,6 +1,6 @@
 """Automatic policies: act on a sequence, as an operator would, when it runs past a
 wall-clock budget, holds too much of the KV pool, has produced far more than was
-predicted, is predicted in flight to run to its cap, or (where a ladder is set) was found
+predicted, is predicted by the length probe to run to its cap, or (where a ladder is set) was found
 looping by the engine's detector. All are off unless configured ([admin] max_age_s,
 max_kv_share, max_predicted_ratio, max_runaway_probability, ladder). The action
 (deprioritize, cap or abort) goes through the same engine command as the admin API's, so
@@ -32,7 +32,7 @@ log = logging.getLogger("headroom.admin")
 class Violation:
     request_id: str
     rule: str  # what it broke, for the log and the span
-    runaway: bool = False  # the in-flight probe's rule: deprioritize moves it to the long lane
+    runaway: bool = False  # the length probe's rule: deprioritize moves it to the long lane
 
 
 def violations(config: AdminConfig, snapshot: EngineSnapshot) -> list[Violation]:
@@ -147,7 +147,7 @@ async def enforce(config: AdminConfig, engine: Engine) -> None:
                 continue
             args: dict = {"by": "policy", "reason": v.rule}
             if action == "deprioritize" and v.runaway:
-                args |= {"long_lane": True, "inflight": True}
+                args |= {"long_lane": True, "probe": True}
             elif action == "cap":
                 args["max_tokens"] = s.output_tokens + config.cap_tokens
             try:

@@ -202,7 +202,7 @@ def render(url: str, sort: str, state: State) -> Group:
 
 
 def _runaway(s: dict) -> str:
-    """The in-flight run-to-cap probability, with a ! once the sequence was flagged."""
+    """The length probe's run-to-cap probability, with a ! once the sequence was flagged."""
     p = s.get("runaway_probability")
     if p is None:
         return "-"

@@ -17,7 +17,7 @@ import sys
 import time
 from collections import deque
 
-from headroom.admission.inflight import InflightRecorder
+from headroom.admission.probe_rows import ProbeRecorder
 from headroom.runtime.engine import Engine
 from headroom.runtime.outputs import RequestOutput
 from headroom.runtime.request import SamplingParams
@@ -36,9 +36,9 @@ def calibrate(
     default_max_tokens: int = 512,
     concurrency: int = 64,
     log=sys.stderr,
-    recorder: InflightRecorder | None = None,
+    recorder: ProbeRecorder | None = None,
 ) -> int:
-    """recorder: also record each sequence's in-flight features (see inflight.py)."""
+    """recorder: also record each sequence's probe features (see probe_rows.py)."""
     if recorder is not None:
         args = engine.loaded.args
         recorder.model_shape = (args.hidden_size, args.num_layers, args.vocab_size)

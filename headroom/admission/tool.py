@@ -1,7 +1,7 @@
 """`headroom predictor`: the output-length predictor's offline tooling, apart from serving.
 calibrate labels prompts with the served model's real output lengths (and, with
---probe-layers, records the in-flight probe's rows); train fits the predictor or the
-in-flight probe; eval scores either on held-out rows."""
+--probe-layers, records the length probe's rows); train fits the predictor or the
+length probe; eval scores either on held-out rows."""
 
 from __future__ import annotations
 
@@ -32,24 +32,24 @@ def cmd_predictor_calibrate(ns: argparse.Namespace) -> int:
     )
     recorder = None
     if ns.probe_layers:
-        from headroom.admission.inflight import InflightRecorder
+        from headroom.admission.probe_rows import ProbeRecorder
 
-        recorder = InflightRecorder(tuple(int(x) for x in ns.probe_layers.split(",")))
+        recorder = ProbeRecorder(tuple(int(x) for x in ns.probe_layers.split(",")))
     n = calibrate(engine, rows, ns.out, default_max_tokens=ns.max_tokens, concurrency=ns.concurrency, recorder=recorder)
     print(f"calibrate: wrote {n} records to {ns.out}", file=sys.stderr)
     if recorder is not None:
         recorder.save(ns.features)
-        print(f"calibrate: wrote {len(recorder.rows)} in-flight rows to {ns.features}", file=sys.stderr)
+        print(f"calibrate: wrote {len(recorder.rows)} probe rows to {ns.features}", file=sys.stderr)
     return 0
 
 
 def cmd_predictor_train(ns: argparse.Namespace) -> int:
     from headroom.admission.train import format_metrics, load_records, train
 
-    if ns.inflight:
-        return _train_inflight(ns)
+    if ns.probe_rows:
+        return _train_probe(ns)
     if not ns.data:
-        print("headroom: predictor train needs --data or --inflight", file=sys.stderr)
+        print("headroom: predictor train needs --data or --probe-rows", file=sys.stderr)
         return 2
     try:
         metrics = train(load_records(ns.data), ns.out, seed=ns.seed)
@@ -65,10 +65,10 @@ def cmd_predictor_eval(ns: argparse.Namespace) -> int:
     from headroom.admission.predictor import load_predictor
     from headroom.admission.train import evaluate, format_metrics, load_records
 
-    if ns.inflight:
-        return _eval_inflight(ns.inflight, ns.probe)
+    if ns.probe_rows:
+        return _eval_probe(ns.probe_rows, ns.probe)
     if not ns.data:
-        print("headroom: predictor eval needs --data or --inflight", file=sys.stderr)
+        print("headroom: predictor eval needs --data or --probe-rows", file=sys.stderr)
         return 2
     records = load_records(ns.data)
     if ns.cv:
@@ -98,15 +98,15 @@ def _load_rows(path: str) -> dict:
         return {k: f[k] for k in f.files}
 
 
-def _train_inflight(ns: argparse.Namespace) -> int:
-    from headroom.admission.inflight import PCA_DIMS, evaluate, format_scores
-    from headroom.admission.inflight_model import InflightProbe
+def _train_probe(ns: argparse.Namespace) -> int:
+    from headroom.admission.probe_model import ProbeModel
+    from headroom.admission.probe_rows import PCA_DIMS, evaluate, format_scores
 
-    data = _load_rows(ns.inflight)
+    data = _load_rows(ns.probe_rows)
     layers = [int(x) for x in data["layers"]]
     layer = ns.layer if ns.layer is not None else layers[0]
     if layer not in layers:
-        print(f"headroom: {ns.inflight} has layers {layers}, not {layer}", file=sys.stderr)
+        print(f"headroom: {ns.probe_rows} has layers {layers}, not {layer}", file=sys.stderr)
         return 2
     print(
         format_scores(
@@ -114,20 +114,20 @@ def _train_inflight(ns: argparse.Namespace) -> int:
             evaluate(data, layer, seed=ns.seed),
         )
     )
-    InflightProbe.train(data, layer, seed=ns.seed).save(ns.out)
-    print(f"\nin-flight probe (all {len(data['ids'])} rows) saved to {ns.out}", file=sys.stderr)
+    ProbeModel.train(data, layer, seed=ns.seed).save(ns.out)
+    print(f"\nlength probe (all {len(data['ids'])} rows) saved to {ns.out}", file=sys.stderr)
     return 0
 
 
-def _eval_inflight(path: str, probe_dir: str | None) -> int:
-    from headroom.admission.inflight import PCA_DIMS, evaluate, format_scores
+def _eval_probe(path: str, probe_dir: str | None) -> int:
+    from headroom.admission.probe_rows import PCA_DIMS, evaluate, format_scores
 
     data = _load_rows(path)
     if probe_dir is not None:
-        from headroom.admission.inflight import score
-        from headroom.admission.inflight_model import InflightProbe
+        from headroom.admission.probe_model import ProbeModel
+        from headroom.admission.probe_rows import score
 
-        probe = InflightProbe.load(probe_dir)
+        probe = ProbeModel.load(probe_dir)
         p_cap, p_remaining = probe.predict_rows(data)
         print(
             format_scores(
@@ -157,32 +157,36 @@ def add_predictor_parser(sub: argparse._SubParsersAction) -> None:
     cal.add_argument("--concurrency", type=int, default=64)
     cal.add_argument("--limit", type=int, default=None)
     cal.add_argument(
-        "--probe-layers", default=None, help="comma-separated decoder layers whose last-token state to record in flight"
+        "--probe-layers",
+        default=None,
+        help="comma-separated decoder layers whose last-token state to record as sequences run",
     )
-    cal.add_argument("--features", default="inflight.npz", help="where --probe-layers' rows go (.npz)")
+    cal.add_argument("--features", default="probe_rows.npz", help="where --probe-layers' rows go (.npz)")
     add_engine_args(cal)
     cal.set_defaults(func=cmd_predictor_calibrate)
     trn = pred_sub.add_parser("train", help="fit the predictor on calibration records; print held-out metrics")
     trn.add_argument("--data", default=None, help="calibration JSONL (split=train rows fit, split=test rows score)")
     trn.add_argument(
-        "--inflight",
+        "--probe-rows",
+        "--inflight",  # its old name
         default=None,
-        help="in-flight rows from `calibrate --probe-layers`: train the in-flight probe instead",
+        help="probe rows from `calibrate --probe-layers`: train the length probe instead",
     )
-    trn.add_argument("--layer", type=int, default=None, help="with --inflight: the probe layer (default: the first)")
+    trn.add_argument("--layer", type=int, default=None, help="with --probe-rows: the probe layer (default: the first)")
     trn.add_argument("--out", required=True, help="directory for the model files and meta.json")
     trn.add_argument("--seed", type=int, default=0)
     trn.set_defaults(func=cmd_predictor_train)
     evl = pred_sub.add_parser("eval", help="score a trained predictor on calibration records")
     evl.add_argument("--data", default=None, help="calibration JSONL; only split=test rows when it has any")
     evl.add_argument(
-        "--inflight",
+        "--probe-rows",
+        "--inflight",  # its old name
         default=None,
-        help="in-flight rows from `calibrate --probe-layers`: AUC and tau by generated tokens",
+        help="probe rows from `calibrate --probe-layers`: AUC and tau by generated tokens",
     )
     evl.add_argument("--predictor", default=None, help="model directory (default: the packaged one)")
     evl.add_argument(
-        "--probe", default=None, help="with --inflight: score this trained in-flight probe on the rows (held-out rows)"
+        "--probe", default=None, help="with --probe-rows: score this trained probe on the rows (held-out rows)"
     )
     evl.add_argument("--all-rows", action="store_true", help="score every row, not only split=test")
     evl.add_argument(

@@ -121,7 +121,15 @@ log = logging.getLogger(__name__)
 
 # Keys renamed, per section: the old name still loads, with a warning, until it is removed.
 # Both were max_wall_s: [admission]'s is a hard deadline, [admin]'s a policy's trigger.
-_RENAMED = {"admission": {"max_wall_s": "deadline_s"}, "admin": {"max_wall_s": "max_age_s"}}
+_RENAMED = {
+    "admission": {
+        "max_wall_s": "deadline_s",
+        "inflight": "probe",
+        "inflight_probe_path": "probe_path",
+        "inflight_every": "probe_every",
+    },
+    "admin": {"max_wall_s": "max_age_s"},
+}
 
 
 def build_config(ns: argparse.Namespace) -> Config:

@@ -83,8 +83,8 @@ def create_app(config: Config, engine: Engine) -> web.Application:
     app[keys.GATE] = AdmissionGate(
         config, admission_seats, engine.block_manager.num_blocks * engine.block_manager.block_size
     )
-    if config.admission.enabled and config.admission.inflight and engine.inflight is None:
-        _use_inflight(config, engine)
+    if config.admission.enabled and config.admission.probe and engine.refiner is None:
+        _use_probe(config, engine)
     app[keys.LIFECYCLE] = keys.Lifecycle()
     app[keys.OBSERVABILITY] = Observability(config.observability, engine, app[keys.GATE].admission)
     app[keys.ENGINE].on_closed = app[keys.OBSERVABILITY].charge
@@ -109,15 +109,15 @@ def create_app(config: Config, engine: Engine) -> web.Application:
     return app
 
 
-def _use_inflight(config: Config, engine: Engine) -> None:
-    from headroom.admission.inflight_model import load_inflight_probe
+def _use_probe(config: Config, engine: Engine) -> None:
+    from headroom.admission.probe_model import load_probe
 
     c, args = config.admission, engine.loaded.args
     probe = in_passing_thread(
-        load_inflight_probe, c.inflight_probe_path, args.hidden_size, args.num_layers, args.vocab_size
+        load_probe, c.probe_path, args.hidden_size, args.num_layers, args.vocab_size
     )  # LightGBM's loading runs OpenMP: see headroom/openmp.py
     if probe is not None:
-        engine.use_inflight(probe, c.inflight_every, c.runaway_threshold, c.long_min_output_tokens)
+        engine.use_probe(probe, c.probe_every, c.runaway_threshold, c.long_min_output_tokens)
 
 
 async def _engine_thread(app: web.Application):

@@ -112,7 +112,7 @@ class ModelRunner:
         ]
         self.graphs: DecodeGraphs | None = None
         # Decoder layers whose residual stream at the sampling rows a step keeps
-        # (ModelOutput.hidden), for the in-flight length probe and its calibration.
+        # (ModelOutput.hidden), for the length probe and its calibration.
         self.hidden_layers: frozenset[int] = frozenset()
         if graph_sizes:
             self.graphs = DecodeGraphs(

@@ -118,7 +118,7 @@ class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k_cache, v_cache)
     backend: AttentionBackend
     # Rows whose residual stream is kept after each layer in hidden_layers (the rows that
-    # sample: each sequence's last token), for the in-flight length probe.
+    # sample: each sequence's last token), for the length probe.
     hidden_rows: torch.Tensor | None = None
     hidden_layers: frozenset[int] = frozenset()
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)

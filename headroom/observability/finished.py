@@ -47,7 +47,7 @@ class FinishedRequest:
     tokens_processed: int = 0
     first_token_at: float | None = None  # time.monotonic() of the first token
     admin_actions: tuple[str, ...] = ()
-    runaway_probability: float | None = None  # the in-flight probe's last estimate
+    runaway_probability: float | None = None  # the length probe's last estimate
     runaway_flagged_at: int | None = None  # output tokens when it was first predicted to run away
     max_tokens_cap: int | None = None  # an operator's or a policy's cap under the requested one
     ignore_eos: bool = False  # only max_tokens (or a stop string) could end it

@@ -203,16 +203,16 @@ class EngineCollector(Collector):
             "headroom:device_time_seconds", "Engine time by size class.", stats.device_time_by_class, "size_class"
         )
         yield _counter(
-            "headroom:inflight_estimates",
-            "In-flight length estimates made (one per sequence each time).",
-            stats.inflight_estimates,
+            "headroom:probe_estimates",
+            "Length probe estimates made (one per sequence each time).",
+            stats.probe_estimates,
         )
         yield _counter(
-            "headroom:inflight_decisions",
-            "Scheduling decisions the in-flight length estimate changed: order (which waiting request "
+            "headroom:probe_decisions",
+            "Scheduling decisions the length probe's estimate changed: order (which waiting request "
             "went first), victim (which was preempted), long_lane (a predicted runaway moved there), "
             "policy (the runaway policy acted).",
-            {d: stats.inflight_decisions.get(d, 0) for d in ("order", "victim", "long_lane", "policy")},
+            {d: stats.probe_decisions.get(d, 0) for d in ("order", "victim", "long_lane", "policy")},
             "decision",
         )
         yield _counter(
@@ -300,13 +300,13 @@ HEALTH = (
         "predictor_cap_auc",
         (
             "Run-to-cap AUC over the window, by predictor: admission (its predicted share of "
-            "max_tokens as the score) or inflight (the probe's last runaway probability)."
+            "max_tokens as the score) or probe (the probe's last runaway probability)."
         ),
-        {"admission": "admission_cap_auc", "inflight": "inflight_cap_auc"},
+        {"admission": "admission_cap_auc", "probe": "probe_cap_auc"},
     ),
     (
-        "inflight_flag_precision",
-        ("Of the window's requests the in-flight probe flagged as runaways, the share that ran to their max_tokens."),
+        "probe_flag_precision",
+        ("Of the window's requests the length probe flagged as runaways, the share that ran to their max_tokens."),
         {"": "flag_precision"},
     ),
 )

@@ -213,8 +213,8 @@ def span_attributes(done: FinishedRequest) -> dict:
         "headroom.stop_reason": done.stop_reason,
         "headroom.error": done.error,
         "headroom.admin_actions": list(done.admin_actions) or None,
-        "headroom.inflight.runaway_probability": done.runaway_probability,
-        "headroom.inflight.runaway_flagged_at_tokens": done.runaway_flagged_at,
+        "headroom.probe.runaway_probability": done.runaway_probability,
+        "headroom.probe.runaway_flagged_at_tokens": done.runaway_flagged_at,
     }
     return attributes
 

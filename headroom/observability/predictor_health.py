@@ -1,6 +1,6 @@
 """The predictors' health on this deployment's own traffic: over the last N finished
 requests, how well admission's output-length prediction ranked and sized them, and how
-well it and the in-flight probe told apart the sequences that ran to their max_tokens,
+well it and the length probe told apart the sequences that ran to their max_tokens,
 server-wide and per tenant. Their quality is otherwise a bench figure, measured once on
 calibration prompts; this says whether it still holds on today's traffic.
 
@@ -88,7 +88,7 @@ class Figures:
     # Run-to-cap AUC, admission's predicted share of max_tokens as the score (its
     # p_cap does not reach the finished request), and the probe's last probability.
     admission_cap_auc: float | None
-    inflight_cap_auc: float | None
+    probe_cap_auc: float | None
     flag_precision: float | None  # of those the probe flagged, the share that ran to their cap
 
     @classmethod
@@ -96,7 +96,7 @@ class Figures:
         predicted = [o for o in outcomes if o.predicted_tokens is not None]
         probed = [o for o in outcomes if o.runaway_probability is not None]
         flagged = [o for o in probed if o.flagged]
-        tau = mae = admission_auc = inflight_auc = precision = None
+        tau = mae = admission_auc = probe_auc = precision = None
         if len(predicted) >= min_requests:
             guess = np.array([o.predicted_tokens for o in predicted])
             actual = np.array([o.output_tokens for o in predicted], dtype=np.float64)
@@ -105,15 +105,13 @@ class Figures:
             share = guess / np.array([o.max_tokens for o in predicted], dtype=np.float64)
             admission_auc = auc(share, np.array([o.ran_to_cap for o in predicted]))
         if len(probed) >= min_requests:
-            inflight_auc = auc(
-                np.array([o.runaway_probability for o in probed]), np.array([o.ran_to_cap for o in probed])
-            )
+            probe_auc = auc(np.array([o.runaway_probability for o in probed]), np.array([o.ran_to_cap for o in probed]))
         if len(flagged) >= min_requests:
             precision = sum(o.ran_to_cap for o in flagged) / len(flagged)
         cap_rate = None
         if len(outcomes) >= min_requests:
             cap_rate = sum(o.ran_to_cap for o in outcomes) / len(outcomes)
-        return cls(len(outcomes), cap_rate, tau, mae, admission_auc, inflight_auc, precision)
+        return cls(len(outcomes), cap_rate, tau, mae, admission_auc, probe_auc, precision)
 
 
 @dataclass(frozen=True)

@@ -85,8 +85,8 @@ def apply(
             raise SequenceFinished(request_id, outputs.finished[request_id])
         raise UnknownSequence(request_id)
     by = args.get("by", "admin")
-    if args.get("inflight"):
-        scheduler.policy.inflight_decisions["policy"] += 1
+    if args.get("probe"):
+        scheduler.policy.probe_decisions["policy"] += 1
     if by == "policy":
         stats.policy_actions[action] += 1
     if action == "abort":

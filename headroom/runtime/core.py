@@ -28,7 +28,6 @@ from headroom.models.loader import LoadedModel
 from headroom.runtime import actions
 from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.commands import Abort, Add, Command, Control, SetLongLaneFactor
-from headroom.runtime.inflight import InflightRefiner, LengthProbe
 from headroom.runtime.loops import LoopPolicy
 from headroom.runtime.output_processor import OutputProcessor
 from headroom.runtime.outputs import (
@@ -39,6 +38,7 @@ from headroom.runtime.outputs import (
     SequenceFinished,
     UnknownSequence,
 )
+from headroom.runtime.probe import LengthProbe, ProbeRefiner
 from headroom.runtime.request import Request, SamplingParams, check_fits
 from headroom.runtime.scheduler import Scheduler, SchedulerOutput
 from headroom.runtime.stats import StepAccounting, engine_counters, engine_snapshot, long_lane_state
@@ -77,7 +77,7 @@ class EngineCore:
         # sequences that sample (before this step's token is appended) and their rows.
         self.hidden_hook: HiddenHook | None = None
         self.hidden_due: Callable[[SchedulerOutput], bool] | None = None
-        self.inflight: InflightRefiner | None = None  # see use_inflight
+        self.refiner: ProbeRefiner | None = None  # see use_probe
         self._ids = itertools.count()
 
     # ---- called from any thread -------------------------------------------------------
@@ -204,21 +204,19 @@ class EngineCore:
             try:
                 self.hidden_hook([out.requests[i] for i in model_out.sample_indices], model_out.hidden)
             except Exception:  # an estimate is advice: losing one must not lose the step's tokens
-                log.exception("in-flight length probe failed; this step's sequences keep their estimates")
+                log.exception("length probe failed; this step's sequences keep their estimates")
 
     # ---- called from any thread: observability ----------------------------------------
 
     def counters(self) -> EngineStats:
         """A consistent copy of the engine's counters."""
         with self._state_lock:
-            return engine_counters(self.stats, self.scheduler, self.inflight)
+            return engine_counters(self.stats, self.scheduler, self.refiner)
 
-    def use_inflight(
-        self, probe: LengthProbe, every: int, runaway_threshold: float, long_min_output: int
-    ) -> InflightRefiner:
-        """Estimate each running sequence's remaining length in flight with `probe`, from
-        the hidden state its forward pass computes anyway (runtime/inflight.py)."""
-        refiner = InflightRefiner(probe, self.scheduler.policy, every, runaway_threshold, long_min_output)
+    def use_probe(self, probe: LengthProbe, every: int, runaway_threshold: float, long_min_output: int) -> ProbeRefiner:
+        """Estimate each running sequence's remaining length with `probe`, from
+        the hidden state its forward pass computes anyway (runtime/probe.py)."""
+        refiner = ProbeRefiner(probe, self.scheduler.policy, every, runaway_threshold, long_min_output)
         self.watch_hidden(frozenset({probe.layer}), refiner.observe, refiner.due, refiner)
         return refiner
 
@@ -227,14 +225,14 @@ class EngineCore:
         layers: frozenset[int],
         hook: HiddenHook | None,
         due: Callable[[SchedulerOutput], bool] | None = None,
-        inflight: InflightRefiner | None = None,
+        refiner: ProbeRefiner | None = None,
     ) -> None:
         """Keep the rows of `layers` for the sequences that sample and pass them to `hook`
         after each forward pass (when `due` says the step needs them); empty layers: stop.
-        `inflight`: the refiner the hook belongs to, whose estimates counters() reports."""
+        `refiner`: the refiner the hook belongs to, whose estimates counters() reports."""
         with self._state_lock:  # the engine may be stepping already
             self.runner.hidden_layers = layers
-            self.hidden_hook, self.hidden_due, self.inflight = hook, due, inflight
+            self.hidden_hook, self.hidden_due, self.refiner = hook, due, refiner
 
     def long_lane(self) -> LongLaneState:
         """The long lane's settings and what the engine has learned of its own step cost."""

@@ -43,8 +43,8 @@ class EngineStats:
     finished: Counter[str] = field(default_factory=Counter)  # by finish reason
     aborts: Counter[str] = field(default_factory=Counter)  # by cause (Request.abort_cause)
     device_time_by_class: Counter[str] = field(default_factory=Counter)  # seconds, by size class
-    inflight_estimates: int = 0  # in-flight length estimates made (rows)
-    inflight_decisions: Counter[str] = field(default_factory=Counter)  # changed by them: order, victim, long_lane
+    probe_estimates: int = 0  # length probe estimates made (rows)
+    probe_decisions: Counter[str] = field(default_factory=Counter)  # changed by them: order, victim, long_lane
     loops: Counter[str] = field(default_factory=Counter)  # found by the server's detector, by action taken
     policy_actions: Counter[str] = field(default_factory=Counter)  # the automatic policies', by action
     # Gauges, filled in only on the copy Engine.counters returns (0 on the live counters),
@@ -60,7 +60,7 @@ class EngineStats:
             finished=Counter(self.finished),
             aborts=Counter(self.aborts),
             device_time_by_class=Counter(self.device_time_by_class),
-            inflight_decisions=Counter(self.inflight_decisions),
+            probe_decisions=Counter(self.probe_decisions),
             loops=Counter(self.loops),
             policy_actions=Counter(self.policy_actions),
         )
@@ -103,7 +103,7 @@ class SequenceSnapshot:
     budget_left_s: float | None = None  # wall-clock budget left (None: no budget)
     deprioritized: bool = False
     admin_actions: tuple[str, ...] = ()
-    # The in-flight length probe's latest estimate (None: not estimated, or the probe is off).
+    # The length probe's latest estimate (None: not estimated, or the probe is off).
     predicted_remaining_tokens: float | None = None
     runaway_probability: float | None = None
     runaway_flagged_at: int | None = None  # output tokens when first predicted to run away

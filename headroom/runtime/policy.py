@@ -1,23 +1,14 @@
 """Who goes first, who is preempted, and how much room long work gets: the scheduler's
 policy, kept apart from its mechanics.
 
-Order: tier priority first, then predicted-shortest-remaining first with ageing (a
-request's rank is its estimated remaining output tokens, in flight once the length
-probe has seen it run, minus ageing_tokens_per_s for every second it has waited, so
-nothing starves). Without predictions every rank is just minus the wait, which is FCFS.
-Victims: lowest priority, then the longest estimated remaining, then the newest.
-Long-class requests run in a lane with its own concurrency and KV share; their prefill
-chunks are sized by the engine's measured step cost so that a step grows by at most a
-quarter of the short class's TTFT target, and a step that starts a shorter request
-carries none until the long one has waited long_ttft_target_s (see long_prefill_allowance).
-Such a step also leaves out long decodes, each at most every other step
-(long_decodes_sit_out): a runaway the length probe moved to the long lane stops
-taxing the first token of every short request that arrives while it runs.
-
-HolFeedback closes the head-of-line loop (observability/hol.py raises the signal): while
-coupling lasts, each interval halves the long lane's per-step prefill allowance (down to
-TIGHTEST of it); once it clears, each interval doubles it back. The long lane's own
-floor still bounds the long class's wait.
+Order: tier priority first, then predicted-shortest-remaining first with ageing (the
+estimated remaining output tokens, the length probe's once it has seen a sequence
+run, minus ageing_tokens_per_s per second waited, so nothing starves; without
+predictions that is FCFS). Victims: lowest priority, then the longest estimated
+remaining, then the newest. Long-class requests run in a lane with its own concurrency
+and KV share, their prefill chunks and decode rows sized in seconds by the engine's
+measured step cost (long_prefill_allowance, long_decode_allowance). HolFeedback scales
+the prefill allowance by the head-of-line signal (observability/hol.py).
 """
 
 from __future__ import annotations
@@ -47,46 +38,46 @@ class SchedulingPolicy:
         self.cost = StepCostModel()  # fed by the engine after every step
         # In (0, 1]: the head-of-line loop lowers it while the short class suffers.
         self.long_lane_factor = 1.0
-        # Decisions the in-flight length estimate changed: order, victim, long_lane.
-        self.inflight_decisions: Counter[str] = Counter()
+        # Decisions the length probe's estimate changed: order, victim, long_lane.
+        self.probe_decisions: Counter[str] = Counter()
         self.last_short_arrival = float("-inf")  # when a request not of the long class last arrived
 
     def note_arrival(self, request: Request, now: float) -> None:
         if request.size_class != LONG:
             self.last_short_arrival = now
 
-    def order_key(self, request: Request, now: float, in_flight: bool = True) -> tuple:
+    def order_key(self, request: Request, now: float, probed: bool = True) -> tuple:
         waited = now - request.arrival_time
-        rank = (request.estimated_remaining_tokens(in_flight) or 0.0) - self.config.ageing_tokens_per_s * waited
+        rank = (request.estimated_remaining_tokens(probed) or 0.0) - self.config.ageing_tokens_per_s * waited
         return (-request.priority, rank, request.submit_order)
 
-    def victim_key(self, request: Request, in_flight: bool = True) -> tuple:
+    def victim_key(self, request: Request, probed: bool = True) -> tuple:
         """min() of this is the preemption victim."""
         newest = (-request.arrival_time, -request.submit_order)
         if self.config.preemption_order == "newest":
             return newest
-        return (request.priority, -(request.estimated_remaining_tokens(in_flight) or 0.0), *newest)
+        return (request.priority, -(request.estimated_remaining_tokens(probed) or 0.0), *newest)
 
     def choose_victim(self, victims: list[Request]) -> Request:
-        """The victim; counts the choices the in-flight estimate changed."""
+        """The victim; counts the choices the probe's estimate changed."""
         victim = min(victims, key=self.victim_key)
         if (
             any(r.predicted_remaining_tokens is not None for r in victims)
-            and min(victims, key=lambda r: self.victim_key(r, in_flight=False)) is not victim
+            and min(victims, key=lambda r: self.victim_key(r, probed=False)) is not victim
         ):
-            self.inflight_decisions["victim"] += 1
+            self.probe_decisions["victim"] += 1
         return victim
 
     def note_admitted(self, waiting: list[Request], first: Request, now: float) -> None:
-        """Counts admissions whose first pick the in-flight estimate changed (waiting as
+        """Counts admissions whose first pick the probe's estimate changed (waiting as
         it was sorted before the step admitted `first`): the head by the estimate went,
         and the head without it was another. A head the lane held back counts nothing."""
         if (
             first is waiting[0]
             and any(r.predicted_remaining_tokens is not None for r in waiting)
-            and min(waiting, key=lambda r: self.order_key(r, now, in_flight=False)) is not first
+            and min(waiting, key=lambda r: self.order_key(r, now, probed=False)) is not first
         ):
-            self.inflight_decisions["order"] += 1
+            self.probe_decisions["order"] += 1
 
     def lane_admits(self, request: Request, running: list[Request], block_manager: BlockManager) -> bool:
         """May a waiting request start now, given its lane's limits?"""
@@ -121,10 +112,9 @@ class SchedulingPolicy:
 
         With no shorter request present the chunk is bounded all the same (by the full
         allowance, without the loop's scaling): one arriving during the step waits for all
-        of it. Unbounded, a 512-token chunk at a 2k context took ~0.5 s on a 2-core EPYC
-        and alone set the short class's p99 TTFT (bench/RESULTS.md, 2026-11-24). Only where
-        no shorter request has arrived for long_lane_quiet_s is nothing protected: a load
-        of long work alone then runs as fast as without the lane."""
+        of it, and one unbounded chunk alone can set the short class's p99 TTFT
+        (bench/RESULTS.md). Only where no shorter request has arrived for
+        long_lane_quiet_s is nothing protected: long work alone then runs at full speed."""
         config = self.config
         if not config.long_lane:
             return None
@@ -146,7 +136,7 @@ class SchedulingPolicy:
             # A shorter request starts in this step: its first token comes at the step's
             # end, so a long chunk here would be paid in full by its TTFT. None, until the
             # long request has waited long_ttft_target_s: a chunk deep in a long context
-            # costs ~20 ms for attention's gather however few its tokens (2-core EPYC).
+            # pays attention's gather of the whole context however few its tokens.
             return full if floor >= 1.0 else 0.0
         return full * max(floor, self.long_lane_factor)
 
@@ -178,10 +168,9 @@ class SchedulingPolicy:
 
         They do where the step starts a shorter request: its first token comes at the
         step's end, and each long decode adds its attention over a long context to the
-        step. On a 2-core EPYC, 40 runaways decoding at 0.3-2k contexts made every step
-        ~0.2 s, where a short's own prefill (its prefix cached) took a few ms, so the
-        short paid for them twice (bench/runaways.py). Never two steps running, so a long
-        decode keeps at least half its pace however often shorter requests arrive.
+        step, which a short request's own prefill may be a small part of
+        (bench/runaways.py). The scheduler holds none out more than long_decode_max_skip
+        steps running, so it keeps 1 / (1 + that) of its pace however often they arrive.
 
         Only where the request admission takes first is the shorter one and it has a seat
         and room in the cache, with a block kept for each long decode, which may need one

@@ -113,7 +113,7 @@ class Request:
     predicted_output_tokens_p90: float | None = None
     admission_decision: str | None = None  # admit | wait | reject | route
     admitted_time: float | None = None  # when admission let it through to the engine
-    # Set in flight by the length probe (runtime/inflight.py), every few generated tokens.
+    # Set by the length probe while it runs (runtime/probe.py), every few generated tokens.
     predicted_remaining_tokens: float | None = None  # as of estimated_at_tokens
     estimated_at_tokens: int | None = None
     runaway_probability: float | None = None  # that it runs to its max_tokens
@@ -180,12 +180,12 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
-    def estimated_remaining_tokens(self, in_flight: bool = True) -> float | None:
-        """Output tokens still to come: the in-flight estimate less what was generated
-        since it, else (or with in_flight False) the admission-time prediction less the
+    def estimated_remaining_tokens(self, probed: bool = True) -> float | None:
+        """Output tokens still to come: the probe's estimate less what was generated
+        since it, else (or with probed False) the admission-time prediction less the
         output so far; never more than max_tokens (an operator's cap included) leaves."""
         left = self.max_tokens - self.num_output_tokens
-        if in_flight and self.predicted_remaining_tokens is not None:
+        if probed and self.predicted_remaining_tokens is not None:
             since = self.num_output_tokens - (self.estimated_at_tokens or 0)
             return min(max(self.predicted_remaining_tokens - since, 0.0), left)
         if self.predicted_output_tokens is not None:

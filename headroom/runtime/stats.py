@@ -10,8 +10,8 @@ from collections import Counter, deque
 from headroom.config import SchedulerConfig
 from headroom.executor.model_runner import StepTimer
 from headroom.runtime.block_manager import BlockManager
-from headroom.runtime.inflight import InflightRefiner
 from headroom.runtime.outputs import EngineSnapshot, EngineStats, LongLaneState, SequenceSnapshot
+from headroom.runtime.probe import ProbeRefiner
 from headroom.runtime.request import Request
 from headroom.runtime.scheduler import Scheduler, SchedulerOutput
 from headroom.runtime.step_cost import StepCostModel
@@ -84,15 +84,15 @@ def engine_snapshot(
     return EngineSnapshot(now, busy, stats.steps, block_manager.num_blocks, block_manager.num_used_blocks, sequences)
 
 
-def engine_counters(stats: EngineStats, scheduler: Scheduler, inflight: InflightRefiner | None) -> EngineStats:
+def engine_counters(stats: EngineStats, scheduler: Scheduler, refiner: ProbeRefiner | None) -> EngineStats:
     """A copy of the counters, with those the scheduler's policy and the refiner keep, and
     the batch's and the pool's gauges."""
     copy = stats.copy()
     copy.num_running, copy.num_waiting = scheduler.num_running, scheduler.num_waiting
     copy.kv_blocks_used = scheduler.block_manager.num_used_blocks
     copy.kv_blocks_total = scheduler.block_manager.num_blocks
-    copy.inflight_decisions = Counter(scheduler.policy.inflight_decisions)
-    copy.inflight_estimates = inflight.estimates if inflight is not None else 0
+    copy.probe_decisions = Counter(scheduler.policy.probe_decisions)
+    copy.probe_estimates = refiner.estimates if refiner is not None else 0
     return copy
 
 

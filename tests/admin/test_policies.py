@@ -76,7 +76,7 @@ def test_each_rule_names_what_was_broken():
     ]
 
 
-def test_the_runaway_rule_reads_the_in_flight_estimate():
+def test_the_runaway_rule_reads_the_probe_estimate():
     config = AdminConfig(max_runaway_probability=0.9)
     assert enabled(config)
     found = violations(
@@ -137,7 +137,7 @@ def test_the_policy_loop_aborts_a_runaway_on_the_real_server(default_model):
 
 
 class RecordedProbe:
-    """The in-flight probe as the engine calls it, keeping every estimate it gives."""
+    """The length probe as the engine calls it, keeping every estimate it gives."""
 
     def __init__(self, probe):
         self.probe, self.layer, self.last_point = probe, probe.layer, probe.last_point
@@ -152,22 +152,22 @@ class RecordedProbe:
 
 @pytest.mark.slow
 def test_the_runaway_policy_moves_a_probed_runaway_to_the_long_lane(default_model):
-    """No ignore_eos: only the in-flight probe says this loop runs to its 4,000-token cap.
+    """No ignore_eos: only the length probe says this loop runs to its 4,000-token cap.
     Its probe is trained on rows where running to the cap is written in the loop signal, so
     it sees nothing at prefill and the loop from 16 tokens on; the policy acts on its
     estimate, once, and says why."""
-    from headroom.admission.inflight_model import InflightProbe
+    from headroom.admission.probe_model import ProbeModel
     from headroom.app.background import BackgroundServer
     from headroom.runtime.engine import Engine
     from tests.admin.conftest import admin, admin_config, start_stream, wait_until
-    from tests.runtime.test_inflight_engine import LAYER, loop_rows
+    from tests.runtime.test_probe_engine import LAYER, loop_rows
 
     # The planted loop is the probe's to catch here, not the loop detector's (it would cap it).
     config = admin_config(max_runaway_probability=0.95, policy_interval_s=0.1, loop_policy="off")
     engine = Engine(config, loaded=default_model)
-    probe = RecordedProbe(InflightProbe.train(loop_rows(300, default_model.args.hidden_size), LAYER))
+    probe = RecordedProbe(ProbeModel.train(loop_rows(300, default_model.args.hidden_size), LAYER))
     a = config.admission
-    engine.use_inflight(probe, a.inflight_every, a.runaway_threshold, a.long_min_output_tokens)
+    engine.use_probe(probe, a.probe_every, a.runaway_threshold, a.long_min_output_tokens)
     server = BackgroundServer(config, engine).start()  # it keeps the engine's probe
     try:
         the = engine.tokenizer.encode(" the")[-1]
@@ -186,7 +186,7 @@ def test_the_runaway_policy_moves_a_probed_runaway_to_the_long_lane(default_mode
         assert wait_until(lambda: sequence()["output_tokens"] > probe.last_point, timeout=120)
         seq = sequence()
         estimates = probe.estimates[rid]
-        assert [at for at, _, _ in estimates] == list(range(0, probe.last_point + 1, a.inflight_every))
+        assert [at for at, _, _ in estimates] == list(range(0, probe.last_point + 1, a.probe_every))
         assert estimates[0][2] < a.runaway_threshold <= estimates[1][2]  # no loop at prefill, one at 16
         at, remaining, p = estimates[-1]
         assert (seq["size_class"], seq["priority"], seq["runaway_probability"], seq["runaway_flagged_at"]) == (
@@ -209,7 +209,7 @@ def test_the_runaway_policy_moves_a_probed_runaway_to_the_long_lane(default_mode
         in_force = [q for made_at, _, q in estimates if made_at < int(acted[2])][-1]
         assert in_force >= 0.95 and acted[1] == f"{in_force:.2f}"
         metrics = httpx.get(server.url + "/metrics", timeout=10).text
-        assert 'headroom:inflight_decisions_total{decision="policy"} 1.0' in metrics
+        assert 'headroom:probe_decisions_total{decision="policy"} 1.0' in metrics
         assert admin(server, "POST", f"/sequences/{rid}/abort").status_code == 200
         runaway.wait(60)
     finally:

@@ -1,4 +1,4 @@
-"""A real runaway, caught by the real in-flight probe: no ignore_eos, so nothing but the
+"""A real runaway, caught by the real length probe: no ignore_eos, so nothing but the
 probe's reading of the model's own hidden state says it will run to its cap.
 
 The prompt is a held-out (`test` split) row of data/calibration that ran to its 128-token
@@ -37,12 +37,12 @@ def repeats(text: str) -> int:
 def test_the_probe_catches_a_looping_sequence_and_the_policy_moves_it(default_model):
     # The probe is under test, not the loop detector (which would cap the loop first).
     config = admin_config(max_runaway_probability=0.9, policy_interval_s=0.1, loop_policy="off")
-    assert config.admission.inflight and config.admission.runaway_threshold == 0.8  # the defaults
+    assert config.admission.probe and config.admission.runaway_threshold == 0.8  # the defaults
     server = BackgroundServer(config, Engine(config, loaded=default_model)).start()
     rid = "chatcmpl-loops"
     body = {"messages": [{"role": "user", "content": LOOPING_PROMPT}], "max_tokens": CAP, "temperature": 0}
     try:
-        assert server.engine.inflight is not None, "the packaged probe is not in use"
+        assert server.engine.refiner is not None, "the packaged probe is not in use"
         with ThreadPoolExecutor(1) as pool:
             reply = pool.submit(
                 httpx.post,
@@ -80,10 +80,10 @@ def test_the_probe_catches_a_looping_sequence_and_the_policy_moves_it(default_mo
         assert repeats(choice["message"]["content"]) >= 4, choice["message"]["content"]
 
         counters = server.engine.counters()
-        assert counters.inflight_estimates == CAP // 16  # after prefill, then every 16 tokens up to 112
+        assert counters.probe_estimates == CAP // 16  # after prefill, then every 16 tokens up to 112
         # The policy acted once; the probe alone moved nothing, as 128 tokens is not long work.
-        assert (counters.inflight_decisions["policy"], counters.inflight_decisions["long_lane"]) == (1, 0)
+        assert (counters.probe_decisions["policy"], counters.probe_decisions["long_lane"]) == (1, 0)
         metrics = httpx.get(server.url + "/metrics", timeout=10).text
-        assert 'headroom:inflight_decisions_total{decision="policy"} 1.0' in metrics
+        assert 'headroom:probe_decisions_total{decision="policy"} 1.0' in metrics
     finally:
         server.stop()

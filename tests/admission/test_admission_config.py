@@ -128,6 +128,19 @@ def test_the_old_max_wall_s_keys_load_under_their_new_names(tmp_path, caplog):
         load(tmp_path, "[admin]\nmax_wall_s = 30\nmax_age_s = 30\n")
 
 
+def test_the_old_inflight_keys_load_under_the_probe_names(tmp_path, caplog):
+    text = '[admission]\ninflight = false\ninflight_probe_path = "/p"\ninflight_every = 8\n'
+    config = load(tmp_path, text)
+    assert (config.admission.probe, config.admission.probe_path, config.admission.probe_every) == (False, "/p", 8)
+    assert [r.getMessage() for r in caplog.records if r.name == "headroom.app.flags"] == [
+        "config: [admission] inflight is deprecated; it is now probe",
+        "config: [admission] inflight_probe_path is deprecated; it is now probe_path",
+        "config: [admission] inflight_every is deprecated; it is now probe_every",
+    ]
+    with pytest.raises(ConfigError, match=r"\[admission\] sets both inflight_every and probe_every"):
+        load(tmp_path, "[admission]\ninflight_every = 8\nprobe_every = 8\n")
+
+
 def test_unknown_tenant_key_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="unexpected keyword argument 'rate'"):
         load(tmp_path, '[[admission.tenants]]\nname = "default"\nrate = 5\n')

@@ -14,8 +14,8 @@ import pytest
 from scipy import stats
 
 from headroom.admission.calibrate import row_messages
-from headroom.admission.inflight_model import load_inflight_probe
 from headroom.admission.predictor import LengthPredictor, load_predictor
+from headroom.admission.probe_model import load_probe
 from headroom.admission.train import _auc, evaluate, load_records, split_records
 from headroom.config import AdmissionConfig, CacheConfig, Config, SchedulerConfig
 from headroom.runtime.engine import Engine
@@ -55,8 +55,8 @@ def test_the_shipped_predictor_holds_its_quality_on_held_out_rows(split):
 
 @pytest.mark.slow
 def test_the_shipped_probe_after_prefill_on_held_out_prompts(default_model, split):
-    """The estimate after prefill, the probe's headline, made by the engine's own in-flight
-    path (Engine.use_inflight, as create_app wires it) for each held-out prompt up to
+    """The estimate after prefill, the probe's headline, made by the engine's own probe
+    path (Engine.use_probe, as create_app wires it) for each held-out prompt up to
     PROBE_MAX_PROMPT_TOKENS, against the labels of calibration's full runs. After prefill
     the state depends on the prompt alone, so no run-to-the-end is needed and sampling
     cannot drift from calibration's: each sequence is aborted once it has its first token."""
@@ -67,10 +67,10 @@ def test_the_shipped_probe_after_prefill_on_held_out_prompts(default_model, spli
     )
     engine = Engine(config, loaded=default_model)
     args, admission = default_model.args, config.admission
-    probe = load_inflight_probe(admission.inflight_probe_path, args.hidden_size, args.num_layers, args.vocab_size)
+    probe = load_probe(admission.probe_path, args.hidden_size, args.num_layers, args.vocab_size)
     assert probe is not None, "the packaged probe did not load for the default model"
     assert probe.meta["requests"] == len(train)  # trained on the train prompts only
-    engine.use_inflight(probe, admission.inflight_every, admission.runaway_threshold, admission.long_min_output_tokens)
+    engine.use_probe(probe, admission.probe_every, admission.runaway_threshold, admission.long_min_output_tokens)
 
     requests = {}
     for row in rows:

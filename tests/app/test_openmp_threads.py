@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from headroom.admission import inflight_model
+from headroom.admission import probe_model
 from headroom.app import admission_gate, server
 from headroom.config import Config
 from headroom.openmp import in_passing_thread
@@ -44,11 +44,11 @@ def test_the_admission_predictor_is_loaded_off_the_callers_thread(monkeypatch):
     assert len(threads) == 1 and threads[0] is not threading.current_thread() and not threads[0].is_alive()
 
 
-def test_the_inflight_probe_is_loaded_off_the_callers_thread(monkeypatch):
+def test_the_probe_is_loaded_off_the_callers_thread(monkeypatch):
     threads: list[threading.Thread] = []
-    monkeypatch.setattr(inflight_model, "load_inflight_probe", recorder(threads))
+    monkeypatch.setattr(probe_model, "load_probe", recorder(threads))
     engine = SimpleNamespace(
         loaded=SimpleNamespace(args=SimpleNamespace(hidden_size=576, num_layers=30, vocab_size=49152))
     )
-    server._use_inflight(Config(), engine)  # the probe is None: nothing is installed
+    server._use_probe(Config(), engine)  # the probe is None: nothing is installed
     assert len(threads) == 1 and threads[0] is not threading.current_thread() and not threads[0].is_alive()

@@ -69,7 +69,7 @@ def test_every_dashboard_query_names_a_real_metric(exported):
     assert {
         "headroom:predictor_kendall_tau",
         "headroom:predictor_cap_auc",
-        "headroom:inflight_flag_precision",
+        "headroom:probe_flag_precision",
         "headroom:predictor_mae_tokens",
         "headroom:tenant_predictor_kendall_tau",
         "headroom:predictor_cap_auc_floor",
@@ -94,8 +94,8 @@ def test_every_rule_reads_a_real_metric(exported):
         "headroom:tenant_predictor_kendall_tau",
         "headroom:predictor_cap_auc",
         "headroom:tenant_predictor_cap_auc",
-        "headroom:inflight_flag_precision",
-        "headroom:tenant_inflight_flag_precision",
+        "headroom:probe_flag_precision",
+        "headroom:tenant_probe_flag_precision",
         "headroom:predictor_cap_rate",
         "headroom:tenant_predictor_cap_rate",
     }

@@ -83,9 +83,9 @@ def test_the_alerts_fire_where_they_must_and_nowhere_else():
         ("        for: 30m\n", "        for: 5m\n", "alertname: HeadroomPredictorRankingDrift"),
         # A fixed floor for the flag's precision: right or wrong depending on how many runaways come.
         (
-            "headroom:inflight_flag_precision <= headroom:predictor_cap_rate",
-            "headroom:inflight_flag_precision <= 0.5",
-            "alertname: HeadroomInflightFlagImprecise",
+            "headroom:probe_flag_precision <= headroom:predictor_cap_rate",
+            "headroom:probe_flag_precision <= 0.5",
+            "alertname: HeadroomProbeFlagImprecise",
         ),
     ],
 )

@@ -79,7 +79,7 @@ ALL_SIX = Figures(
     kendall_tau=5 / math.sqrt(168),
     mae_tokens=202 / 6,
     admission_cap_auc=5.5 / 9,
-    inflight_cap_auc=6.5 / 9,
+    probe_cap_auc=6.5 / 9,
     flag_precision=2 / 3,
 )
 # Tenant a alone (r1-r4): 5 concordant pairs of 6, none discordant, r3-r4 tied in actual:
@@ -91,7 +91,7 @@ TENANT_A = Figures(
     kendall_tau=5 / math.sqrt(30),
     mae_tokens=62 / 4,
     admission_cap_auc=1.0,
-    inflight_cap_auc=1.0,
+    probe_cap_auc=1.0,
     flag_precision=None,
 )
 
@@ -141,7 +141,7 @@ def test_only_requests_whose_natural_length_is_known_count():
     ]
     only_probe = health_of(probe_only, min_requests=2).report().server
     assert (only_probe.requests, only_probe.kendall_tau, only_probe.admission_cap_auc) == (3, None, None)
-    assert only_probe.inflight_cap_auc == pytest.approx(0.5)  # 0.7 beats 0.2, 0.1 does not
+    assert only_probe.probe_cap_auc == pytest.approx(0.5)  # 0.7 beats 0.2, 0.1 does not
 
 
 @pytest.mark.parametrize("finish, output, cap", [("length", 72, 72), ("repetition", 44, None)])
@@ -163,7 +163,7 @@ def test_a_tenant_under_the_minimum_has_no_figures():
         "kendall_tau": None,
         "mae_tokens": None,
         "admission_cap_auc": None,
-        "inflight_cap_auc": None,
+        "probe_cap_auc": None,
         "flag_precision": None,
     }
     # One more of b's reaches the minimum: b's figures (r5, r6 and r7, a stop at 30 of
@@ -178,7 +178,7 @@ def test_a_tenant_under_the_minimum_has_no_figures():
             "kendall_tau": -1 / 3,
             "mae_tokens": 170 / 3,
             "admission_cap_auc": 0.0,
-            "inflight_cap_auc": 0.5,
+            "probe_cap_auc": 0.5,
             "flag_precision": None,
         },
         abs=1e-12,
@@ -216,15 +216,15 @@ def test_exported_server_wide_and_per_tenant():
             ("headroom:predictor_kendall_tau", ()): ALL_SIX.kendall_tau,
             ("headroom:predictor_mae_tokens", ()): ALL_SIX.mae_tokens,
             ("headroom:predictor_cap_auc", (("predictor", "admission"),)): 5.5 / 9,
-            ("headroom:predictor_cap_auc", (("predictor", "inflight"),)): 6.5 / 9,
-            ("headroom:inflight_flag_precision", ()): 2 / 3,
+            ("headroom:predictor_cap_auc", (("predictor", "probe"),)): 6.5 / 9,
+            ("headroom:probe_flag_precision", ()): 2 / 3,
             ("headroom:tenant_predictor_health_requests", (("tenant", "a"),)): 4,
             ("headroom:tenant_predictor_health_requests", (("tenant", "b"),)): 2,
             ("headroom:tenant_predictor_cap_rate", (("tenant", "a"),)): 0.5,
             ("headroom:tenant_predictor_kendall_tau", (("tenant", "a"),)): TENANT_A.kendall_tau,
             ("headroom:tenant_predictor_mae_tokens", (("tenant", "a"),)): 15.5,
             ("headroom:tenant_predictor_cap_auc", (("predictor", "admission"), ("tenant", "a"))): 1.0,
-            ("headroom:tenant_predictor_cap_auc", (("predictor", "inflight"), ("tenant", "a"))): 1.0,
+            ("headroom:tenant_predictor_cap_auc", (("predictor", "probe"), ("tenant", "a"))): 1.0,
         },
         abs=1e-12,
     )

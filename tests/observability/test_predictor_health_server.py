@@ -1,5 +1,5 @@
 """The predictors' health on the real server: after real requests through admission's
-predictor and the in-flight probe shipped for the default model, /metrics and
+predictor and the length probe shipped for the default model, /metrics and
 /admin/stats report the same window, its counts, cap rate and MAE as the requests
 themselves say, a tenant under the minimum without figures, and a predictor reload
 starting the window over."""
@@ -84,10 +84,10 @@ def as_metrics(figures: dict, tenant: str | None = None) -> dict[tuple, float]:
         "cap_rate": "predictor_cap_rate",
         "kendall_tau": "predictor_kendall_tau",
         "mae_tokens": "predictor_mae_tokens",
-        "flag_precision": "inflight_flag_precision",
+        "flag_precision": "probe_flag_precision",
     }
     out = {(prefix + names[k], labels): v for k, v in figures.items() if k in names and v is not None}
-    for predictor in ("admission", "inflight"):
+    for predictor in ("admission", "probe"):
         if (value := figures[f"{predictor}_cap_auc"]) is not None:
             key = tuple(sorted((*labels, ("predictor", predictor))))
             out[(prefix + "predictor_cap_auc", key)] = value
@@ -129,9 +129,9 @@ def test_health_after_real_requests(default_model, caplog):
         assert server_wide[("headroom:predictor_mae_tokens", ())] == pytest.approx(mae(None))
         assert {key for key in server_wide if key[0] == "headroom:predictor_cap_auc"} == {
             ("headroom:predictor_cap_auc", (("predictor", "admission"),)),
-            ("headroom:predictor_cap_auc", (("predictor", "inflight"),)),
+            ("headroom:predictor_cap_auc", (("predictor", "probe"),)),
         }
-        assert 0 <= server_wide[("headroom:predictor_cap_auc", (("predictor", "inflight"),))] <= 1
+        assert 0 <= server_wide[("headroom:predictor_cap_auc", (("predictor", "probe"),))] <= 1
         assert -1 <= server_wide[("headroom:predictor_kendall_tau", ())] <= 1
         assert server_wide == pytest.approx(as_metrics(health["server"]))
         assert (health["window"], health["min_requests"]) == (500, 2)
@@ -154,7 +154,7 @@ def test_health_after_real_requests(default_model, caplog):
             "kendall_tau": None,
             "mae_tokens": None,
             "admission_cap_auc": None,
-            "inflight_cap_auc": None,
+            "probe_cap_auc": None,
             "flag_precision": None,
         }
 

@@ -243,7 +243,7 @@ def test_step_done_charges_steps_tokens_and_time(hf):
     rig.scheduler.update_from_output(out, [7, 8])
     c = rig.add("abcdef", output="q")  # a's first block is in the prefix cache
     out = rig.scheduler.schedule()
-    c.size_class = "long"  # moved to the long lane in flight: charged there
+    c.size_class = "long"  # moved to the long lane by the probe: charged there
     assert out.requests == [a, b, c] and out.num_scheduled_tokens == [1, 1, 2]
     second = StepTimer(CPU).stop()
     accounting.step_done(rig.stats, out, [2, 3, 2], 0.25, second)

@@ -91,7 +91,7 @@ def test_victim_is_lowest_tier_then_longest_predicted_remaining():
     assert out.preempted[0] is b
 
 
-def test_in_flight_estimate_reorders_the_waiting_queue_and_counts_it():
+def test_the_probe_estimate_reorders_the_waiting_queue_and_counts_it():
     s = create_scheduler(max_num_seqs=1)
     now = time.monotonic()
     first = create_request(predicted=20, max_tokens=500, arrival=now)
@@ -106,7 +106,7 @@ def test_in_flight_estimate_reorders_the_waiting_queue_and_counts_it():
     first.predicted_remaining_tokens, first.estimated_at_tokens = 400.0, 0
     out, _ = run_step(s)
     assert out.requests == [second]
-    assert s.policy.inflight_decisions == {"order": 1}
+    assert s.policy.probe_decisions == {"order": 1}
 
 
 def test_the_reordered_admission_counts_when_it_preempts_a_lower_tier():
@@ -122,28 +122,28 @@ def test_the_reordered_admission_counts_when_it_preempts_a_lower_tier():
     first.predicted_remaining_tokens, first.estimated_at_tokens = 400.0, 0
     out, _ = run_step(s)
     assert out.requests == [second] and out.preempted == [low]
-    assert s.policy.inflight_decisions == {"order": 1}
+    assert s.policy.probe_decisions == {"order": 1}
 
 
-def test_in_flight_estimate_counts_down_as_tokens_come():
+def test_the_probe_estimate_counts_down_as_tokens_come():
     request = create_request(predicted=100, max_tokens=200)
     assert request.estimated_remaining_tokens() == 100.0
     request.output_token_ids.extend([5] * 10)
     assert request.estimated_remaining_tokens() == 90.0
     request.predicted_remaining_tokens, request.estimated_at_tokens = 25.0, 8
     assert request.estimated_remaining_tokens() == 23.0  # 2 tokens since the estimate
-    assert request.estimated_remaining_tokens(in_flight=False) == 90.0
+    assert request.estimated_remaining_tokens(probed=False) == 90.0
     # An operator's cap bounds both: 15 tokens are all that can still come.
     request.max_tokens_cap = 25
     assert request.estimated_remaining_tokens() == 15.0
-    assert request.estimated_remaining_tokens(in_flight=False) == 15.0
+    assert request.estimated_remaining_tokens(probed=False) == 15.0
 
 
-def test_in_flight_estimate_changes_the_victim_and_counts_it():
+def test_the_probe_estimate_changes_the_victim_and_counts_it():
     s, (a, b, _) = three_prefilled()
-    # In flight, b turns out nearly done and a is the one with most to go.
+    # Once probed, b turns out nearly done and a is the one with most to go.
     b.predicted_remaining_tokens, b.estimated_at_tokens = 2.0, 1
     a.predicted_remaining_tokens, a.estimated_at_tokens = 500.0, 1
     out, _ = run_step(s)
     assert out.preempted[0] is a
-    assert s.policy.inflight_decisions == {"victim": 1}
+    assert s.policy.probe_decisions == {"victim": 1}

@@ -57,7 +57,7 @@ GPU_PREFERENCE = ("flash_attn", "triton", "xformers")
 CPU_PREFERENCE = ("cpu_paged",)
 
 
-def probe_backends(device: torch.device) -> dict[str, str | None]:
+def check_backends(device: torch.device) -> dict[str, str | None]:
     """Each backend this device could use, best first, with why it cannot (None: it can).
     The torch reference is always last and always usable."""
     found: dict[str, str | None] = {}
@@ -75,7 +75,7 @@ def probe_backends(device: torch.device) -> dict[str, str | None]:
 
 def available_backends(device: torch.device) -> list[str]:
     """Backends usable here, best first; the torch reference is always last."""
-    return [name for name, why_not in probe_backends(device).items() if why_not is None]
+    return [name for name, why_not in check_backends(device).items() if why_not is None]
 
 
 def choose_backend(name: str, device: torch.device) -> tuple[str, str]:
@@ -84,9 +84,9 @@ def choose_backend(name: str, device: torch.device) -> tuple[str, str]:
         if name not in _REGISTRY:
             raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(_REGISTRY)}")
         return name, "chosen by --attention-backend"
-    probed = probe_backends(device)
-    chosen = next(n for n, why_not in probed.items() if why_not is None)
-    passed = [f"{n} unavailable ({why_not})" for n, why_not in probed.items() if why_not is not None]
+    checked = check_backends(device)
+    chosen = next(n for n, why_not in checked.items() if why_not is None)
+    passed = [f"{n} unavailable ({why_not})" for n, why_not in checked.items() if why_not is not None]
     reason = f"auto on {device.type}: " + "; ".join([*passed, f"{chosen} is the best available"])
     return chosen, reason
 

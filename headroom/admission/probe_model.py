@@ -1,11 +1,11 @@
-"""The in-flight length probe as served: one decoder layer's residual stream at a
+"""The length probe as served: one decoder layer's residual stream at a
 sequence's last token, projected on a fixed PCA basis, with its lengths and loop
-signals (inflight.feature_matrix), scored by two LightGBM models: the probability that
+signals (probe_rows.feature_matrix), scored by two LightGBM models: the probability that
 it runs to its max_tokens and its log remaining output tokens.
 
-Trained by `headroom predictor train --inflight ROWS.npz --layer L` from the rows
+Trained by `headroom predictor train --probe-rows ROWS.npz --layer L` from the rows
 `predictor calibrate --probe-layers` records; the default model's probe ships in
-admission/data/inflight and is used only for a model of the same shape.
+admission/data/probe and is used only for a model of the same shape.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import lightgbm as lgb
 import numpy as np
 import torch
 
-from headroom.admission.inflight import (
+from headroom.admission.probe_rows import (
     PCA_DIMS,
     POINTS,
     feature_matrix,
@@ -31,12 +31,12 @@ from headroom.runtime.request import Request
 
 log = logging.getLogger("headroom.admission")
 
-DEFAULT_PATH = Path(__file__).parent / "data" / "inflight"
+DEFAULT_PATH = Path(__file__).parent / "data" / "probe"
 _FILES = {"cap": "cap.txt", "remaining": "remaining.txt"}
 
 
 @dataclass
-class InflightProbe:
+class ProbeModel:
     layer: int
     mean: np.ndarray  # (hidden,) float32
     basis: np.ndarray  # (PCA_DIMS, hidden) float32
@@ -45,8 +45,8 @@ class InflightProbe:
     meta: dict
 
     @classmethod
-    def train(cls, data: dict, layer: int, seed: int = 0) -> InflightProbe:
-        """data: calibration rows (InflightRecorder.save), which name the served model's
+    def train(cls, data: dict, layer: int, seed: int = 0) -> ProbeModel:
+        """data: calibration rows (ProbeRecorder.save), which name the served model's
         shape; a probe is only ever loaded for a model of that shape."""
         hidden, layers, vocab = (int(v) for v in data["model_shape"])
         model = {"hidden_size": hidden, "num_layers": layers, "vocab_size": vocab}
@@ -71,7 +71,7 @@ class InflightProbe:
         (path / "meta.json").write_text(json.dumps(self.meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
     @classmethod
-    def load(cls, path: str | Path) -> InflightProbe:
+    def load(cls, path: str | Path) -> ProbeModel:
         path = Path(path)
         meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
         with np.load(path / "pca.npz") as pca:
@@ -126,22 +126,20 @@ class InflightProbe:
         return remaining, p_cap
 
 
-def load_inflight_probe(
-    path: str | Path | None, hidden_size: int, num_layers: int, vocab_size: int
-) -> InflightProbe | None:
+def load_probe(path: str | Path | None, hidden_size: int, num_layers: int, vocab_size: int) -> ProbeModel | None:
     """The probe at path, or the packaged default when path is None, if it was trained for
     a model of this shape. A default that does not fit is skipped (serving must start);
     an explicit path that cannot be loaded or does not fit is an error."""
     where = DEFAULT_PATH if path is None else Path(path)
     if path is None and not (where / "meta.json").exists():
-        log.warning("in-flight length probe: none packaged at %s; estimates stay at admission's", where)
+        log.warning("length probe: none packaged at %s; estimates stay at admission's", where)
         return None
-    probe = InflightProbe.load(where)
+    probe = ProbeModel.load(where)
     why = probe.fits(hidden_size, num_layers, vocab_size)
     if why is not None:
         if path is not None:
-            raise ValueError(f"in-flight probe {where}: {why}")
-        log.info("in-flight length probe: the packaged one does not fit this model (%s); off", why)
+            raise ValueError(f"length probe {where}: {why}")
+        log.info("length probe: the packaged one does not fit this model (%s); off", why)
         return None
-    log.info("in-flight length probe: %s (layer %d, %d training rows)", where, probe.layer, probe.meta.get("rows", 0))
+    log.info("length probe: %s (layer %d, %d training rows)", where, probe.layer, probe.meta.get("rows", 0))
     return probe

@@ -1,11 +1,11 @@
-"""Length estimates in flight: after a sequence's prefill and every `every` generated
-tokens, the length probe reads the hidden state the step computed anyway (the model's
+"""The length probe on the engine thread: after a sequence's prefill and every `every`
+generated tokens, it reads the hidden state the step computed anyway (the model's
 probe layer, last token) and re-estimates its remaining output tokens and the chance
 that it runs to its max_tokens. The scheduler orders and picks victims by the refined
 estimate (policy.py); a sequence predicted to run away, with a cap of long work, moves
 to the long lane and its device time from then on is charged as long.
 
-The probe itself (PCA and two LightGBM models) is admission/inflight_model.py; this is
+The probe itself (PCA and two LightGBM models) is admission/probe_model.py; this is
 what the engine does with it, on the engine's thread, inside the step's lock.
 """
 
@@ -22,7 +22,7 @@ from headroom.runtime.policy import LONG, SchedulingPolicy
 from headroom.runtime.request import Request
 from headroom.runtime.scheduler import SchedulerOutput
 
-log = logging.getLogger("headroom.inflight")
+log = logging.getLogger("headroom.probe")
 
 
 class LengthProbe(Protocol):
@@ -35,7 +35,7 @@ class LengthProbe(Protocol):
 
 
 @dataclass
-class InflightRefiner:
+class ProbeRefiner:
     probe: LengthProbe
     policy: SchedulingPolicy
     every: int = 16  # generated tokens between estimates, after the one at prefill
@@ -85,7 +85,7 @@ class InflightRefiner:
         moved = ""
         if request.max_tokens >= self.long_min_output and request.size_class != LONG:
             request.size_class = LONG
-            self.policy.inflight_decisions["long_lane"] += 1
+            self.policy.probe_decisions["long_lane"] += 1
             moved = "; moved to the long lane"
         log.info(
             "%s predicted to run to its %d-token cap (p=%.2f) at %d tokens%s",

@@ -1,12 +1,12 @@
-"""Length prediction in flight: features of a running sequence, recorded during
+"""The length probe's rows: features of a running sequence, recorded during
 calibration, and how well they predict its remaining length.
 
 At fixed points (after prefill, then after 16, 32, 64 and 128 generated tokens) a
 running sequence offers: the served model's residual stream after a chosen layer at its
 last token (computed anyway; `Llama.hidden_layers` keeps it), how many tokens it has
 generated against its max_tokens, and cheap signals of looping in the ids it generated.
-`headroom predictor calibrate --probe-layers ...` records them (InflightRecorder);
-`headroom predictor eval --inflight FILE` scores them with grouped 4-fold CV (evaluate).
+`headroom predictor calibrate --probe-layers ...` records them (ProbeRecorder);
+`headroom predictor eval --probe-rows FILE` scores them with grouped 4-fold CV (evaluate).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def loop_signals(ids: list[int]) -> list[float]:
 
 
 @dataclass
-class InflightRecorder:
+class ProbeRecorder:
     """Collects, per request, its probe rows and loop signals at each point it reaches."""
 
     layers: tuple[int, ...]

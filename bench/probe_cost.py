@@ -1,4 +1,4 @@
-"""What the in-flight length probe costs the engine: the share of step time spent in it
+"""What the length probe costs the engine: the share of step time spent in it
 with 32 running sequences, and output tok/s with it on against off, in one process.
 
 The engine runs the default model with its defaults. Each round generates the same
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from headroom.admission.inflight_model import load_inflight_probe
+from headroom.admission.probe_model import load_probe
 from headroom.config import Config
 from headroom.runtime.engine import Engine
 from headroom.runtime.outputs import EngineStats
@@ -54,10 +54,10 @@ def main() -> None:
 
     engine = Engine(Config())
     shape = engine.loaded.args
-    probe = load_inflight_probe(None, shape.hidden_size, shape.num_layers, shape.vocab_size)
+    probe = load_probe(None, shape.hidden_size, shape.num_layers, shape.vocab_size)
     if probe is None:
-        raise SystemExit("no packaged in-flight probe fits the default model")
-    refiner = engine.use_inflight(probe, every=16, runaway_threshold=0.8, long_min_output=512)
+        raise SystemExit("no packaged length probe fits the default model")
+    refiner = engine.use_probe(probe, every=16, runaway_threshold=0.8, long_min_output=512)
     observe = refiner.observe
     hook_time: list[float] = []
 

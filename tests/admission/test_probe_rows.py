@@ -1,4 +1,4 @@
-"""In-flight length features: loop signals, the model's probe rows, what calibration
+"""The length probe's features: loop signals, the model's probe rows, what calibration
 records, and the grouped CV that scores them."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from headroom.admission.inflight import POINTS, InflightRecorder, evaluate, loop_signals
+from headroom.admission.probe_rows import POINTS, ProbeRecorder, evaluate, loop_signals
 from headroom.app.cli import main
 from headroom.config import CacheConfig, Config, SchedulerConfig
 from headroom.runtime.engine import Engine
@@ -75,7 +75,7 @@ def test_probe_of_the_last_layer_gives_the_steps_logits(engine):
 
 
 def test_recorder_keeps_each_point_a_sequence_reached_with_what_remained(engine):
-    recorder = InflightRecorder(layers=(5, 20))
+    recorder = ProbeRecorder(layers=(5, 20))
     engine.watch_hidden(frozenset(recorder.layers), recorder.observe)
     try:
         ids = engine.tokenizer.encode("Once upon a time")
@@ -140,9 +140,9 @@ def test_grouped_cv_finds_a_signal_in_the_hidden_state_and_not_in_the_lengths():
         assert lengths_only[point].auc < 0.75  # only `point` varies, and it says nothing of the cap
 
 
-def test_eval_needs_data_or_inflight(capsys):
+def test_eval_needs_data_or_probe_rows(capsys):
     assert main(["predictor", "eval"]) == 2
-    assert capsys.readouterr().err.strip() == "headroom: predictor eval needs --data or --inflight"
+    assert capsys.readouterr().err.strip() == "headroom: predictor eval needs --data or --probe-rows"
 
 
 def test_train_then_score_a_probe_on_held_out_rows(tmp_path, capsys):
@@ -152,12 +152,14 @@ def test_train_then_score_a_probe_on_held_out_rows(tmp_path, capsys):
         return str(path)
 
     train_rows, held_out = save(synthetic(240, seed=0), "train.npz"), save(synthetic(80, seed=1), "test.npz")
-    assert main(["predictor", "train", "--inflight", train_rows, "--layer", "7", "--out", str(tmp_path / "probe")]) == 0
+    assert (
+        main(["predictor", "train", "--probe-rows", train_rows, "--layer", "7", "--out", str(tmp_path / "probe")]) == 0
+    )
     assert "saved to" in capsys.readouterr().err
     meta = json.loads((tmp_path / "probe" / "meta.json").read_text())
     assert (meta["layer"], meta["rows"], meta["requests"]) == (7, 240 * len(POINTS), 240)
     assert meta["model"] == {"hidden_size": 64, "num_layers": 30, "vocab_size": 1000}
-    assert main(["predictor", "eval", "--inflight", held_out, "--probe", str(tmp_path / "probe")]) == 0
+    assert main(["predictor", "eval", "--probe-rows", held_out, "--probe", str(tmp_path / "probe")]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"the probe in {tmp_path / 'probe'} (layer 7) on every row of {held_out}"
     rows = [line.split() for line in lines[2:]]
@@ -168,5 +170,5 @@ def test_train_then_score_a_probe_on_held_out_rows(tmp_path, capsys):
 def test_train_refuses_a_layer_it_was_not_given(tmp_path, capsys):
     path = tmp_path / "rows.npz"
     np.savez_compressed(path, **synthetic(20), model_shape=np.array([64, 30, 1000]))
-    assert main(["predictor", "train", "--inflight", str(path), "--layer", "3", "--out", str(tmp_path / "p")]) == 2
+    assert main(["predictor", "train", "--probe-rows", str(path), "--layer", "3", "--out", str(tmp_path / "p")]) == 2
     assert capsys.readouterr().err.strip() == f"headroom: {path} has layers [7], not 3"

@@ -1,6 +1,6 @@
-"""Length estimates in flight, in the engine: when the probe runs, what it reads, what it
+"""The length probe in the engine: when the probe runs, what it reads, what it
 changes (a planted loop is flagged and moved to the long lane), and that a failing probe
-costs no tokens. The probe is a real InflightProbe (PCA + LightGBM) trained here on rows
+costs no tokens. The probe is a real ProbeModel (PCA + LightGBM) trained here on rows
 where running to the cap is written in the loop signal, so the expectations are exact."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from headroom.admission.inflight import POINTS
-from headroom.admission.inflight_model import DEFAULT_PATH, InflightProbe, load_inflight_probe
+from headroom.admission.probe_model import DEFAULT_PATH, ProbeModel, load_probe
+from headroom.admission.probe_rows import POINTS
 from headroom.config import AdminConfig, CacheConfig, Config, SchedulerConfig
 from headroom.runtime.engine import Engine
 from headroom.runtime.request import SamplingParams
@@ -49,7 +49,7 @@ def loop_rows(n: int, hidden: int, seed: int = 0) -> dict:
 
 @pytest.fixture(scope="module")
 def probe(default_model):
-    return InflightProbe.train(loop_rows(300, default_model.args.hidden_size), LAYER)
+    return ProbeModel.train(loop_rows(300, default_model.args.hidden_size), LAYER)
 
 
 @pytest.fixture
@@ -67,10 +67,10 @@ def engine(default_model):
 
 
 def test_a_planted_loop_is_flagged_at_its_first_estimate_and_moved_to_the_long_lane(engine, probe, caplog):
-    engine.use_inflight(probe, every=16, runaway_threshold=0.8, long_min_output=512)
+    engine.use_probe(probe, every=16, runaway_threshold=0.8, long_min_output=512)
     ids = engine.tokenizer.encode("Once upon a time")
     the = engine.tokenizer.encode(" the")[-1]
-    caplog.set_level(logging.INFO, logger="headroom.inflight")
+    caplog.set_level(logging.INFO, logger="headroom.probe")
     # Neither ignores EOS (that would make running to the cap certain, no guess needed).
     looping, normal = engine.generate(
         [ids, ids],
@@ -88,10 +88,10 @@ def test_a_planted_loop_is_flagged_at_its_first_estimate_and_moved_to_the_long_l
     # Estimates at 0, 16, ..., 128 (the last point the probe was trained at) for the loop,
     # and at every 16th token the other reached; from 128 on the loop's estimate counts down.
     points = range(0, normal.num_output_tokens, 16)
-    assert engine.inflight.estimates == 9 + len(points)
+    assert engine.refiner.estimates == 9 + len(points)
     assert looping.estimated_at_tokens == 128 and normal.estimated_at_tokens == points[-1]
-    assert engine.counters().inflight_decisions == {"long_lane": 1}
-    flagged = [r.getMessage() for r in caplog.records if r.name == "headroom.inflight"]
+    assert engine.counters().probe_decisions == {"long_lane": 1}
+    flagged = [r.getMessage() for r in caplog.records if r.name == "headroom.probe"]
     assert len(flagged) == 1
     assert flagged[0].startswith(f"{looping.request_id} predicted to run to its 600-token cap (p=")
     assert flagged[0].endswith(") at 16 tokens; moved to the long lane")
@@ -120,7 +120,7 @@ def test_the_probe_reads_the_steps_own_forward_pass(engine, probe):
             return predict(requests, states)
 
         probe.predict = spy
-        refiner = engine.use_inflight(probe, every=16, runaway_threshold=0.8, long_min_output=512)
+        refiner = engine.use_probe(probe, every=16, runaway_threshold=0.8, long_min_output=512)
         kept = []  # the steps that kept hidden rows: only those with an estimate due
         engine.watch_hidden(
             frozenset({probe.layer}),
@@ -141,7 +141,7 @@ def test_the_probe_reads_the_steps_own_forward_pass(engine, probe):
 
 
 def test_ignore_eos_makes_the_estimate_exact(engine, probe):
-    engine.use_inflight(probe, every=16, runaway_threshold=0.8, long_min_output=512)
+    engine.use_probe(probe, every=16, runaway_threshold=0.8, long_min_output=512)
     ids = engine.tokenizer.encode("Once upon a time")
     certain, stoppable = engine.generate(
         [ids, ids],
@@ -162,18 +162,18 @@ def test_a_failing_probe_costs_no_tokens(engine, probe, caplog):
         def predict(self, requests, states):
             raise RuntimeError("probe broke")
 
-    engine.use_inflight(Broken(), every=4, runaway_threshold=0.8, long_min_output=512)
+    engine.use_probe(Broken(), every=4, runaway_threshold=0.8, long_min_output=512)
     ids = engine.tokenizer.encode("Hello")
     request = engine.generate([ids], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))[0]
     assert request.num_output_tokens == 9 and request.runaway_probability is None
-    assert sum("in-flight length probe failed" in r.getMessage() for r in caplog.records) == 3  # at 0, 4, 8
+    assert sum("length probe failed" in r.getMessage() for r in caplog.records) == 3  # at 0, 4, 8
     assert engine.block_manager.num_used_blocks == 0
 
 
 def test_the_packaged_probe_fits_the_default_model_only(default_model):
     args = default_model.args
-    probe = load_inflight_probe(None, args.hidden_size, args.num_layers, args.vocab_size)
+    probe = load_probe(None, args.hidden_size, args.num_layers, args.vocab_size)
     assert probe is not None and probe.layer == LAYER
-    assert load_inflight_probe(None, 2048, args.num_layers, args.vocab_size) is None
+    assert load_probe(None, 2048, args.num_layers, args.vocab_size) is None
     with pytest.raises(ValueError, match="trained for a model with"):
-        load_inflight_probe(DEFAULT_PATH, 2048, args.num_layers, args.vocab_size)
+        load_probe(DEFAULT_PATH, 2048, args.num_layers, args.vocab_size)
