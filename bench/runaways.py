@@ -1,7 +1,7 @@
 """Runaways on the real server: short chat requests (Poisson) plus prompts that make the
-default model run on to a large cap, with length prediction in flight (the defaults)
-against the prompt-only predictor (`[admission] probe = false`), each against a
-fresh `headroom serve` on 127.0.0.1.
+default model run on to a large cap, with the length probe (the defaults) against the
+prompt-only predictor (`[admission] probe = false`), each against a fresh `headroom
+serve` on 127.0.0.1. The variants keep the names the stored results use.
 
   prompt-only   admission's prediction from the prompt is all the scheduler has
   in-flight     the defaults: the length probe re-estimates every 16 tokens

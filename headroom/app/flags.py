@@ -120,10 +120,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 log = logging.getLogger(__name__)
 
 # Keys renamed, per section: the old name still loads, with a warning, until it is removed.
-# Both were max_wall_s: [admission]'s is a hard deadline, [admin]'s a policy's trigger.
 _RENAMED = {
     "admission": {
+        # Both were max_wall_s: [admission]'s is a hard deadline, [admin]'s a policy's trigger.
         "max_wall_s": "deadline_s",
+        # "In flight" is what admission holds; the estimate made as a sequence runs is the probe's.
         "inflight": "probe",
         "inflight_probe_path": "probe_path",
         "inflight_every": "probe_every",

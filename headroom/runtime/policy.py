@@ -145,7 +145,7 @@ class SchedulingPolicy:
     ) -> float | None:
         """Seconds that long-class decode rows may add to this step (None: no limit).
 
-        None in a step that starts a shorter request (long_decodes_sit_out). Else, while
+        0.0 (nothing) in a step that starts a shorter request (long_decodes_sit_out). Else, while
         shorter requests decode, short_tpot_stretch of what the step is predicted to cost
         without the long rows: their attention over long contexts would otherwise set
         every shorter request's time per output token. The scheduler lets long decodes
@@ -170,7 +170,7 @@ class SchedulingPolicy:
         step's end, and each long decode adds its attention over a long context to the
         step, which a short request's own prefill may be a small part of
         (bench/runaways.py). The scheduler holds none out more than long_decode_max_skip
-        steps running, so it keeps 1 / (1 + that) of its pace however often they arrive.
+        steps in a row, so each long decode keeps about 1 / (1 + that) of its pace.
 
         Only where the request admission takes first is the shorter one and it has a seat
         and room in the cache, with a block kept for each long decode, which may need one

@@ -113,7 +113,7 @@ class Request:
     predicted_output_tokens_p90: float | None = None
     admission_decision: str | None = None  # admit | wait | reject | route
     admitted_time: float | None = None  # when admission let it through to the engine
-    # Set by the length probe while it runs (runtime/probe.py), every few generated tokens.
+    # Set by the length probe (runtime/probe.py) as the sequence runs, every few generated tokens.
     predicted_remaining_tokens: float | None = None  # as of estimated_at_tokens
     estimated_at_tokens: int | None = None
     runaway_probability: float | None = None  # that it runs to its max_tokens

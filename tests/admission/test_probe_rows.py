@@ -165,6 +165,9 @@ def test_train_then_score_a_probe_on_held_out_rows(tmp_path, capsys):
     rows = [line.split() for line in lines[2:]]
     assert [r[0] for r in rows] == ["prefill", "16", "32", "64", "128"]
     assert all(int(r[1]) == 80 and float(r[3]) > 0.95 for r in rows)  # the signal is in the state
+    # --inflight, the old name of --probe-rows, still works the same
+    assert main(["predictor", "eval", "--inflight", held_out, "--probe", str(tmp_path / "probe")]) == 0
+    assert capsys.readouterr().out.splitlines() == lines
 
 
 def test_train_refuses_a_layer_it_was_not_given(tmp_path, capsys):
