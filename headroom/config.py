@@ -197,6 +197,11 @@ class SchedulerConfig:
     # long_decode_max_skip steps in a row, so a long decode keeps 1 / (1 + that) of its pace.
     short_tpot_stretch: NonNegative = 0.5
     long_decode_max_skip: NonNegativeInt = 1
+    # While shorter requests decode, a long prefill chunk that its step's allowance cannot
+    # cover at MIN_LONG_CHUNK tokens sits the step out and carries the allowance over,
+    # taking its chunk once the carried seconds cover it; never more than this many steps
+    # in a row, so long prefill keeps MIN_LONG_CHUNK / (1 + that) tokens a step.
+    long_prefill_max_skip: NonNegativeInt = 3
     # At most this many long-class sequences running (None: no cap), holding at most this
     # share of the KV blocks.
     long_max_running: AtLeast1 | None = None

@@ -189,8 +189,10 @@ class SchedulingPolicy:
             and block_manager.blocks_needed(head.num_tokens) + longs <= block_manager.num_free_blocks
         )
 
-    def long_chunk(self, context: int, allowance_s: float, limit: int) -> int:
-        """Prefill tokens a long request at `context` may take within allowance_s."""
+    def long_chunk(self, context: int, allowance_s: float, limit: int, floor: bool = True) -> int:
+        """Prefill tokens a long request at `context` may take within allowance_s. Where
+        that is under MIN_LONG_CHUNK: MIN_LONG_CHUNK with `floor`, else none (the chunk
+        sits the step out, and the scheduler carries the allowance over)."""
         if allowance_s <= 0:
             return 0
         if not self.cost.ready:  # nothing learned yet: a small chunk, and learn from it
@@ -200,7 +202,10 @@ class SchedulingPolicy:
         # the same. Fewer tokens would pay a chunk's fixed cost (attention's gather of the
         # whole context) for almost nothing, and the prefill then crawled; with the floor it
         # finishes within ceil(prompt / MIN_LONG_CHUNK) steps that allow it anything.
-        return min(limit, max(MIN_LONG_CHUNK, self.cost.tokens_within(allowance_s, context, limit)))
+        fits = self.cost.tokens_within(allowance_s, context, limit)
+        if fits >= min(limit, MIN_LONG_CHUNK):
+            return fits
+        return min(limit, MIN_LONG_CHUNK) if floor else 0
 
 
 class HolFeedback:

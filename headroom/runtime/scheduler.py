@@ -51,6 +51,9 @@ class _Step:
     scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens, in scheduling order
     preempted: list[Request] = field(default_factory=list)
     sat_out: dict[str, int] = field(default_factory=dict)  # long decodes left out: how many steps in a row
+    long_turns: bool = False  # long chunks the allowance cannot cover may sit out (shorter requests decode)
+    long_sat_out: bool = False  # a long chunk sat this step out
+    long_ran: bool = False  # a long chunk ran in this step
     admitted: int = 0  # waiting requests started
 
 
@@ -72,6 +75,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._order = 0
         self._sat_out: dict[str, int] = {}  # long decodes left out of the last steps: how many in a row
+        # Long chunks that sat out the last steps: how many in a row, and the prefill
+        # allowance they left unused, which the next step's long chunk may spend.
+        self._long_sat_out = 0
+        self._long_saved_s = 0.0
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -104,14 +111,26 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
+        allowance = self.long_prefill_allowance(now)
+        # Long chunks take turns only while shorter requests decode: their time per token
+        # pays for each chunk. Else a chunk takes its MIN_LONG_CHUNK floor every step.
+        turns = bool(allowance) and any(
+            r.size_class != LONG and r.num_tokens - r.num_computed_tokens == 1 for r in self.running
+        )
         step = _Step(
             now,
             self.config.max_num_batched_tokens,
-            self.long_prefill_allowance(now),
+            allowance + self._long_saved_s if turns else allowance,
             self.policy.long_decode_allowance(self.running, self.waiting, self.block_manager, now),
+            long_turns=turns,
         )
         self._schedule_running(step)
         self._schedule_waiting(step)
+        if step.long_ran or allowance is None:
+            self._long_sat_out, self._long_saved_s = 0, 0.0
+        elif step.long_sat_out:
+            self._long_sat_out, self._long_saved_s = self._long_sat_out + 1, step.long_left
+        # Else no long chunk was allowed (the step starts a shorter request): the turn waits.
         return self._output(step)
 
     def _schedule_running(self, step: _Step) -> None:
@@ -160,10 +179,16 @@ class Scheduler:
 
     def _chunk(self, step: _Step, request: Request, remaining: int, context: int) -> int:
         """Tokens for a request `remaining` behind: what the budget allows, and for a long
-        prefill what the long lane's allowance still covers (which the chunk uses up)."""
+        prefill what the long lane's allowance still covers (which the chunk uses up).
+        While shorter requests decode, a long chunk the allowance cannot cover at
+        MIN_LONG_CHUNK sits out (up to long_prefill_max_skip steps in a row), and the
+        allowance it left carries over to the next step."""
         n = min(remaining, step.budget)
         if step.long_left is not None and request.size_class == LONG and remaining > 1:
-            n = self.policy.long_chunk(context, step.long_left, n)
+            floor = not step.long_turns or self._long_sat_out >= self.config.long_prefill_max_skip
+            n = self.policy.long_chunk(context, step.long_left, n, floor)
+            step.long_sat_out |= n == 0 and step.long_left > 0
+            step.long_ran |= n > 0
             step.long_left -= self.policy.cost.chunk_seconds(n, context)
         return n
 

@@ -176,6 +176,43 @@ def test_a_long_chunk_takes_its_minimum_even_where_one_token_costs_more_than_the
     assert policy.long_chunk(0, 0.125, 512) == largest_chunk(0.125, 0, 512) == 60
 
 
+@pytest.mark.parametrize("max_skip", [3, 1])
+def test_while_a_short_decodes_a_chunk_its_allowance_cannot_cover_takes_turns(max_skip):
+    # At context 3,072 a token costs 2 ms + 3 ms of attention: the 37.5 ms allowance
+    # (0.15 s / 4) covers 7 tokens, under MIN_LONG_CHUNK. While the short one decodes, the
+    # chunk sits out and carries the allowance over, until it covers a chunk or the chunk
+    # has sat out max_skip steps in a row (then MIN_LONG_CHUNK); once the short one is
+    # done, MIN_LONG_CHUNK every step.
+    clock = Clock()
+    s = create_scheduler(
+        max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock, long_prefill_max_skip=max_skip
+    )
+    teach(s.policy.cost)
+    long = create_request(prompt=4000, size_class="long", max_tokens=2, arrival=clock.t)
+    s.add_request(long)
+    assert chunks(s, long.request_id, 6) == [512] * 6  # nobody to protect: the whole budget
+    short = create_request(prompt=10, size_class="short", max_tokens=9, arrival=clock.t)
+    s.add_request(short)
+    assert largest_chunk(0.0375, 3072, 512) == 7
+    sizes = chunks(s, long.request_id, 12)
+    context, expected, saved, skips = 3072, [0], 0.0, 0  # nothing beside the step that starts it
+    for step in range(1, 12):
+        decoding = step <= 8  # its prefill step gives the first token, then 8 decodes
+        left = 0.0375 + (saved if decoding else 0.0)
+        n = largest_chunk(left, context, 512)
+        if n < MIN_LONG_CHUNK:
+            n = MIN_LONG_CHUNK if not decoding or skips >= max_skip else 0
+        skips, saved = (0, 0.0) if n else (skips + 1, left)
+        expected.append(n)
+        context += n
+    assert sizes == expected
+    assert short.is_finished
+    if max_skip == 3:  # two steps' allowance is 15 tokens, three's 22
+        assert sizes == [0, 0, 0, 22, 0, 0, 21, 0, 0, 16, 16, 16]
+    else:
+        assert sizes == [0, 0, 16, 0, 16, 0, 16, 0, 16, 16, 16, 16]
+
+
 def test_without_a_learned_cost_long_chunks_start_small():
     s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000)
     long = create_request(prompt=100, size_class="long", max_tokens=2)
@@ -211,16 +248,34 @@ def test_the_tightest_loop_cannot_starve_a_long_prefill():
         clock.t += 0.5
         if long.num_computed_tokens >= 1000:
             break
-    context, expected = 0, []
+    # From the second step on shorter requests decode, so a chunk the allowance cannot
+    # cover at MIN_LONG_CHUNK sits out, carrying the allowance over, at most
+    # long_prefill_max_skip (3) steps in a row; a step that starts a short one and allows
+    # nothing leaves the turn as it was.
+    context, expected, saved, skips = 0, [], 0.0, 0
     for step in range(len(sizes)):
         floor = min(1.0, 0.5 * step / 10.0)
         starts_short = step % 2 == 0
         share = (1.0 if floor >= 1.0 else 0.0) if starts_short else max(TIGHTEST, floor)
-        limit = 512 - 10 - step // 2 if starts_short else 512 - (step + 1) // 2
-        expected.append(min(1000 - context, long_chunk(0.125 * share, context, limit)))
-        context += expected[-1]
+        limit = min(1000 - context, 512 - 10 - step // 2 if starts_short else 512 - (step + 1) // 2)
+        allowance = 0.125 * share
+        turns = allowance > 0 and step >= 1
+        left = allowance + saved if turns else allowance
+        n = 0
+        if left > 0:
+            n = largest_chunk(left, context, limit)
+            if n < min(limit, MIN_LONG_CHUNK):
+                n = min(limit, MIN_LONG_CHUNK) if not turns or skips >= 3 else 0
+        if n > 0:
+            skips, saved = 0, 0.0
+        elif left > 0:
+            skips, saved = skips + 1, left
+        expected.append(n)
+        context += n
     assert sizes == expected
-    assert sizes[0] == 0 and sizes[1] > 0  # nothing beside the first short, TIGHTEST after it
+    # Nothing beside the first short; at TIGHTEST the chunk sits out two turns, then
+    # spends what they saved on more than MIN_LONG_CHUNK tokens.
+    assert sizes[:5] == [0, 0, 0, 0, 0] and sizes[5] > MIN_LONG_CHUNK
     assert long.num_computed_tokens == 1000 and len(sizes) < 60
 
 
@@ -340,7 +395,10 @@ def test_the_head_of_line_loop_tightens_the_scheduler_and_relaxes_it():
     feedback.update(*coupled)
     assert s.policy.long_lane_factor == 0.25
     context = long.num_computed_tokens
-    assert chunks(s, long.request_id, 1) == [long_chunk(0.125 * 0.25, context, 511)]
+    # A quarter of the allowance covers fewer than MIN_LONG_CHUNK tokens here, and the short
+    # one decodes: the chunk sits a step out and takes two steps' allowance in the next.
+    assert largest_chunk(0.125 * 0.25, context, 511) < MIN_LONG_CHUNK
+    assert chunks(s, long.request_id, 2) == [0, largest_chunk(2 * 0.125 * 0.25, context, 511)]
     for _ in range(10):
         feedback.update(*coupled)
     assert s.policy.long_lane_factor == TIGHTEST
