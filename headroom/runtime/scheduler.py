@@ -51,9 +51,9 @@ class _Step:
     scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens, in scheduling order
     preempted: list[Request] = field(default_factory=list)
     sat_out: dict[str, int] = field(default_factory=dict)  # long decodes left out: how many steps in a row
-    long_turns: bool = False  # long chunks the allowance cannot cover may sit out (shorter requests decode)
-    long_sat_out: bool = False  # a long chunk sat this step out
-    long_ran: bool = False  # a long chunk ran in this step
+    chunk_turns: bool = False  # long chunks the allowance cannot cover may sit out (shorter requests decode)
+    chunk_sat_out: bool = False  # a long chunk sat this step out
+    chunk_ran: bool = False  # a long chunk ran in this step
     admitted: int = 0  # waiting requests started
 
 
@@ -77,8 +77,8 @@ class Scheduler:
         self._sat_out: dict[str, int] = {}  # long decodes left out of the last steps: how many in a row
         # Long chunks that sat out the last steps: how many in a row, and the prefill
         # allowance they left unused, which the next step's long chunk may spend.
-        self._long_sat_out = 0
-        self._long_saved_s = 0.0
+        self._chunk_sat_out = 0
+        self._chunk_saved_s = 0.0
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -120,16 +120,16 @@ class Scheduler:
         step = _Step(
             now,
             self.config.max_num_batched_tokens,
-            allowance + self._long_saved_s if turns else allowance,
+            allowance + self._chunk_saved_s if turns else allowance,
             self.policy.long_decode_allowance(self.running, self.waiting, self.block_manager, now),
-            long_turns=turns,
+            chunk_turns=turns,
         )
         self._schedule_running(step)
         self._schedule_waiting(step)
-        if step.long_ran or allowance is None:
-            self._long_sat_out, self._long_saved_s = 0, 0.0
-        elif step.long_sat_out:
-            self._long_sat_out, self._long_saved_s = self._long_sat_out + 1, step.long_left
+        if step.chunk_ran or allowance is None:
+            self._chunk_sat_out, self._chunk_saved_s = 0, 0.0
+        elif step.chunk_sat_out:
+            self._chunk_sat_out, self._chunk_saved_s = self._chunk_sat_out + 1, step.long_left
         # Else no long chunk was allowed (the step starts a shorter request): the turn waits.
         return self._output(step)
 
@@ -185,10 +185,11 @@ class Scheduler:
         allowance it left carries over to the next step."""
         n = min(remaining, step.budget)
         if step.long_left is not None and request.size_class == LONG and remaining > 1:
-            floor = not step.long_turns or self._long_sat_out >= self.config.long_prefill_max_skip
-            n = self.policy.long_chunk(context, step.long_left, n, floor)
-            step.long_sat_out |= n == 0 and step.long_left > 0
-            step.long_ran |= n > 0
+            limit = n
+            floor = not step.chunk_turns or self._chunk_sat_out >= self.config.long_prefill_max_skip
+            n = self.policy.long_chunk(context, step.long_left, limit, floor)
+            step.chunk_sat_out |= n == 0 < limit and step.long_left > 0
+            step.chunk_ran |= n > 0
             step.long_left -= self.policy.cost.chunk_seconds(n, context)
         return n
 
