@@ -201,7 +201,8 @@ class SchedulingPolicy:
         # fit may say so, wrongly, after a few slow steps): a chunk of MIN_LONG_CHUNK all
         # the same. Fewer tokens would pay a chunk's fixed cost (attention's gather of the
         # whole context) for almost nothing, and the prefill then crawled; with the floor it
-        # finishes within ceil(prompt / MIN_LONG_CHUNK) steps that allow it anything.
+        # finishes within ceil(prompt / MIN_LONG_CHUNK) steps that allow it anything, times
+        # 1 + long_prefill_max_skip while shorter requests decode (the chunk takes turns).
         fits = self.cost.tokens_within(allowance_s, context, limit)
         if fits >= min(limit, MIN_LONG_CHUNK):
             return fits

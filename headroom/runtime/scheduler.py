@@ -52,8 +52,8 @@ class _Step:
     preempted: list[Request] = field(default_factory=list)
     sat_out: dict[str, int] = field(default_factory=dict)  # long decodes left out: how many steps in a row
     chunk_turns: bool = False  # long chunks the allowance cannot cover may sit out (shorter requests decode)
-    chunk_sat_out: bool = False  # a long chunk sat this step out
-    chunk_ran: bool = False  # a long chunk ran in this step
+    chunk_skipped: bool = False  # a long chunk sat this step out, and holds the turn
+    chunked: set[str] = field(default_factory=set)  # requests given a long chunk (scheduled, unless preempted)
     admitted: int = 0  # waiting requests started
 
 
@@ -77,7 +77,7 @@ class Scheduler:
         self._sat_out: dict[str, int] = {}  # long decodes left out of the last steps: how many in a row
         # Long chunks that sat out the last steps: how many in a row, and the prefill
         # allowance they left unused, which the next step's long chunk may spend.
-        self._chunk_sat_out = 0
+        self._chunk_skips = 0
         self._chunk_saved_s = 0.0
 
     def add_request(self, request: Request) -> None:
@@ -113,7 +113,8 @@ class Scheduler:
         now = self.clock()
         allowance = self.long_prefill_allowance(now)
         # Long chunks take turns only while shorter requests decode: their time per token
-        # pays for each chunk. Else a chunk takes its MIN_LONG_CHUNK floor every step.
+        # pays for each chunk. Else a chunk takes what the allowance covers, and at least
+        # MIN_LONG_CHUNK, in every step that allows it any.
         turns = bool(allowance) and any(
             r.size_class != LONG and r.num_tokens - r.num_computed_tokens == 1 for r in self.running
         )
@@ -126,12 +127,20 @@ class Scheduler:
         )
         self._schedule_running(step)
         self._schedule_waiting(step)
-        if step.chunk_ran or allowance is None:
-            self._chunk_sat_out, self._chunk_saved_s = 0, 0.0
-        elif step.chunk_sat_out:
-            self._chunk_sat_out, self._chunk_saved_s = self._chunk_sat_out + 1, step.long_left
-        # Else no long chunk was allowed (the step starts a shorter request): the turn waits.
+        self._pass_turn(step)
         return self._output(step)
+
+    def _pass_turn(self, step: _Step) -> None:
+        """Carries the long chunks' turn to the next step: how many steps in a row they sat
+        out, and the allowance they left. A chunk that ran, or no long prefill left, ends it."""
+        if any(rid in step.scheduled for rid in step.chunked) or not any(
+            r.size_class == LONG and r.num_tokens - r.num_computed_tokens > 1 for r in (*self.running, *self.waiting)
+        ):
+            self._chunk_skips, self._chunk_saved_s = 0, 0.0
+        elif step.chunk_skipped:
+            self._chunk_skips, self._chunk_saved_s = self._chunk_skips + 1, step.long_left
+        # Else no long chunk was tried (the step starts a shorter request, or the budget
+        # ran out before one): the turn waits as it was.
 
     def _schedule_running(self, step: _Step) -> None:
         """Running requests: decodes first, each in policy order, except that long decodes
@@ -182,14 +191,19 @@ class Scheduler:
         prefill what the long lane's allowance still covers (which the chunk uses up).
         While shorter requests decode, a long chunk the allowance cannot cover at
         MIN_LONG_CHUNK sits out (up to long_prefill_max_skip steps in a row), and the
-        allowance it left carries over to the next step."""
+        allowance it left carries over to the next step. The first long chunk in policy
+        order to sit out holds the turn: none after it runs in that step, or a shallower
+        prompt's chunks could keep a deep one's turn from ever coming."""
         n = min(remaining, step.budget)
         if step.long_left is not None and request.size_class == LONG and remaining > 1:
+            if step.chunk_skipped:
+                return 0
             limit = n
-            floor = not step.chunk_turns or self._chunk_sat_out >= self.config.long_prefill_max_skip
+            floor = not step.chunk_turns or self._chunk_skips >= self.config.long_prefill_max_skip
             n = self.policy.long_chunk(context, step.long_left, limit, floor)
-            step.chunk_sat_out |= n == 0 < limit and step.long_left > 0
-            step.chunk_ran |= n > 0
+            step.chunk_skipped = n == 0 and limit > 0 and step.long_left > 0
+            if n > 0:
+                step.chunked.add(request.request_id)
             step.long_left -= self.policy.cost.chunk_seconds(n, context)
         return n
 

@@ -99,7 +99,8 @@ def engine_counters(stats: EngineStats, scheduler: Scheduler, refiner: ProbeRefi
 def long_lane_state(config: SchedulerConfig, scheduler: Scheduler, now: float) -> LongLaneState:
     policy = scheduler.policy
     allowance = scheduler.long_prefill_allowance(now)
-    # The chunk a long prompt would get with shorter requests running and none waiting.
+    # The chunk a long prompt would get with shorter requests running and none waiting; while
+    # they decode, a chunk under MIN_LONG_CHUNK takes turns instead, at MIN_LONG_CHUNK or more.
     sized = allowance if allowance is not None else config.short_ttft_target_s / 4 * policy.long_lane_factor
     return LongLaneState(
         enabled=config.long_lane,

@@ -40,12 +40,6 @@ def largest_chunk(seconds: float, context: int, limit: int) -> int:
     return n
 
 
-def long_chunk(seconds: float, context: int, limit: int) -> int:
-    """The oracle for a long chunk: nothing without an allowance, else the largest that
-    fits, but never fewer than MIN_LONG_CHUNK tokens."""
-    return 0 if seconds <= 0 else min(limit, max(MIN_LONG_CHUNK, largest_chunk(seconds, context, limit)))
-
-
 class Clock:
     def __init__(self, t: float = 1000.0):
         self.t = t
@@ -173,6 +167,9 @@ def test_a_long_chunk_takes_its_minimum_even_where_one_token_costs_more_than_the
     assert policy.cost.tokens_within(0.125, 200_000, 512) == 0
     assert policy.long_chunk(200_000, 0.125, 512) == MIN_LONG_CHUNK
     assert policy.long_chunk(200_000, 0.0, 512) == 0  # no allowance at all: nothing
+    assert policy.long_chunk(200_000, 0.125, 512, floor=False) == 0  # taking turns: it sits out
+    assert policy.long_chunk(200_000, 0.125, 9, floor=False) == 0
+    assert policy.long_chunk(0, 0.125, 512, floor=False) == 60
     assert policy.long_chunk(0, 0.125, 512) == largest_chunk(0.125, 0, 512) == 60
 
 
@@ -211,6 +208,29 @@ def test_while_a_short_decodes_a_chunk_its_allowance_cannot_cover_takes_turns(ma
         assert sizes == [0, 0, 0, 22, 0, 0, 21, 0, 0, 16, 16, 16]
     else:
         assert sizes == [0, 0, 16, 0, 16, 0, 16, 0, 16, 16, 16, 16]
+
+
+def test_a_deep_chunk_that_sits_out_holds_the_turn_against_a_shallow_one():
+    # Long A is at context 3,072, where the allowance covers 7 tokens; long B, behind it in
+    # policy order, starts at 0, where it covers 18. Were B's chunks to run while A sits
+    # out, A's turn would never come; A holds it, B waits until A's prompt is in.
+    clock = Clock()
+    s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=4000, clock=clock)
+    teach(s.policy.cost)
+    deep = create_request(prompt=4000, size_class="long", max_tokens=2, arrival=clock.t)
+    s.add_request(deep)
+    assert chunks(s, deep.request_id, 6) == [512] * 6
+    clock.t += 1.0
+    shallow = create_request(prompt=1000, size_class="long", max_tokens=2, arrival=clock.t)
+    short = create_request(prompt=10, size_class="short", max_tokens=200, arrival=clock.t)
+    s.add_request(shallow)
+    s.add_request(short)
+    assert s.policy.lane_admits(shallow, s.running, s.block_manager)
+    assert largest_chunk(0.0375, 3072, 512) == 7 and largest_chunk(0.0375, 0, 512) == 18
+    sizes = [scheduled(run_step(s)[0]) for _ in range(10)]
+    assert [step.get(deep.request_id, 0) for step in sizes] == [0, 0, 0, 22, 0, 0, 21, 0, 0, 21]
+    assert all(shallow.request_id not in step for step in sizes)
+    assert all(short.request_id in step for step in sizes)
 
 
 def test_without_a_learned_cost_long_chunks_start_small():

@@ -1,7 +1,9 @@
 """A long prefill on a real engine whose first chunks ran slow (a cold start on a busy
 host) still finishes at a rate the policy guarantees: the step-cost model forgets those
 steps instead of locking in their price, and a long chunk never takes fewer than
-MIN_LONG_CHUNK tokens in a step that allows it any."""
+MIN_LONG_CHUNK tokens when it takes any, nor sits out more than long_prefill_max_skip
+steps in a row (while shorter requests decode, a chunk its allowance cannot cover takes
+turns)."""
 
 from __future__ import annotations
 
@@ -40,12 +42,14 @@ def test_a_long_prefill_finishes_within_its_stated_steps_after_slow_first_chunks
     with before_each_step(engine, slow_first_long_chunks):
         engine.submit(long, lambda _: None)
         shorts = []
-        # Each step either gives the long request a chunk of at least MIN_LONG_CHUNK tokens, or
-        # starts a short request (a step that does carries no long chunk before the long one
-        # has waited long_ttft_target_s). So its prompt is in within this many steps:
+        # Each step either starts a short request (a step that does carries no long chunk
+        # before the long one has waited long_ttft_target_s), or gives the long request a chunk
+        # of at least MIN_LONG_CHUNK tokens, or is one of at most long_prefill_max_skip in a
+        # row it sits out. So its prompt is in within this many steps:
+        turn = 1 + engine.config.scheduler.long_prefill_max_skip
         steps = 0
         while long.num_computed_tokens < PROMPT:
-            bound = math.ceil(PROMPT / MIN_LONG_CHUNK) + len(shorts)
+            bound = turn * math.ceil(PROMPT / MIN_LONG_CHUNK) + len(shorts)
             assert steps <= bound, (
                 f"{long.num_computed_tokens} of {PROMPT} prompt tokens after {steps} steps (bound {bound}); "
                 f"step cost {engine.scheduler.policy.cost.cost()}"
