@@ -133,6 +133,8 @@ class Scheduler:
     def _pass_turn(self, step: _Step) -> None:
         """Carries the long chunks' turn to the next step: how many steps in a row they sat
         out, and the allowance they left. A chunk that ran, or no long prefill left, ends it."""
+        if not step.chunk_skipped and not self._chunk_skips:
+            return  # no turn under way (most steps): nothing to carry or end
         if any(rid in step.scheduled for rid in step.chunked) or not any(
             r.size_class == LONG and r.num_tokens - r.num_computed_tokens > 1 for r in (*self.running, *self.waiting)
         ):
