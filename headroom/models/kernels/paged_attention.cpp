@@ -4,9 +4,9 @@
 // reads; they are widened to float32 as they are loaded), any GQA ratio. The query heads
 // that share a kv head are scored together so each cached key and value is read once per
 // step. Given this step's keys and values with their slots, it writes them into the cache
-// first. With AVX2, each sequence's context is read in spans by the tile kernel (see
-// decode_spans); with AVX-512 and a head_dim of 64 or 128, threads go over (sequence, kv
-// head), a query group's heads live in registers and the softmax's exp is vectorised.
+// first. With AVX2 (AVX-512 builds included: the spans read the cache faster there than a
+// kernel per (sequence, kv head) with 512-bit vectors did, bench/RESULTS.md), each
+// sequence's context is read in spans by the tile kernel (see decode_spans).
 #include <torch/extension.h>
 
 #include "paged_tile.h"
@@ -59,76 +59,6 @@ inline void axpy(float p, const float* x, float* y, int64_t d) {
 #endif
   for (int64_t i = 0; i < d; ++i) y[i] += p * x[i];
 }
-
-#ifdef __AVX512F__
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline __m512 load16(const f16* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// One (sequence, kv head): V = head_dim / 16 vectors per head.
-template <int V, typename T>
-void attend_512(const float* qh, const T* kp, const T* vp, const int32_t* table, int64_t len,
-                int64_t group, int64_t block_size, int64_t token_stride, int64_t block_stride, int64_t h,
-                float s, float* scores, float* out) {
-  constexpr int64_t D = 16 * V;
-  for (int64_t t = 0; t < len; ++t) {
-    const T* key = kp + table[t / block_size] * block_stride + (t % block_size) * token_stride + h * D;
-    __m512 k[V];
-    for (int i = 0; i < V; ++i) k[i] = load16(key + 16 * i);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = qh + g * D;
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
-      for (int i = 1; i < V; ++i) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * i), k[i], acc);
-      scores[g * len + t] = s * _mm512_reduce_add_ps(acc);
-    }
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    float* row = scores + g * len;
-    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    int64_t t = 0;
-    for (; t + 16 <= len; t += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(row + t));
-    float m = _mm512_reduce_max_ps(top);
-    for (int64_t u = t; u < len; ++u) m = std::max(m, row[u]);
-    const __m512 mv = _mm512_set1_ps(m);
-    __m512 sum = _mm512_setzero_ps();
-    for (t = 0; t + 16 <= len; t += 16) {
-      const __m512 e = headroom::exp512(_mm512_sub_ps(_mm512_loadu_ps(row + t), mv));
-      _mm512_storeu_ps(row + t, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    if (t < len) {
-      const __mmask16 tail = static_cast<__mmask16>((1u << (len - t)) - 1);
-      const __m512 e = headroom::exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + t), mv));
-      _mm512_mask_storeu_ps(row + t, tail, e);
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
-    }
-    const float inv = 1.f / _mm512_reduce_add_ps(sum);
-    for (t = 0; t < len; ++t) row[t] *= inv;
-  }
-  for (int64_t g0 = 0; g0 < group; g0 += 4) {  // four heads' outputs at a time in registers
-    const int64_t heads = std::min<int64_t>(4, group - g0);
-    __m512 o[4][V];
-    for (int64_t g = 0; g < heads; ++g)
-      for (int i = 0; i < V; ++i) o[g][i] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < len; ++t) {
-      const T* value = vp + table[t / block_size] * block_stride + (t % block_size) * token_stride + h * D;
-      __m512 v[V];
-      for (int i = 0; i < V; ++i) v[i] = load16(value + 16 * i);
-      for (int64_t g = 0; g < heads; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[(g0 + g) * len + t]);
-        for (int i = 0; i < V; ++i) o[g][i] = _mm512_fmadd_ps(p, v[i], o[g][i]);
-      }
-    }
-    for (int64_t g = 0; g < heads; ++g)
-      for (int i = 0; i < V; ++i) _mm512_storeu_ps(out + (g0 + g) * D + 16 * i, o[g][i]);
-  }
-}
-#endif
 
 // The share of a step's keys below which a context is not cut (its spans then cover about
 // this many keys, never fewer than half): smaller spans cost more in merging and in
@@ -258,12 +188,7 @@ void decode(const float* qp, T* kc, T* vc, const int32_t* tp, const int32_t* lp,
             int64_t kn_row, int64_t vn_row, const int64_t* sp) {
   const int64_t group = Hq / Hkv;
   const int64_t token_stride = Hkv * D, block_stride = block_size * Hkv * D;
-#ifdef __AVX512F__
-  const bool wide = D == 64 || D == 128;  // attend_512 below
-#else
-  const bool wide = false;
-#endif
-  if (!wide && headroom::tile_available(D)) {
+  if (headroom::tile_available(D)) {
     decode_spans(qp, kc, vc, tp, lp, op, B, Hq, Hkv, D, W, block_size, s, knp, vnp, kn_row, vn_row, sp);
     return;
   }
@@ -280,15 +205,6 @@ void decode(const float* qp, T* kc, T* vc, const int32_t* tp, const int32_t* lp,
       }
       const float* qh = qp + (b * Hq + h * group) * D;
       const int32_t* table = tp + b * W;
-#ifdef __AVX512F__
-      if (D == 64 || D == 128) {
-        scores.assign(group * len, 0.f);
-        auto attend = D == 64 ? attend_512<4, T> : attend_512<8, T>;
-        attend(qh, kc, vc, table, len, group, block_size, token_stride, block_stride, h, s, scores.data(),
-               op + (b * Hq + h * group) * D);
-        continue;
-      }
-#endif
       scores.assign(group * len, 0.f);
       // Portable: each cached row widened to float32 first, then AVX2 where the build has it.
       auto cached = [&](const T* cache, int64_t t) -> const float* {
