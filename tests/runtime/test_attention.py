@@ -289,10 +289,11 @@ def check_cpu_paged_backend(batch: Batch) -> None:
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
 def test_cpu_paged_prefill_in_place_matches_naive(cache_dtype: torch.dtype, num_heads: int, num_kv_heads: int) -> None:
-    # Chunks fresh and deep in a context (tiles of 8 tokens, a last partial tile, keys
-    # across block edges) beside decodes, read in place from a scattered cache.
-    q_lens = [1, 1, 3, 8, 9, 40, 17]
-    seq_lens = [5, 300, 3, 8, 200, 640, 47]
+    # Chunks fresh and deep in a context (tiles of 8 tokens on AVX2 and 64 on AVX-512, a
+    # last partial tile, passes of 16 and 64 keys with a partial last one, keys across
+    # block edges) beside decodes, read in place from a scattered cache.
+    q_lens = [1, 1, 3, 8, 9, 40, 17, 150]
+    seq_lens = [5, 300, 3, 8, 200, 640, 47, 701]
     batch = make_batch(
         q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=16, head_dim=64, seed=num_heads
     )
@@ -315,8 +316,7 @@ def test_cpu_paged_decode_merges_spans_of_long_contexts(cache_dtype: torch.dtype
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_cpu_paged_decode_spans_on_two_threads_match_naive(head_dim: int) -> None:
     # Spans of six contexts dealt to two threads (at::parallel_for past four rows), merged
-    # after; head_dim 256 takes the same path on AVX-512 builds, whose own kernel covers
-    # 64 and 128 only.
+    # after; head_dim 256 as well as 64 (the tile's registers hold 64 output dims at a time).
     batch = make_batch(
         [1] * 6,
         [40, 2600, 9, 1300, 700, 3000],

@@ -1,6 +1,6 @@
 // Attention for a step's query rows, any number per sequence (prefill chunks, and decode
 // rows beside them), over the paged KV cache read in place: each (sequence, tile of up to
-// 8 tokens, kv head) is one work item of paged_tile's kernel. The caller has written this
+// kTileTokens tokens, kv head) is one work item of paged_tile's kernel. The caller has written this
 // step's K/V to their slots.
 #include <torch/extension.h>
 
@@ -11,7 +11,13 @@
 
 namespace {
 
+// Tokens a work item: AVX-512 builds widen and transpose each pass's keys per item, which
+// more rows share; 8 keeps a short chunk's items many enough for the threads on AVX2.
+#ifdef __AVX512F__
+constexpr int64_t kTileTokens = 64;
+#else
 constexpr int64_t kTileTokens = 8;
+#endif
 
 struct Item {
   int64_t seq, first_token, tokens, kv_head;

@@ -4,7 +4,8 @@
 // and never into a copy of the whole context), scored against every row of the tile,
 // and folded in with an online softmax, so a chunk deep in a long context costs its
 // tokens' arithmetic and one pass over the cache. Rows are causal: token j of the tile
-// sees keys [0, first_pos + j].
+// sees keys [0, first_pos + j]. AVX-512 builds run the tile with 512-bit vectors and the
+// keys transposed (attend16); the decode spans keep 256-bit vectors on every build.
 #include "paged_tile.h"
 
 #include <c10/util/Exception.h>
@@ -187,6 +188,120 @@ void attend(const TileArgs& a, const T* kc, const T* vc) {
 }
 
 
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 load16(const bf16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// The tile with 512-bit vectors: each pass's kPass keys are widened once and laid out
+// transposed (head_dim x kPass), so that a row's scores are four vectors built by head_dim
+// FMAs each with no horizontal sums, four rows share every key and value load, and the
+// online softmax's reductions and rescaling are paid once per 64 keys. (The AVX2 tile's
+// fold spent as many loads as FMAs and shuffles on every key's sum; with passes of 16
+// keys the softmax's fixed work outweighed the FMAs.)
+constexpr int64_t kPass = 64;
+
+template <typename T>
+void attend16(const TileArgs& a, const T* kc, const T* vc) {
+  constexpr int S = kPass / 16;  // score vectors a row
+  const int64_t d = a.head_dim, rows = a.tokens * a.group, keys = a.first_pos + a.tokens;
+  thread_local std::vector<float> scratch;
+  scratch.assign(2 * kPass * d + rows * d + 2 * rows, 0.f);
+  float *kt = scratch.data(), *vbuf = kt + kPass * d, *o = vbuf + kPass * d, *m = o + rows * d, *l = m + rows;
+  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+  alignas(64) float row[64];
+  alignas(64) float p[4][kPass];
+  int64_t here[kPass];
+  for (int64_t c0 = 0; c0 < keys; c0 += kPass) {
+    const int64_t n = std::min(kPass, keys - c0);
+    offsets_of(a, c0, n, here);
+    if (n < kPass) std::fill(kt, kt + kPass * d, 0.f);  // keys past n score 0, then are masked
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t i = 0; i < d; i += 64) {
+        for (int k = 0; k < 4; ++k) _mm512_store_ps(row + 16 * k, load16(kc + here[t] + i + 16 * k));
+        for (int k = 0; k < 4; ++k) _mm512_storeu_ps(vbuf + t * d + i + 16 * k, load16(vc + here[t] + i + 16 * k));
+        for (int64_t u = 0; u < 64; ++u) kt[(i + u) * kPass + t] = row[u];
+      }
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const int64_t count = std::min<int64_t>(4, rows - r0);
+      const float* q[4];
+      int64_t valid[4], most = 0;
+      __m512 s[4][S];
+      for (int64_t k = 0; k < 4; ++k) {
+        const int64_t r = r0 + std::min(k, count - 1), j = r / a.group;
+        q[k] = a.q + j * a.token_stride + (r % a.group) * d;
+        valid[k] = std::clamp<int64_t>(a.first_pos + j + 1 - c0, 0, n);  // causal: this token's keys in the pass
+        most = std::max(most, valid[k]);
+        for (int v = 0; v < S; ++v) s[k][v] = _mm512_setzero_ps();
+      }
+      if (most == 0) continue;  // no row of the block sees a key of this pass
+      for (int64_t i = 0; i < d; ++i) {
+        __m512 x[S];
+        for (int v = 0; v < S; ++v) x[v] = _mm512_loadu_ps(kt + i * kPass + 16 * v);  // scratch: not 64-byte aligned
+        for (int k = 0; k < 4; ++k) {
+          const __m512 b = _mm512_set1_ps(q[k][i]);
+          for (int v = 0; v < S; ++v) s[k][v] = _mm512_fmadd_ps(b, x[v], s[k][v]);
+        }
+      }
+      __m512 carry[4];
+      for (int64_t k = 0; k < count; ++k) {
+        const int64_t r = r0 + k;
+        __mmask16 keep[S];
+        __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int v = 0; v < S; ++v) {
+          const int64_t lanes = std::clamp<int64_t>(valid[k] - 16 * v, 0, 16);
+          keep[v] = static_cast<__mmask16>((1u << lanes) - 1);
+          s[k][v] = _mm512_mul_ps(s[k][v], _mm512_set1_ps(a.scale));
+          top = _mm512_mask_max_ps(top, keep[v], top, s[k][v]);
+        }
+        if (valid[k] == 0) {  // no key of this pass is visible to the row: it stays as it was
+          carry[k] = _mm512_set1_ps(1.f);
+          std::fill(p[k], p[k] + kPass, 0.f);
+          continue;
+        }
+        const float most_s = std::max(m[r], _mm512_reduce_max_ps(top));
+        const float c = std::exp(m[r] - most_s);  // 0 for the first keys (m = -inf)
+        const __m512 mv = _mm512_set1_ps(most_s);
+        __m512 sum = _mm512_setzero_ps();
+        for (int v = 0; v < S; ++v) {
+          const __m512 e = _mm512_maskz_mov_ps(keep[v], exp512(_mm512_sub_ps(s[k][v], mv)));
+          _mm512_store_ps(p[k] + 16 * v, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        l[r] = l[r] * c + _mm512_reduce_add_ps(sum);
+        m[r] = most_s;
+        carry[k] = _mm512_set1_ps(c);
+      }
+      for (int64_t i = 0; i < d; i += 64) {  // 64 output dims of four rows in sixteen registers
+        __m512 acc[4][4];
+        for (int64_t k = 0; k < count; ++k)
+          for (int u = 0; u < 4; ++u)
+            acc[k][u] = _mm512_mul_ps(_mm512_loadu_ps(o + (r0 + k) * d + i + 16 * u), carry[k]);
+        for (int64_t t = 0; t < most; ++t) {
+          __m512 v[4];
+          for (int u = 0; u < 4; ++u) v[u] = _mm512_loadu_ps(vbuf + t * d + i + 16 * u);
+          for (int64_t k = 0; k < count; ++k) {
+            const __m512 w = _mm512_set1_ps(p[k][t]);
+            for (int u = 0; u < 4; ++u) acc[k][u] = _mm512_fmadd_ps(w, v[u], acc[k][u]);
+          }
+        }
+        for (int64_t k = 0; k < count; ++k)
+          for (int u = 0; u < 4; ++u) _mm512_storeu_ps(o + (r0 + k) * d + i + 16 * u, acc[k][u]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t j = r / a.group, g = r % a.group;
+    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+    float* dst = a.out + j * a.token_stride + g * d;
+    for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_loadu_ps(o + r * d + i), inv));
+  }
+}
+#endif
+
 // The sum of each of four vectors' lanes: [sum a0, sum a1, sum a2, sum a3].
 inline __m128 sums4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -310,9 +425,15 @@ void decode(const TileArgs& a, int64_t kv_heads, const T* kc, const T* vc, int64
 }  // namespace
 
 bool tile_available(int64_t head_dim) { return head_dim > 0 && head_dim % 64 == 0; }
+#ifdef __AVX512F__
+void attend_tile(const TileArgs& a, const float* k, const float* v) { attend16(a, k, v); }
+void attend_tile(const TileArgs& a, const c10::Half* k, const c10::Half* v) { attend16(a, k, v); }
+void attend_tile(const TileArgs& a, const c10::BFloat16* k, const c10::BFloat16* v) { attend16(a, k, v); }
+#else
 void attend_tile(const TileArgs& a, const float* k, const float* v) { attend(a, k, v); }
 void attend_tile(const TileArgs& a, const c10::Half* k, const c10::Half* v) { attend(a, k, v); }
 void attend_tile(const TileArgs& a, const c10::BFloat16* k, const c10::BFloat16* v) { attend(a, k, v); }
+#endif
 void decode_span(const TileArgs& a, int64_t kv_heads, const float* k, const float* v, int64_t begin,
                  int64_t end, float* m, float* l, float* o) {
   decode(a, kv_heads, k, v, begin, end, m, l, o);
