@@ -222,7 +222,7 @@ def test_float_ops_match_the_torch_modules():
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (5, 1, 128), (4, 4, 32), (10, 2, 64)])
 def test_decode_step_writes_this_steps_kv_and_attends_like_the_reference(hq, hkv, d, cache_dtype):
-    # d=32 takes the portable path (the AVX-512 one is for 64 and 128). A 16-bit cache:
+    # d=32 takes the portable path (the tile kernel is for multiples of 64). A 16-bit cache:
     # the kernel must round what it writes as torch's .to() does (the caches are
     # compared exactly) and read it widened to float32, as the reference computes.
     torch.manual_seed(hq * d)

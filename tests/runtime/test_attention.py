@@ -286,16 +286,25 @@ def check_cpu_paged_backend(batch: Batch) -> None:
     assert_cache_written(batch, before)
 
 
+@pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
-def test_cpu_paged_prefill_in_place_matches_naive(cache_dtype: torch.dtype, num_heads: int, num_kv_heads: int) -> None:
+def test_cpu_paged_prefill_in_place_matches_naive(
+    cache_dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
     # Chunks fresh and deep in a context (tiles of 8 tokens on AVX2 and 64 on AVX-512, a
     # last partial tile, passes of 16 and 64 keys with a partial last one, keys across
     # block edges) beside decodes, read in place from a scattered cache.
     q_lens = [1, 1, 3, 8, 9, 40, 17, 150]
     seq_lens = [5, 300, 3, 8, 200, 640, 47, 701]
     batch = make_batch(
-        q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=16, head_dim=64, seed=num_heads
+        q_lens,
+        seq_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        block_size=16,
+        head_dim=head_dim,
+        seed=num_heads,
     )
     check_cpu_paged_backend(rounded_to_cache(batch, cache_dtype))
 

@@ -1,11 +1,13 @@
-// Attention of a tile of query rows (up to a few tokens times the query heads of one kv
-// head) over a paged context, read in place. The context is walked 16 keys at a time:
+// Attention of a tile of query rows (up to 8 tokens, 64 on AVX-512, times the query heads
+// of one kv head) over a paged context, read in place. The context is walked 16 keys at a
+// time (64 on AVX-512):
 // each key and value row is widened to float32 once per tile (not once per query row,
 // and never into a copy of the whole context), scored against every row of the tile,
 // and folded in with an online softmax, so a chunk deep in a long context costs its
 // tokens' arithmetic and one pass over the cache. Rows are causal: token j of the tile
 // sees keys [0, first_pos + j]. AVX-512 builds run the tile with 512-bit vectors and the
-// keys transposed (attend16); the decode spans keep 256-bit vectors on every build.
+// keys transposed (attend16); the decode spans keep 256-bit vectors on every build (on a
+// Zen 5 they read the cache faster than a 512-bit kernel per kv head did, bench/RESULTS.md).
 #include "paged_tile.h"
 
 #include <c10/util/Exception.h>
@@ -280,6 +282,7 @@ void attend16(const TileArgs& a, const T* kc, const T* vc) {
         for (int64_t k = 0; k < count; ++k)
           for (int u = 0; u < 4; ++u)
             acc[k][u] = _mm512_mul_ps(_mm512_loadu_ps(o + (r0 + k) * d + i + 16 * u), carry[k]);
+        // Up to the block's most visible key: a row that sees fewer weighs the rest 0.
         for (int64_t t = 0; t < most; ++t) {
           __m512 v[4];
           for (int u = 0; u < 4; ++u) v[u] = _mm512_loadu_ps(vbuf + t * d + i + 16 * u);
@@ -377,7 +380,7 @@ inline void pass_heads(const float* q, const T* kc, const T* vc, const int64_t* 
 // pass by pass, each pass every kv head in turn over its 16 keys, so that a pass reads
 // the cache's token rows whole (a block is one run of memory). The next pass's lines
 // are prefetched spread across this pass's work: asked for in one burst at its start (as
-// the prefill tile does), the prefetches outnumber the core's outstanding misses and
+// the AVX2 prefill tile does), the prefetches outnumber the core's outstanding misses and
 // hold up the arithmetic they were meant to overlap, so memory and arithmetic took turns.
 template <typename T>
 void decode(const TileArgs& a, int64_t kv_heads, const T* kc, const T* vc, int64_t begin, int64_t end, float* m,

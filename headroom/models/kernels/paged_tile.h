@@ -1,6 +1,7 @@
-// Attention over a sequence's paged context read in place (AVX2+FMA+F16C): a tile of query
-// rows for one kv head, which the prefill kernel runs per (sequence, kv head, tile), and a
-// decode token over a span of keys for all kv heads, which the decode kernel runs per span.
+// Attention over a sequence's paged context read in place (AVX2+FMA+F16C; the tile with
+// 512-bit vectors where the build has AVX-512): a tile of query rows for one kv head, which
+// the prefill kernel runs per (sequence, kv head, tile), and a decode token over a span of
+// keys for all kv heads, which the decode kernel runs per span.
 // See paged_tile.cpp.
 #pragma once
 #include <c10/util/BFloat16.h>
