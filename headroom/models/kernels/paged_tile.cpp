@@ -240,14 +240,32 @@ void attend16(const TileArgs& a, const T* kc, const T* vc) {
         for (int v = 0; v < S; ++v) s[k][v] = _mm512_setzero_ps();
       }
       if (most == 0) continue;  // no row of the block sees a key of this pass
-      for (int64_t i = 0; i < d; ++i) {
-        __m512 x[S];
-        for (int v = 0; v < S; ++v) x[v] = _mm512_loadu_ps(kt + i * kPass + 16 * v);  // scratch: not 64-byte aligned
-        for (int k = 0; k < 4; ++k) {
-          const __m512 b = _mm512_set1_ps(q[k][i]);
-          for (int v = 0; v < S; ++v) s[k][v] = _mm512_fmadd_ps(b, x[v], s[k][v]);
+      // Each score summed in four runs of 16 dims added at the end, not one run of head_dim:
+      // as the AVX2 tile's partial sums, so a long dot product rounds no worse than there.
+      alignas(64) float part[4][S][16];
+      for (int64_t i0 = 0; i0 < d; i0 += 16) {
+        __m512 run[4][S];
+        for (int k = 0; k < 4; ++k)
+          for (int v = 0; v < S; ++v) run[k][v] = _mm512_setzero_ps();
+        for (int64_t i = i0; i < i0 + 16; ++i) {
+          __m512 x[S];
+          for (int v = 0; v < S; ++v) x[v] = _mm512_loadu_ps(kt + i * kPass + 16 * v);  // scratch: not 64-byte aligned
+          for (int k = 0; k < 4; ++k) {
+            const __m512 b = _mm512_set1_ps(q[k][i]);
+            for (int v = 0; v < S; ++v) run[k][v] = _mm512_fmadd_ps(b, x[v], run[k][v]);
+          }
         }
+        for (int k = 0; k < 4; ++k)
+          for (int v = 0; v < S; ++v) {
+            if (i0 == 0) {
+              _mm512_store_ps(part[k][v], run[k][v]);
+            } else {
+              _mm512_store_ps(part[k][v], _mm512_add_ps(_mm512_load_ps(part[k][v]), run[k][v]));
+            }
+          }
       }
+      for (int k = 0; k < 4; ++k)
+        for (int v = 0; v < S; ++v) s[k][v] = _mm512_load_ps(part[k][v]);
       __m512 carry[4];
       for (int64_t k = 0; k < count; ++k) {
         const int64_t r = r0 + k;
