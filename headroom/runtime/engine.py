@@ -129,13 +129,19 @@ class Engine(EngineCore):
 
     # ---- conveniences for the CLI, tests and benchmarks --------------------------------
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]) -> list[Request]:
-        """Run prompts to completion on the calling thread (the loop must not be running)."""
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams | list[SamplingParams],
+        sink: OutputSink | None = None,
+    ) -> list[Request]:
+        """Run prompts to completion on the calling thread (the loop must not be running);
+        `sink`, where given, sees every output as it is produced."""
         assert self._thread is None, "generate() steps the engine itself; stop the loop first"
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         requests = [self.new_request(p, s) for p, s in zip(prompts, params, strict=True)]
         for request in requests:
-            self.submit(request, lambda _: None)
+            self.submit(request, sink or (lambda _: None))
         while any(not r.is_finished for r in requests):
             self.step()
         return requests

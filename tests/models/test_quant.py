@@ -62,6 +62,7 @@ bound where activations stay float is 0.005, just outside that.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -108,17 +109,14 @@ def greedy(
     likely tokens at each position ({token id: logprob}, the chosen one included)."""
     engine = Engine(Config(cache=CacheConfig(num_blocks=256, kv_cache_dtype=kv_dtype)), loaded=loaded)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=logprobs)
-    requests = [engine.new_request(p, params) for p in prompts]
-    seen: dict[str, list[dict[int, float]]] = {r.request_id: [] for r in requests}
-    for request in requests:
-        engine.submit(
-            request,
-            lambda out, rid=request.request_id: seen[rid].extend(
-                {lp.token_id: lp.logprob, **dict(lp.top)} for lp in out.logprobs or []
-            ),
-        )
-    while any(not r.is_finished for r in requests):
-        engine.step()
+    seen: dict[str, list[dict[int, float]]] = defaultdict(list)
+    requests = engine.generate(
+        prompts,
+        params,
+        sink=lambda out: seen[out.request_id].extend(
+            {lp.token_id: lp.logprob, **dict(lp.top)} for lp in out.logprobs or []
+        ),
+    )
     return [r.output_token_ids for r in requests], [seen[r.request_id] for r in requests]
 
 

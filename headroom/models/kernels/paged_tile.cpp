@@ -237,12 +237,10 @@ void attend16(const TileArgs& a, const T* kc, const T* vc) {
         q[k] = a.q + j * a.token_stride + (r % a.group) * d;
         valid[k] = std::clamp<int64_t>(a.first_pos + j + 1 - c0, 0, n);  // causal: this token's keys in the pass
         most = std::max(most, valid[k]);
-        for (int v = 0; v < S; ++v) s[k][v] = _mm512_setzero_ps();
       }
       if (most == 0) continue;  // no row of the block sees a key of this pass
       // Each score summed in four runs of 16 dims added at the end, not one run of head_dim:
       // as the AVX2 tile's partial sums, so a long dot product rounds no worse than there.
-      alignas(64) float part[4][S][16];
       for (int64_t i0 = 0; i0 < d; i0 += 16) {
         __m512 run[4][S];
         for (int k = 0; k < 4; ++k)
@@ -256,16 +254,8 @@ void attend16(const TileArgs& a, const T* kc, const T* vc) {
           }
         }
         for (int k = 0; k < 4; ++k)
-          for (int v = 0; v < S; ++v) {
-            if (i0 == 0) {
-              _mm512_store_ps(part[k][v], run[k][v]);
-            } else {
-              _mm512_store_ps(part[k][v], _mm512_add_ps(_mm512_load_ps(part[k][v]), run[k][v]));
-            }
-          }
+          for (int v = 0; v < S; ++v) s[k][v] = i0 == 0 ? run[k][v] : _mm512_add_ps(s[k][v], run[k][v]);
       }
-      for (int k = 0; k < 4; ++k)
-        for (int v = 0; v < S; ++v) s[k][v] = _mm512_load_ps(part[k][v]);
       __m512 carry[4];
       for (int64_t k = 0; k < count; ++k) {
         const int64_t r = r0 + k;
