@@ -285,16 +285,21 @@ void attend16(const TileArgs& a, const T* kc, const T* vc) {
         m[r] = most_s;
         carry[k] = _mm512_set1_ps(c);
       }
+      for (int64_t k = count; k < 4; ++k) std::fill(p[k], p[k] + kPass, 0.f);
       for (int64_t i = 0; i < d; i += 64) {  // 64 output dims of four rows in sixteen registers
+        // All four rows' sums are formed even in a block of fewer (those past count weigh
+        // every key 0 and are never stored): with a bound known at compile time the
+        // accumulators stay in registers; with `count` the compiler stored them every key.
         __m512 acc[4][4];
-        for (int64_t k = 0; k < count; ++k)
+        for (int64_t k = 0; k < 4; ++k)
           for (int u = 0; u < 4; ++u)
-            acc[k][u] = _mm512_mul_ps(_mm512_loadu_ps(o + (r0 + k) * d + i + 16 * u), carry[k]);
+            acc[k][u] = k < count ? _mm512_mul_ps(_mm512_loadu_ps(o + (r0 + k) * d + i + 16 * u), carry[k])
+                                  : _mm512_setzero_ps();
         // Up to the block's most visible key: a row that sees fewer weighs the rest 0.
         for (int64_t t = 0; t < most; ++t) {
           __m512 v[4];
           for (int u = 0; u < 4; ++u) v[u] = _mm512_loadu_ps(vbuf + t * d + i + 16 * u);
-          for (int64_t k = 0; k < count; ++k) {
+          for (int k = 0; k < 4; ++k) {
             const __m512 w = _mm512_set1_ps(p[k][t]);
             for (int u = 0; u < 4; ++u) acc[k][u] = _mm512_fmadd_ps(w, v[u], acc[k][u]);
           }
