@@ -179,7 +179,7 @@ def stats(results: list[Result], tenant: str) -> dict:
 
 def run_server(name: str, ns) -> dict:
     """Alone and mixed against a fresh server each (a peer: the one at --peer)."""
-    out = {"server": name}
+    out = {"server": name + (f" {ns.headroom_args}" if ns.headroom_args and name != "peer" else "")}
     for mixed in (False, True):
         config_path, proc = None, None
         if name == "peer":
@@ -190,7 +190,7 @@ def run_server(name: str, ns) -> dict:
                     f.write(TENANTS_TOML)
                 config_path = f.name
             port = free_port()
-            proc = start_server(port, "auto", config_path, True)
+            proc = start_server(port, "auto", config_path, True, ns.headroom_args.split())
             url, model = f"http://127.0.0.1:{port}", None
         headers = ("interactive", "reasoning") if name == "tenants" else (None, None)
         try:
@@ -239,6 +239,12 @@ def main() -> None:
     p.add_argument("--all-long", action="store_true", help="the all-long load instead")
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--long-requests", type=int, default=1, help="long requests per closed-loop client")
+    p.add_argument(
+        "--headroom-args",
+        default="",
+        help="extra flags for `headroom serve` (a variant, measured after the defaults; not with "
+        "--servers tenants if they name a --config)",
+    )
     p.add_argument("--json", default=None)
     ns = p.parse_args()
     PROMPTS = load_prompts()
