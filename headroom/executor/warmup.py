@@ -34,8 +34,13 @@ def time_step(runner: ModelRunner, block_manager: BlockManager, tokens: int, con
     try:
         request.num_computed_tokens = context
         pairs = attention_pairs(tokens, context)
+        decode_pairs = pairs if tokens == 1 else 0
         out = SchedulerOutput(
-            requests=[request], num_scheduled_tokens=[tokens], num_decodes=int(tokens == 1), attention_pairs=pairs
+            requests=[request],
+            num_scheduled_tokens=[tokens],
+            num_decodes=int(tokens == 1),
+            attention_pairs=pairs,
+            decode_pairs=decode_pairs,
         )
         times = []
         for _ in range(1 + TIMED_RUNS):
@@ -44,7 +49,7 @@ def time_step(runner: ModelRunner, block_manager: BlockManager, tokens: int, con
             if runner.device.type == "cuda":
                 torch.cuda.synchronize(runner.device)
             times.append(time.perf_counter() - started)
-        return StepSample(tokens, pairs, min(times[1:]))
+        return StepSample(tokens, pairs, min(times[1:]), decode_pairs)
     finally:
         block_manager.free_request(SCRATCH_ID)
 

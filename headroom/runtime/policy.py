@@ -158,7 +158,8 @@ class SchedulingPolicy:
         shorts = [r for r in running if r.size_class != LONG and r.num_tokens - r.num_computed_tokens == 1]
         if not shorts or not self.cost.ready:
             return None
-        base_s = self.cost.predict(len(shorts), sum(attention_pairs(1, r.num_computed_tokens) for r in shorts))
+        pairs = sum(attention_pairs(1, r.num_computed_tokens) for r in shorts)
+        base_s = self.cost.predict(len(shorts), pairs, decode_pairs=pairs)
         return self.config.short_tpot_stretch * base_s
 
     def long_decodes_sit_out(

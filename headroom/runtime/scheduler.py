@@ -30,6 +30,7 @@ class SchedulerOutput:
     num_decodes: int = 0
     preempted: list[Request] = field(default_factory=list)
     attention_pairs: int = 0  # (query, key) pairs the step computes, for the step-cost model
+    decode_pairs: int = 0  # those of them its decode rows compute
 
     @property
     def total_tokens(self) -> int:
@@ -106,7 +107,8 @@ class Scheduler:
         if not any(r.size_class == LONG for r in (*self.running, *self.waiting)):
             return None
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        base_s = self.policy.cost.predict(len(decodes), sum(attention_pairs(1, r.num_computed_tokens) for r in decodes))
+        pairs = sum(attention_pairs(1, r.num_computed_tokens) for r in decodes)
+        base_s = self.policy.cost.predict(len(decodes), pairs, decode_pairs=pairs)
         return self.policy.long_prefill_allowance(self.running, self.waiting, now, base_s)
 
     def schedule(self) -> SchedulerOutput:
@@ -279,7 +281,9 @@ class Scheduler:
         for rid, n in step.scheduled.items():
             out.requests.append(by_id[rid])
             out.num_scheduled_tokens.append(n)
-            out.attention_pairs += attention_pairs(n, by_id[rid].num_computed_tokens)
+            pairs = attention_pairs(n, by_id[rid].num_computed_tokens)
+            out.attention_pairs += pairs
+            out.decode_pairs += pairs if n == 1 else 0
         # Decodes first, as the attention metadata expects.
         order = sorted(range(len(out.requests)), key=lambda i: out.num_scheduled_tokens[i] > 1)
         out.requests = [out.requests[i] for i in order]

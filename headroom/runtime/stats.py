@@ -32,7 +32,7 @@ class StepAccounting:
         total = out.total_tokens
         stats.steps += 1
         stats.step_time_s += elapsed
-        self.cost.observe(total, out.attention_pairs, elapsed)
+        self.cost.observe(total, out.attention_pairs, elapsed, out.decode_pairs)
         # Read without waiting: a step that sampled nothing may still be on the device.
         self._timers.append(timer)
         while self._timers and self._timers[0].ready():

@@ -1,10 +1,15 @@
 """What an engine step costs, learned from the steps the engine has run.
 
-A step's wall time is modelled as base + per_token * tokens + per_pair * pairs, where
-`pairs` counts the (query, key) pairs attention computes: n * (context + n) for a
-request given n tokens on top of `context` computed ones (a decode row at a long context
-is priced by its context this way). The fit is a weighted non-negative least squares
-over recent steps of every size, decodes and small chunks included:
+A step's wall time is modelled as base + per_token * tokens + per_pair * pairs +
+decode_extra * decode_pairs, where `pairs` counts the (query, key) pairs attention
+computes: n * (context + n) for a request given n tokens on top of `context` computed
+ones (a decode row at a long context is priced by its context this way), and
+`decode_pairs` the share of them that decode rows compute. A chunk's pairs are bound by
+arithmetic, many queries sharing each key read; a decode row's by reading its context
+once for one query, which costs more a pair wherever the cache is past the last-level
+cache, so decode pairs carry a non-negative extra price (0 until steps teach it). The fit
+is a weighted non-negative least squares over recent steps of every size, decodes and
+small chunks included:
 
 - rows are kept per shape bin (by the size of tokens and of pairs), so that a long run of
   decode-only steps never pushes out what the last prefill chunks taught;
@@ -49,22 +54,26 @@ class StepCost:
     base_s: float
     per_token_s: float
     per_pair_s: float  # per (query, key) pair
+    decode_extra_s: float = 0.0  # on top of per_pair_s, per pair of a decode row
 
 
 @dataclass(frozen=True)
 class StepSample:
-    """One timed step: its tokens, its attention pairs and its wall time."""
+    """One timed step: its tokens, its attention pairs (decode rows' among them) and its
+    wall time."""
 
     num_tokens: int
     pairs: int
     seconds: float
+    decode_pairs: int = 0
 
 
 class StepCostModel:
     def __init__(self) -> None:
-        # bin -> rows of (tokens, pairs / PAIRS_SCALE, seconds, step index when observed)
-        self._bins: dict[tuple[int, int], deque[tuple[float, float, float, int]]] = {}
-        self._prior: list[tuple[float, float, float]] = []
+        # bin -> rows of (tokens, pairs / PAIRS_SCALE, decode pairs / PAIRS_SCALE, seconds,
+        # step index when observed)
+        self._bins: dict[tuple[int, int, int], deque[tuple[float, float, float, float, int]]] = {}
+        self._prior: list[tuple[float, float, float, float]] = []
         self._fit: StepCost | None = None
         self._dirty = False
         self.num_steps = 0
@@ -74,21 +83,24 @@ class StepCostModel:
     def prime(self, samples: list[StepSample]) -> None:
         """Seed the fit with steps timed at start-up (replacing any earlier seed)."""
         self._prior = [
-            (float(s.num_tokens), s.pairs / PAIRS_SCALE, s.seconds)
+            (float(s.num_tokens), s.pairs / PAIRS_SCALE, s.decode_pairs / PAIRS_SCALE, s.seconds)
             for s in samples
             if s.num_tokens > 0 and s.seconds > 0
         ]
         self._dirty = True
         self._largest = None
 
-    def observe(self, num_tokens: int, pairs: int, seconds: float) -> None:
+    def observe(self, num_tokens: int, pairs: int, seconds: float, decode_pairs: int = 0) -> None:
+        """A step that computed `pairs` (query, key) pairs, `decode_pairs` of them in decode rows."""
         if num_tokens <= 0 or not seconds > 0:
             return
-        key = (num_tokens.bit_length(), int(pairs // PAIRS_SCALE).bit_length())
+        # Binned by how much of the step is decode too: decode-only steps at long contexts
+        # and chunks of the same pairs teach different prices, and neither may push out the other.
+        key = (num_tokens.bit_length(), int(pairs // PAIRS_SCALE).bit_length(), 4 * decode_pairs // max(pairs, 1))
         rows = self._bins.get(key)
         if rows is None:
             rows = self._bins[key] = deque(maxlen=ROWS_PER_BIN)
-        rows.append((float(num_tokens), pairs / PAIRS_SCALE, seconds, self.num_steps))
+        rows.append((float(num_tokens), pairs / PAIRS_SCALE, decode_pairs / PAIRS_SCALE, seconds, self.num_steps))
         self.num_steps += 1
         self._largest = None
         self._prefill_steps += num_tokens >= MIN_PREFILL_TOKENS
@@ -107,15 +119,15 @@ class StepCostModel:
         if not self.ready:
             return None
         if self._dirty or self._fit is None:
-            rows = [(*row[:3], self.weight(row[3])) for rows in self._bins.values() for row in rows]
+            rows = [(*row[:4], self.weight(row[4])) for rows in self._bins.values() for row in rows]
             rows += [(*row, PRIOR_WEIGHT) for row in self._prior]
             data = np.array(rows)
             # Relative errors: a step's time varies by a factor (a busy core, a cold cache),
             # so a slow step must not outweigh many fast ones by its size alone.
-            root = np.sqrt(data[:, 3]) / data[:, 2]
-            a = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]]) * root[:, None]
-            w, _ = nnls(a, data[:, 2] * root)
-            self._fit = StepCost(float(w[0]), float(w[1]), float(w[2]) / PAIRS_SCALE)
+            root = np.sqrt(data[:, 4]) / data[:, 3]
+            a = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 2]]) * root[:, None]
+            w, _ = nnls(a, data[:, 3] * root)
+            self._fit = StepCost(float(w[0]), float(w[1]), float(w[2]) / PAIRS_SCALE, float(w[3]) / PAIRS_SCALE)
             self._dirty = False
         return self._fit
 
@@ -126,19 +138,22 @@ class StepCostModel:
             self._largest = int(max(rows, default=0))
         return self._largest
 
-    def predict(self, num_tokens: int, pairs: int) -> float:
+    def predict(self, num_tokens: int, pairs: int, decode_pairs: int = 0) -> float:
         """A step's predicted wall time (0 before anything is learned)."""
         fit = self.cost()
         if fit is None or num_tokens <= 0:
             return 0.0
-        return fit.base_s + fit.per_token_s * num_tokens + fit.per_pair_s * pairs
+        return fit.base_s + fit.per_token_s * num_tokens + fit.per_pair_s * pairs + fit.decode_extra_s * decode_pairs
 
     def chunk_seconds(self, num_tokens: int, context: int) -> float:
-        """What adding a prefill chunk of num_tokens at `context` adds to a step."""
+        """What adding a prefill chunk of num_tokens at `context` adds to a step (one token:
+        a decode row, priced as one)."""
         fit = self.cost()
         if fit is None or num_tokens <= 0:
             return 0.0
-        return fit.per_token_s * num_tokens + fit.per_pair_s * attention_pairs(num_tokens, context)
+        pairs = attention_pairs(num_tokens, context)
+        extra = fit.decode_extra_s * pairs if num_tokens == 1 else 0.0
+        return fit.per_token_s * num_tokens + fit.per_pair_s * pairs + extra
 
     def tokens_within(self, seconds: float, context: int, limit: int) -> int:
         """The largest chunk (at most `limit`) that adds no more than `seconds` to a step;

@@ -111,3 +111,60 @@ def test_long_decodes_run_every_step_where_nothing_shorter_decodes():
     for _ in range(3):
         out, _ = run_step(s)
         assert out.num_scheduled_tokens == [1, 1, 1]
+
+
+DECODE_EXTRA = 2e-6  # a decode row's pair costs three times a chunk's in these scripts
+
+
+def test_decode_rows_learn_a_price_per_pair_of_their_own():
+    # Chunks cost as in the long lane's script; a decode row's pairs cost DECODE_EXTRA
+    # more each (its context read for one query, where a chunk shares each key read).
+    model = StepCostModel()
+    teach(model)
+    for rows in (1, 2, 4, 8):
+        for context in (100, 1000, 3000):
+            pairs = rows * attention_pairs(1, context)
+            model.observe(rows, pairs, scripted_cost(rows, pairs) + DECODE_EXTRA * pairs, decode_pairs=pairs)
+    fit = model.cost()
+    assert (fit.base_s, fit.per_token_s, fit.per_pair_s, fit.decode_extra_s) == pytest.approx(
+        (BASE, PER_TOKEN, PER_PAIR, DECODE_EXTRA), rel=1e-6
+    )
+    assert model.chunk_seconds(1, 3000) == pytest.approx(PER_TOKEN + (PER_PAIR + DECODE_EXTRA) * 3001, rel=1e-6)
+    assert model.chunk_seconds(100, 1000) == pytest.approx(PER_TOKEN * 100 + PER_PAIR * 100 * 1100, rel=1e-6)
+    assert model.predict(2, 5000, decode_pairs=4000) == pytest.approx(
+        BASE + PER_TOKEN * 2 + PER_PAIR * 5000 + DECODE_EXTRA * 4000, rel=1e-6
+    )
+    # Without decode steps to learn from, decode pairs cost what a chunk's do.
+    plain = StepCostModel()
+    teach(plain)
+    assert plain.cost().decode_extra_s == 0.0
+
+
+def test_long_decodes_priced_as_decodes_sit_out_whatever_fits_no_more():
+    # As the turns test above, but the model has learned that a decode row's pairs cost
+    # DECODE_EXTRA more: a long decode at 3,000 context costs 0.002 + 3e-6 x 3001 = 0.011 s,
+    # over the 0.007 s the two short decodes leave, so no long row fits any step; each
+    # sits out one step (long_decode_max_skip 1) and then runs, all three together.
+    clock = Clock()
+    s = create_scheduler(
+        max_num_seqs=8, max_num_batched_tokens=512, num_blocks=4000, clock=clock, long_lane_quiet_s=1e9
+    )
+    teach(s.policy.cost)
+    for context in (100, 1000, 3000):
+        pairs = attention_pairs(1, context)
+        s.policy.cost.observe(1, pairs, scripted_cost(1, pairs) + DECODE_EXTRA * pairs, decode_pairs=pairs)
+    longs = [create_request(prompt=3000, size_class="long", max_tokens=500) for _ in range(3)]
+    for r in longs:
+        s.add_request(r)
+    decoding(s, longs)
+    shorts = [create_request(prompt=10, size_class="short", max_tokens=100) for _ in range(2)]
+    for r in shorts:
+        s.add_request(r)
+    run_step(s)  # the step that starts them: long decodes sit out
+    ran = []
+    for _ in range(6):
+        out, _ = run_step(s)
+        ids = {r.request_id for r in out.requests}
+        assert {r.request_id for r in shorts} <= ids
+        ran.append(len(ids) - len(shorts))
+    assert ran == [3, 0, 3, 0, 3, 0]
