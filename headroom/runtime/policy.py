@@ -7,7 +7,7 @@ run, minus ageing_tokens_per_s per second waited, so nothing starves; without
 predictions that is FCFS). Victims: lowest priority, then the longest estimated
 remaining, then the newest. Long-class requests run in a lane with its own concurrency
 and KV share, their prefill chunks and decode rows sized in seconds by the engine's
-measured step cost (long_prefill_allowance, long_decode_allowance). HolFeedback scales
+measured step cost (long_prefill_allowance, short_tpot_budget). HolFeedback scales
 the prefill allowance by the head-of-line signal (observability/hol.py).
 """
 
@@ -140,21 +140,18 @@ class SchedulingPolicy:
             return full if floor >= 1.0 else 0.0
         return full * max(floor, self.long_lane_factor)
 
-    def long_decode_allowance(
-        self, running: list[Request], waiting: list[Request], block_manager: BlockManager, now: float
-    ) -> float | None:
-        """Seconds that long-class decode rows may add to this step (None: no limit).
+    def short_tpot_budget(self, running: list[Request], waiting: list[Request]) -> float | None:
+        """Seconds that long work (decode rows and prefill chunks together) may add to this
+        step while shorter requests decode (None: no such objective now).
 
-        0.0 (nothing) in a step that starts a shorter request (long_decodes_sit_out). Else, while
-        shorter requests decode, short_tpot_stretch of what the step is predicted to cost
-        without the long rows: their attention over long contexts would otherwise set
-        every shorter request's time per output token. The scheduler lets long decodes
-        take turns within it (longest sat out first), and lets none sit out more than
-        long_decode_max_skip steps in a row."""
-        if not self.config.long_lane or not any(r.size_class == LONG for r in running):
+        short_tpot_stretch of what the step is predicted to cost without the long work:
+        attention over long contexts would otherwise set every shorter request's time per
+        output token. The scheduler spends it on long decodes first, which take turns
+        within it (longest sat out first, none more than long_decode_max_skip steps in a
+        row), then on a long chunk, which sits out what it cannot cover and carries the
+        unspent seconds over (none more than long_prefill_max_skip steps in a row)."""
+        if not self.config.long_lane or not any(r.size_class == LONG for r in (*running, *waiting)):
             return None
-        if self.long_decodes_sit_out(running, waiting, block_manager, now):
-            return 0.0
         shorts = [r for r in running if r.size_class != LONG and r.num_tokens - r.num_computed_tokens == 1]
         if not shorts or not self.cost.ready:
             return None

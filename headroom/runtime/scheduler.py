@@ -49,11 +49,13 @@ class _Step:
     budget: int  # tokens left in this step
     long_left: float | None  # seconds long prefill chunks may still add (None: no limit)
     decode_left: float | None  # seconds long decode rows may still add (None: no limit)
+    tpot_bound: bool = False  # long chunks spend what long decode rows left of the short class's budget
     scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens, in scheduling order
     preempted: list[Request] = field(default_factory=list)
     sat_out: dict[str, int] = field(default_factory=dict)  # long decodes left out: how many steps in a row
     chunk_turns: bool = False  # long chunks the allowance cannot cover may sit out (shorter requests decode)
     chunk_skipped: bool = False  # a long chunk sat this step out, and holds the turn
+    carry_s: float = 0.0  # what a chunk that sat out left unspent, for the next step's
     chunked: set[str] = field(default_factory=set)  # requests given a long chunk (scheduled, unless preempted)
     admitted: int = 0  # waiting requests started
 
@@ -120,11 +122,17 @@ class Scheduler:
         turns = bool(allowance) and any(
             r.size_class != LONG and r.num_tokens - r.num_computed_tokens == 1 for r in self.running
         )
+        # A step that starts a shorter request leaves long decodes out (its prefill
+        # allowance already decided the chunk); else, while shorter requests decode, long
+        # decodes and then long chunks share the short class's time-per-token budget.
+        sit_out = self.policy.long_decodes_sit_out(self.running, self.waiting, self.block_manager, now)
+        budget = None if sit_out else self.policy.short_tpot_budget(self.running, self.waiting)
         step = _Step(
             now,
             self.config.max_num_batched_tokens,
             allowance + self._chunk_saved_s if turns else allowance,
-            self.policy.long_decode_allowance(self.running, self.waiting, self.block_manager, now),
+            0.0 if sit_out else budget,
+            tpot_bound=turns and budget is not None,
             chunk_turns=turns,
         )
         self._schedule_running(step)
@@ -142,7 +150,7 @@ class Scheduler:
         ):
             self._chunk_skips, self._chunk_saved_s = 0, 0.0
         elif step.chunk_skipped:
-            self._chunk_skips, self._chunk_saved_s = self._chunk_skips + 1, step.long_left
+            self._chunk_skips, self._chunk_saved_s = self._chunk_skips + 1, step.carry_s
         # Else no long chunk was tried (the step starts a shorter request, or the budget
         # ran out before one): the turn waits as it was.
 
@@ -204,11 +212,21 @@ class Scheduler:
                 return 0
             limit = n
             floor = not step.chunk_turns or self._chunk_skips >= self.config.long_prefill_max_skip
-            n = self.policy.long_chunk(context, step.long_left, limit, floor)
-            step.chunk_skipped = n == 0 and limit > 0 and step.long_left > 0
+            allowance = step.long_left
+            if step.tpot_bound:
+                # The shorter requests' time per token bounds long chunks as it bounds
+                # long decode rows: the chunk spends what the rows left of it, plus what
+                # it saved while sitting out.
+                allowance = min(allowance, max(0.0, step.decode_left) + self._chunk_saved_s)
+            n = self.policy.long_chunk(context, allowance, limit, floor)
+            step.chunk_skipped = n == 0 and limit > 0 and allowance > 0
+            step.carry_s = allowance
             if n > 0:
                 step.chunked.add(request.request_id)
-            step.long_left -= self.policy.cost.chunk_seconds(n, context)
+            spent = self.policy.cost.chunk_seconds(n, context)
+            step.long_left -= spent
+            if step.decode_left is not None:
+                step.decode_left -= spent
         return n
 
     def _make_room(

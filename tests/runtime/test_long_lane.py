@@ -40,6 +40,11 @@ def largest_chunk(seconds: float, context: int, limit: int) -> int:
     return n
 
 
+# A time-per-token objective so loose it never binds: for the tests of the TTFT-derived
+# allowance alone (the tests of the objective itself use the default).
+NO_TPOT_BOUND = 100.0
+
+
 class Clock:
     def __init__(self, t: float = 1000.0):
         self.t = t
@@ -139,7 +144,8 @@ def chunks(s, request_id: str, steps: int) -> list[int]:
 def test_chunks_follow_the_learned_cost_as_the_context_grows():
     clock = Clock()
     s = create_scheduler(
-        max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock, short_ttft_target_s=0.5
+        max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock, short_ttft_target_s=0.5,
+        short_tpot_stretch=NO_TPOT_BOUND,
     )
     teach(s.policy.cost)
     long = create_request(prompt=1500, size_class="long", max_tokens=2, arrival=clock.t)
@@ -174,12 +180,14 @@ def test_a_long_chunk_takes_its_minimum_even_where_one_token_costs_more_than_the
 
 
 @pytest.mark.parametrize("max_skip", [3, 1])
-def test_while_a_short_decodes_a_chunk_its_allowance_cannot_cover_takes_turns(max_skip):
-    # At context 3,072 a token costs 2 ms + 3 ms of attention: the 37.5 ms allowance
-    # (0.15 s / 4) covers 7 tokens, under MIN_LONG_CHUNK. While the short one decodes, the
-    # chunk sits out and carries the allowance over, until it covers a chunk or the chunk
-    # has sat out max_skip steps in a row (then MIN_LONG_CHUNK); once the short one is
-    # done, MIN_LONG_CHUNK every step.
+def test_while_a_short_decodes_a_chunk_spends_its_time_per_token_budget_and_takes_turns(max_skip):
+    # While the short one decodes, a long chunk may add what the TTFT-derived allowance
+    # (0.15 s / 4 = 37.5 ms) and the short class's time-per-token budget (half of the
+    # ~12 ms its decode step costs) both cover, plus what it saved sitting out. At context
+    # 3,072 a token costs 2 ms + 3 ms of attention, so one step covers one token, under
+    # MIN_LONG_CHUNK: the chunk sits out and carries the unspent seconds over, until they
+    # cover a chunk or it has sat out max_skip steps in a row (then MIN_LONG_CHUNK). Once
+    # the short one is done, MIN_LONG_CHUNK every step.
     clock = Clock()
     s = create_scheduler(
         max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock, long_prefill_max_skip=max_skip
@@ -195,7 +203,10 @@ def test_while_a_short_decodes_a_chunk_its_allowance_cannot_cover_takes_turns(ma
     context, expected, saved, skips = 3072, [0], 0.0, 0  # nothing beside the step that starts it
     for step in range(1, 12):
         decoding = step <= 8  # its prefill step gives the first token, then 8 decodes
-        left = 0.0375 + (saved if decoding else 0.0)
+        left = 0.0375
+        if decoding:
+            tpot = 0.5 * scripted_cost(1, attention_pairs(1, 10 + step - 1))
+            left = min(left, tpot) + saved
         n = largest_chunk(left, context, 512)
         if n < MIN_LONG_CHUNK:
             n = MIN_LONG_CHUNK if not decoding or skips >= max_skip else 0
@@ -204,10 +215,43 @@ def test_while_a_short_decodes_a_chunk_its_allowance_cannot_cover_takes_turns(ma
         context += n
     assert sizes == expected
     assert short.is_finished
-    if max_skip == 3:  # two steps' allowance is 15 tokens, three's 22
-        assert sizes == [0, 0, 0, 22, 0, 0, 21, 0, 0, 16, 16, 16]
+    if max_skip == 3:  # the budget never covers MIN_LONG_CHUNK: the floor sets the pace
+        assert sizes == [0, 0, 0, 0, 16, 0, 0, 0, 16, 16, 16, 16]
     else:
         assert sizes == [0, 0, 16, 0, 16, 0, 16, 0, 16, 16, 16, 16]
+
+
+def test_a_long_decode_row_and_a_long_chunk_share_the_time_per_token_budget():
+    # A short one decodes beside a long decode at context 2,000 and a long prompt at 0.
+    # The short class's budget is half its step's ~12 ms; the long row goes first and
+    # costs 2 ms + 2 ms of attention, and the chunk may spend only what is left (2 ms: one
+    # token, under MIN_LONG_CHUNK), so it sits out and saves that; after three steps in a
+    # row it takes MIN_LONG_CHUNK, the floor.
+    clock = Clock()
+    s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=4000, clock=clock)
+    teach(s.policy.cost)
+    decoding = create_request(prompt=2000, size_class="long", max_tokens=100, arrival=clock.t)
+    s.add_request(decoding)
+    assert chunks(s, decoding.request_id, 4) == [512, 512, 512, 464]  # nobody to protect
+    short = create_request(prompt=10, size_class="short", max_tokens=100, arrival=clock.t)
+    s.add_request(short)
+    assert scheduled(run_step(s)[0]) == {short.request_id: 10}  # the long decode sits it out
+    prompt = create_request(prompt=1000, size_class="long", max_tokens=2, arrival=clock.t)
+    s.add_request(prompt)
+    saved, skips, expected, sizes = 0.0, 0, [], []
+    for _ in range(8):
+        budget = 0.5 * scripted_cost(1, attention_pairs(1, short.num_computed_tokens))
+        row = PER_TOKEN + PER_PAIR * attention_pairs(1, decoding.num_computed_tokens)
+        left = min(0.0375, budget - row) + saved
+        n = largest_chunk(left, prompt.num_computed_tokens, 512 - 2)
+        if n < MIN_LONG_CHUNK:
+            n = MIN_LONG_CHUNK if skips >= 3 else 0
+        skips, saved = (0, 0.0) if n else (skips + 1, left)
+        expected.append(n)
+        step = scheduled(run_step(s)[0])
+        assert step.get(decoding.request_id) == 1 and step.get(short.request_id) == 1
+        sizes.append(step.get(prompt.request_id, 0))
+    assert sizes == expected == [0, 0, 0, 16, 0, 0, 0, 16]
 
 
 def test_a_deep_chunk_that_sits_out_holds_the_turn_against_a_shallow_one():
@@ -215,7 +259,9 @@ def test_a_deep_chunk_that_sits_out_holds_the_turn_against_a_shallow_one():
     # policy order, starts at 0, where it covers 18. Were B's chunks to run while A sits
     # out, A's turn would never come; A holds it, B waits until A's prompt is in.
     clock = Clock()
-    s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=4000, clock=clock)
+    s = create_scheduler(
+        max_num_seqs=8, max_num_batched_tokens=512, num_blocks=4000, clock=clock, short_tpot_stretch=NO_TPOT_BOUND
+    )
     teach(s.policy.cost)
     deep = create_request(prompt=4000, size_class="long", max_tokens=2, arrival=clock.t)
     s.add_request(deep)
@@ -255,6 +301,7 @@ def test_the_tightest_loop_cannot_starve_a_long_prefill():
         clock=clock,
         short_ttft_target_s=0.5,
         long_ttft_target_s=10.0,
+        short_tpot_stretch=NO_TPOT_BOUND,
     )
     teach(s.policy.cost)
     s.policy.long_lane_factor = TIGHTEST
@@ -391,7 +438,12 @@ def test_a_long_decode_does_not_sit_out_for_a_short_queued_behind_one_that_canno
 def test_the_head_of_line_loop_tightens_the_scheduler_and_relaxes_it():
     clock = Clock()
     s = create_scheduler(
-        max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock, short_ttft_target_s=0.5
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        num_blocks=2000,
+        clock=clock,
+        short_ttft_target_s=0.5,
+        short_tpot_stretch=NO_TPOT_BOUND,
     )
     teach(s.policy.cost)
 
