@@ -191,10 +191,12 @@ class SchedulerConfig:
     # With no shorter request running or waiting, and none arrived for this long, long
     # chunks take the whole token budget: there is nobody to protect.
     long_lane_quiet_s: Seconds = 10.0
-    # While shorter requests decode, long-class decode rows may add at most this fraction
-    # of what the step costs without them (the shorter requests' time per output token is
-    # an objective like their first token); the rest take turns, each sitting out at most
-    # long_decode_max_skip steps in a row, so a long decode keeps 1 / (1 + that) of its pace.
+    # While shorter requests decode, long-class work (decode rows, then a prefill chunk)
+    # may add at most this fraction of what the step costs without it (the shorter
+    # requests' time per output token is an objective like their first token). Long
+    # decodes take turns within it, each sitting out at most long_decode_max_skip steps in
+    # a row, so a long decode keeps 1 / (1 + that) of its pace; a chunk takes what they
+    # leave (and no more than its prefill allowance), else sits out as below.
     short_tpot_stretch: NonNegative = 0.5
     long_decode_max_skip: NonNegativeInt = 1
     # While shorter requests decode, a long prefill chunk that its step's allowance cannot
