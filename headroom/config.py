@@ -196,7 +196,8 @@ class SchedulerConfig:
     # requests' time per output token is an objective like their first token). Long
     # decodes take turns within it, each sitting out at most long_decode_max_skip steps in
     # a row, so a long decode keeps 1 / (1 + that) of its pace; a chunk takes what they
-    # leave (and no more than its prefill allowance), else sits out as below.
+    # leave (and no more than its prefill allowance), plus what it saved sitting out as
+    # below.
     short_tpot_stretch: NonNegative = 0.5
     long_decode_max_skip: NonNegativeInt = 1
     # While shorter requests decode, a long prefill chunk that its step's allowance cannot

@@ -142,7 +142,8 @@ class SchedulingPolicy:
 
     def short_tpot_budget(self, running: list[Request], waiting: list[Request]) -> float | None:
         """Seconds that long work (decode rows and prefill chunks together) may add to this
-        step while shorter requests decode (None: no such objective now).
+        step while shorter requests decode (None: no such objective now, or no step cost
+        learned yet).
 
         short_tpot_stretch of what the step is predicted to cost without the long work:
         attention over long contexts would otherwise set every shorter request's time per

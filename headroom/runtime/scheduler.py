@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from headroom.config import SchedulerConfig
 from headroom.runtime.block_manager import BlockManager
-from headroom.runtime.policy import LONG, SchedulingPolicy
+from headroom.runtime.policy import LONG, MIN_LONG_CHUNK, SchedulingPolicy
 from headroom.runtime.request import Request, RequestStatus
 from headroom.runtime.step_cost import attention_pairs
 
@@ -49,13 +49,17 @@ class _Step:
     budget: int  # tokens left in this step
     long_left: float | None  # seconds long prefill chunks may still add (None: no limit)
     decode_left: float | None  # seconds long decode rows may still add (None: no limit)
-    tpot_bound: bool = False  # long chunks spend what long decode rows left of the short class's budget
+    # While shorter requests decode, long chunks spend what the long decode rows left of the
+    # short class's time-per-token budget, plus what they saved sitting out: tpot_left,
+    # set at the step's first long chunk (rows all come before chunks).
+    tpot_bound: bool = False
+    tpot_left: float | None = None
     scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens, in scheduling order
     preempted: list[Request] = field(default_factory=list)
     sat_out: dict[str, int] = field(default_factory=dict)  # long decodes left out: how many steps in a row
     chunk_turns: bool = False  # long chunks the allowance cannot cover may sit out (shorter requests decode)
     chunk_skipped: bool = False  # a long chunk sat this step out, and holds the turn
-    carry_s: float = 0.0  # what a chunk that sat out left unspent, for the next step's
+    carry_s: float = 0.0  # what the chunk that sat out left unspent, for the next step's
     chunked: set[str] = field(default_factory=set)  # requests given a long chunk (scheduled, unless preempted)
     admitted: int = 0  # waiting requests started
 
@@ -126,13 +130,13 @@ class Scheduler:
         # allowance already decided the chunk); else, while shorter requests decode, long
         # decodes and then long chunks share the short class's time-per-token budget.
         sit_out = self.policy.long_decodes_sit_out(self.running, self.waiting, self.block_manager, now)
-        budget = None if sit_out else self.policy.short_tpot_budget(self.running, self.waiting)
+        tpot_s = None if sit_out else self.policy.short_tpot_budget(self.running, self.waiting)
         step = _Step(
             now,
             self.config.max_num_batched_tokens,
             allowance + self._chunk_saved_s if turns else allowance,
-            0.0 if sit_out else budget,
-            tpot_bound=turns and budget is not None,
+            0.0 if sit_out else tpot_s,
+            tpot_bound=turns and tpot_s is not None,
             chunk_turns=turns,
         )
         self._schedule_running(step)
@@ -201,11 +205,13 @@ class Scheduler:
     def _chunk(self, step: _Step, request: Request, remaining: int, context: int) -> int:
         """Tokens for a request `remaining` behind: what the budget allows, and for a long
         prefill what the long lane's allowance still covers (which the chunk uses up).
-        While shorter requests decode, a long chunk the allowance cannot cover at
-        MIN_LONG_CHUNK sits out (up to long_prefill_max_skip steps in a row), and the
-        allowance it left carries over to the next step. The first long chunk in policy
-        order to sit out holds the turn: none after it runs in that step, or a shallower
-        prompt's chunks could keep a deep one's turn from ever coming."""
+        While shorter requests decode, the allowance is also bounded by what the long
+        decode rows left of the short class's time-per-token budget (plus what chunks
+        saved), and a long chunk it cannot cover at MIN_LONG_CHUNK sits out (up to
+        long_prefill_max_skip steps in a row), carrying it over to the next step. The
+        first long chunk in policy order to sit out holds the turn: none after it runs in
+        that step, or a shallower prompt's chunks could keep a deep one's turn from ever
+        coming."""
         n = min(remaining, step.budget)
         if step.long_left is not None and request.size_class == LONG and remaining > 1:
             if step.chunk_skipped:
@@ -214,19 +220,24 @@ class Scheduler:
             floor = not step.chunk_turns or self._chunk_skips >= self.config.long_prefill_max_skip
             allowance = step.long_left
             if step.tpot_bound:
-                # The shorter requests' time per token bounds long chunks as it bounds
-                # long decode rows: the chunk spends what the rows left of it, plus what
-                # it saved while sitting out.
-                allowance = min(allowance, max(0.0, step.decode_left) + self._chunk_saved_s)
-            n = self.policy.long_chunk(context, allowance, limit, floor)
-            step.chunk_skipped = n == 0 and limit > 0 and allowance > 0
-            step.carry_s = allowance
+                if step.tpot_left is None:
+                    # Forced rows may have overspent the budget: the chunk then has only
+                    # its savings, and takes its turn by the floor.
+                    step.tpot_left = max(0.0, step.decode_left) + self._chunk_saved_s
+                allowance = min(allowance, step.tpot_left)
+            if allowance > 0:
+                n = self.policy.long_chunk(context, allowance, limit, floor)
+            else:  # the budget is spent, the prefill allowance is not: the floor, or sit out
+                n = min(limit, MIN_LONG_CHUNK) if floor and step.long_left > 0 else 0
+            step.chunk_skipped = n == 0 and limit > 0 and step.long_left > 0
+            if step.chunk_skipped:
+                step.carry_s = max(0.0, allowance)
             if n > 0:
                 step.chunked.add(request.request_id)
             spent = self.policy.cost.chunk_seconds(n, context)
             step.long_left -= spent
-            if step.decode_left is not None:
-                step.decode_left -= spent
+            if step.tpot_left is not None:
+                step.tpot_left -= spent
         return n
 
     def _make_room(

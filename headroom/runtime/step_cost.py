@@ -11,8 +11,9 @@ cache, so decode pairs carry a non-negative extra price (0 until steps teach it)
 is a weighted non-negative least squares over recent steps of every size, decodes and
 small chunks included:
 
-- rows are kept per shape bin (by the size of tokens and of pairs), so that a long run of
-  decode-only steps never pushes out what the last prefill chunks taught;
+- rows are kept per shape bin (by the size of tokens, of pairs and of the decode rows'
+  share of the pairs), so that a long run of decode-only steps never pushes out what
+  the last prefill chunks taught;
 - each row's weight halves every HALF_LIFE_STEPS steps observed after it, down to
   STALE_WEIGHT, so that a price learned from a few slow steps (a cold start, a busy
   host) is outvoted by the steps that follow it instead of being locked in until its
@@ -164,7 +165,8 @@ class StepCostModel:
         limit = min(limit, EXTRAPOLATION * self.largest_step())
         # per_pair * n^2 + (per_token + per_pair * context) * n - seconds <= 0, whose root
         # is written as 2c / (b + sqrt(b^2 + 4ac)): the textbook form cancels to 0 when
-        # per_pair is tiny beside per_token.
+        # per_pair is tiny beside per_token. (One token would be priced as a decode row,
+        # decode_extra on top: the check below catches it.)
         a, b = fit.per_pair_s, fit.per_token_s + fit.per_pair_s * context
         if a <= 0 and b <= 0:
             return limit

@@ -144,7 +144,11 @@ def chunks(s, request_id: str, steps: int) -> list[int]:
 def test_chunks_follow_the_learned_cost_as_the_context_grows():
     clock = Clock()
     s = create_scheduler(
-        max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock, short_ttft_target_s=0.5,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        num_blocks=2000,
+        clock=clock,
+        short_ttft_target_s=0.5,
         short_tpot_stretch=NO_TPOT_BOUND,
     )
     teach(s.policy.cost)
@@ -224,11 +228,13 @@ def test_while_a_short_decodes_a_chunk_spends_its_time_per_token_budget_and_take
 def test_a_long_decode_row_and_a_long_chunk_share_the_time_per_token_budget():
     # A short one decodes beside a long decode at context 2,000 and a long prompt at 0.
     # The short class's budget is half its step's ~12 ms; the long row goes first and
-    # costs 2 ms + 2 ms of attention, and the chunk may spend only what is left (2 ms: one
-    # token, under MIN_LONG_CHUNK), so it sits out and saves that; after three steps in a
-    # row it takes MIN_LONG_CHUNK, the floor.
+    # costs 2 ms + 2 ms of attention, so the chunk may spend only the ~2 ms left: it sits
+    # out and saves that, until the savings cover MIN_LONG_CHUNK (~32 ms at context 0),
+    # before the floor (20 steps here) would force it.
     clock = Clock()
-    s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=4000, clock=clock)
+    s = create_scheduler(
+        max_num_seqs=8, max_num_batched_tokens=512, num_blocks=4000, clock=clock, long_prefill_max_skip=20
+    )
     teach(s.policy.cost)
     decoding = create_request(prompt=2000, size_class="long", max_tokens=100, arrival=clock.t)
     s.add_request(decoding)
@@ -239,19 +245,63 @@ def test_a_long_decode_row_and_a_long_chunk_share_the_time_per_token_budget():
     prompt = create_request(prompt=1000, size_class="long", max_tokens=2, arrival=clock.t)
     s.add_request(prompt)
     saved, skips, expected, sizes = 0.0, 0, [], []
-    for _ in range(8):
+    for _ in range(20):
         budget = 0.5 * scripted_cost(1, attention_pairs(1, short.num_computed_tokens))
         row = PER_TOKEN + PER_PAIR * attention_pairs(1, decoding.num_computed_tokens)
         left = min(0.0375, budget - row) + saved
         n = largest_chunk(left, prompt.num_computed_tokens, 512 - 2)
         if n < MIN_LONG_CHUNK:
-            n = MIN_LONG_CHUNK if skips >= 3 else 0
+            n = MIN_LONG_CHUNK if skips >= 20 else 0
         skips, saved = (0, 0.0) if n else (skips + 1, left)
         expected.append(n)
         step = scheduled(run_step(s)[0])
         assert step.get(decoding.request_id) == 1 and step.get(short.request_id) == 1
         sizes.append(step.get(prompt.request_id, 0))
-    assert sizes == expected == [0, 0, 0, 16, 0, 0, 0, 16]
+    # The savings cover a chunk after 16 steps sitting out: without the row's price it
+    # would come after 5, without the carry-over only by the floor, after 20.
+    assert sizes == expected == [0] * 16 + [16, 0, 0, 0]
+
+
+def test_with_no_time_per_token_stretch_long_prefill_still_moves_by_the_floor():
+    clock = Clock()
+    s = create_scheduler(
+        max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock, short_tpot_stretch=0.0
+    )
+    teach(s.policy.cost)
+    long = create_request(prompt=4000, size_class="long", max_tokens=2, arrival=clock.t)
+    s.add_request(long)
+    assert chunks(s, long.request_id, 2) == [512, 512]
+    s.add_request(create_request(prompt=10, size_class="short", max_tokens=50, arrival=clock.t))
+    assert chunks(s, long.request_id, 9) == [0, 0, 0, 0, 16, 0, 0, 0, 16]
+
+
+def test_a_second_long_chunk_in_a_step_gets_only_what_the_first_left():
+    # Long A has 10 prompt tokens left at context 10,000 (12 ms a token there), long B a
+    # prompt at 0 (2 ms a token). A short one decodes, with a budget of 5 x its ~12 ms
+    # step (the TTFT-derived allowance, 0.5 s, never binds). A's 10 tokens cost 120 ms:
+    # it sits out one step, saving 60 ms, and takes them in the next, leaving ~0 for B,
+    # which sits out too (the saved seconds are spent once, not once a chunk).
+    clock = Clock()
+    s = create_scheduler(
+        max_num_seqs=8,
+        max_num_batched_tokens=500,
+        num_blocks=6000,
+        clock=clock,
+        short_ttft_target_s=2.0,
+        short_tpot_stretch=5.0,
+    )
+    teach(s.policy.cost)
+    a = create_request(prompt=10_010, size_class="long", max_tokens=2, arrival=clock.t)
+    s.add_request(a)
+    assert chunks(s, a.request_id, 20) == [500] * 20  # nobody to protect
+    short = create_request(prompt=10, size_class="short", max_tokens=50, arrival=clock.t)
+    b = create_request(prompt=1000, size_class="long", max_tokens=2, arrival=clock.t)
+    s.add_request(short)
+    s.add_request(b)
+    steps = [scheduled(run_step(s)[0]) for _ in range(3)]
+    assert steps[0] == {short.request_id: 10}  # a step that starts a short one: no chunk
+    assert steps[1] == {short.request_id: 1}  # A sits out: 60 ms covers 5 of its 10 tokens
+    assert steps[2] == {short.request_id: 1, a.request_id: 10}  # and B gets nothing
 
 
 def test_a_deep_chunk_that_sits_out_holds_the_turn_against_a_shallow_one():
