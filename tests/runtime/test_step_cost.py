@@ -66,16 +66,17 @@ def decoding(s, requests) -> None:
         run_step(s)
 
 
-def test_long_decodes_take_turns_within_the_shorter_requests_time_per_token():
-    # Two short decodes cost base 0.010 + 2 x 0.002 = 0.014 s; long rows may add half of
-    # that, 0.007 s. A long decode at a 3,000-token context costs 0.002 + 3e-3 = 0.005 s:
-    # one fits a step, and the others, having sat out one step (long_decode_max_skip 1),
-    # run in the next one whatever it costs.
-    clock = Clock()
+def turns_scheduler():
     s = create_scheduler(
-        max_num_seqs=8, max_num_batched_tokens=512, num_blocks=4000, clock=clock, long_lane_quiet_s=1e9
+        max_num_seqs=8, max_num_batched_tokens=512, num_blocks=4000, clock=Clock(), long_lane_quiet_s=1e9
     )
     teach(s.policy.cost)
+    return s
+
+
+def long_decodes_meet_shorts(s):
+    """Three long requests at 3,000 tokens decoding, then two short ones started: returns
+    the longs, the shorts and the step that started them."""
     longs = [create_request(prompt=3000, size_class="long", max_tokens=500) for _ in range(3)]
     for r in longs:
         s.add_request(r)
@@ -84,6 +85,16 @@ def test_long_decodes_take_turns_within_the_shorter_requests_time_per_token():
     for r in shorts:
         s.add_request(r)
     out, _ = run_step(s)  # the step that starts them: long decodes sit out
+    return longs, shorts, out
+
+
+def test_long_decodes_take_turns_within_the_shorter_requests_time_per_token():
+    # Two short decodes cost base 0.010 + 2 x 0.002 = 0.014 s; long rows may add half of
+    # that, 0.007 s. A long decode at a 3,000-token context costs 0.002 + 3e-3 = 0.005 s:
+    # one fits a step, and the others, having sat out one step (long_decode_max_skip 1),
+    # run in the next one whatever it costs.
+    s = turns_scheduler()
+    longs, shorts, out = long_decodes_meet_shorts(s)
     assert {r.request_id for r in out.requests} == {r.request_id for r in shorts}
     first, second, third = (r.request_id for r in longs)
     ran = []
@@ -145,22 +156,11 @@ def test_long_decodes_priced_as_decodes_sit_out_whatever_fits_no_more():
     # DECODE_EXTRA more: a long decode at 3,000 context costs 0.002 + 3e-6 x 3001 = 0.011 s,
     # over the 0.007 s the two short decodes leave, so no long row fits any step; each
     # sits out one step (long_decode_max_skip 1) and then runs, all three together.
-    clock = Clock()
-    s = create_scheduler(
-        max_num_seqs=8, max_num_batched_tokens=512, num_blocks=4000, clock=clock, long_lane_quiet_s=1e9
-    )
-    teach(s.policy.cost)
+    s = turns_scheduler()
     for context in (100, 1000, 3000):
         pairs = attention_pairs(1, context)
         s.policy.cost.observe(1, pairs, scripted_cost(1, pairs) + DECODE_EXTRA * pairs, decode_pairs=pairs)
-    longs = [create_request(prompt=3000, size_class="long", max_tokens=500) for _ in range(3)]
-    for r in longs:
-        s.add_request(r)
-    decoding(s, longs)
-    shorts = [create_request(prompt=10, size_class="short", max_tokens=100) for _ in range(2)]
-    for r in shorts:
-        s.add_request(r)
-    run_step(s)  # the step that starts them: long decodes sit out
+    _, shorts, _ = long_decodes_meet_shorts(s)
     ran = []
     for _ in range(6):
         out, _ = run_step(s)
