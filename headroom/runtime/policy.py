@@ -20,7 +20,7 @@ from collections.abc import Callable
 from headroom.config import SchedulerConfig
 from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.request import Request
-from headroom.runtime.step_cost import MIN_PREFILL_TOKENS, StepCostModel, attention_pairs
+from headroom.runtime.step_cost import MIN_PREFILL_TOKENS, StepCostModel
 
 LONG = "long"
 # Before the step-cost model has seen any prefill: a chunk big enough to teach it.
@@ -153,12 +153,12 @@ class SchedulingPolicy:
         unspent seconds over (none more than long_prefill_max_skip steps in a row)."""
         if not self.config.long_lane or not any(r.size_class == LONG for r in (*running, *waiting)):
             return None
-        shorts = [r for r in running if r.size_class != LONG and r.num_tokens - r.num_computed_tokens == 1]
+        shorts = [
+            r.num_computed_tokens for r in running if r.size_class != LONG and r.num_tokens - r.num_computed_tokens == 1
+        ]
         if not shorts or not self.cost.ready:
             return None
-        pairs = sum(attention_pairs(1, r.num_computed_tokens) for r in shorts)
-        base_s = self.cost.predict(len(shorts), pairs, decode_pairs=pairs)
-        return self.config.short_tpot_stretch * base_s
+        return self.config.short_tpot_stretch * self.cost.decodes_seconds(shorts)
 
     def long_decodes_sit_out(
         self, running: list[Request], waiting: list[Request], block_manager: BlockManager, now: float

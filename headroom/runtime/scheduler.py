@@ -112,9 +112,8 @@ class Scheduler:
         # Most steps have no long prompt to chunk: skip the cost-model fit they would not use.
         if not any(r.size_class == LONG for r in (*self.running, *self.waiting)):
             return None
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        pairs = sum(attention_pairs(1, r.num_computed_tokens) for r in decodes)
-        base_s = self.policy.cost.predict(len(decodes), pairs, decode_pairs=pairs)
+        decodes = [r.num_computed_tokens for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        base_s = self.policy.cost.decodes_seconds(decodes)
         return self.policy.long_prefill_allowance(self.running, self.waiting, now, base_s)
 
     def schedule(self) -> SchedulerOutput:

@@ -146,6 +146,11 @@ class StepCostModel:
             return 0.0
         return fit.base_s + fit.per_token_s * num_tokens + fit.per_pair_s * pairs + fit.decode_extra_s * decode_pairs
 
+    def decodes_seconds(self, contexts: list[int]) -> float:
+        """A step's predicted wall time if it holds only decode rows at these contexts."""
+        pairs = sum(attention_pairs(1, context) for context in contexts)
+        return self.predict(len(contexts), pairs, decode_pairs=pairs)
+
     def chunk_seconds(self, num_tokens: int, context: int) -> float:
         """What adding a prefill chunk of num_tokens at `context` adds to a step (one token:
         a decode row, priced as one)."""
