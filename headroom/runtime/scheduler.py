@@ -57,6 +57,8 @@ class _Step:
     scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens, in scheduling order
     preempted: list[Request] = field(default_factory=list)
     sat_out: dict[str, int] = field(default_factory=dict)  # long decodes left out: how many steps in a row
+    row_floor: bool = False  # while shorter requests decode, at least one long decode runs each step
+    long_rows: int = 0  # long decodes scheduled so far
     chunk_turns: bool = False  # long chunks the allowance cannot cover may sit out (shorter requests decode)
     chunk_skipped: bool = False  # a long chunk sat this step out, and holds the turn
     carry_s: float = 0.0  # what the chunk that sat out left unspent, for the next step's
@@ -136,6 +138,7 @@ class Scheduler:
             allowance + self._chunk_saved_s if turns else allowance,
             0.0 if sit_out else tpot_s,
             tpot_bound=turns and tpot_s is not None,
+            row_floor=tpot_s is not None,
             chunk_turns=turns,
         )
         self._schedule_running(step)
@@ -185,8 +188,11 @@ class Scheduler:
 
     def _sits_out(self, step: _Step, request: Request) -> bool:
         """Does a long decode sit this step out? Only when its row does not fit what long
-        decodes may still add, and it has not sat out long_decode_max_skip steps in a row
-        already. A long decode that goes uses its row's seconds up."""
+        decodes may still add, it has not sat out long_decode_max_skip steps in a row
+        already, and (while shorter requests decode) another long decode runs in this
+        step: the long class keeps at least one row a step, which goes to the decode that
+        sat out longest, so that they take turns. A long decode that goes uses its row's
+        seconds up."""
         if (
             step.decode_left is None
             or request.size_class != LONG
@@ -195,10 +201,12 @@ class Scheduler:
             return False
         row_s = self.policy.cost.chunk_seconds(1, request.num_computed_tokens)
         skipped = self._sat_out.get(request.request_id, 0)
-        if (step.decode_left <= 0 or row_s > step.decode_left) and skipped < self.config.long_decode_max_skip:
+        over = step.decode_left <= 0 or row_s > step.decode_left
+        if over and skipped < self.config.long_decode_max_skip and not (step.row_floor and step.long_rows == 0):
             step.sat_out[request.request_id] = skipped + 1
             return True
         step.decode_left -= row_s
+        step.long_rows += 1
         return False
 
     def _chunk(self, step: _Step, request: Request, remaining: int, context: int) -> int:

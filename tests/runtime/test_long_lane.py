@@ -402,7 +402,9 @@ def scheduled(out) -> dict[str, int]:
 
 def test_a_step_that_starts_a_shorter_request_leaves_long_decodes_out_never_twice_running():
     clock = Clock()
-    s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock)
+    s = create_scheduler(
+        max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock, long_decode_max_skip=1
+    )
     long = create_request(prompt=8, size_class="long", max_tokens=100, arrival=clock.t)
     medium = create_request(prompt=20, size_class="medium", max_tokens=100, arrival=clock.t)
     s.add_request(long)

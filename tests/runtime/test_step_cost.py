@@ -66,9 +66,14 @@ def decoding(s, requests) -> None:
         run_step(s)
 
 
-def turns_scheduler():
+def turns_scheduler(long_decode_max_skip: int):
     s = create_scheduler(
-        max_num_seqs=8, max_num_batched_tokens=512, num_blocks=4000, clock=Clock(), long_lane_quiet_s=1e9
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        num_blocks=4000,
+        clock=Clock(),
+        long_lane_quiet_s=1e9,
+        long_decode_max_skip=long_decode_max_skip,
     )
     teach(s.policy.cost)
     return s
@@ -93,7 +98,7 @@ def test_long_decodes_take_turns_within_the_shorter_requests_time_per_token():
     # that, 0.007 s. A long decode at a 3,000-token context costs 0.002 + 3e-3 = 0.005 s:
     # one fits a step, and the others, having sat out one step (long_decode_max_skip 1),
     # run in the next one whatever it costs.
-    s = turns_scheduler()
+    s = turns_scheduler(long_decode_max_skip=1)
     longs, shorts, out = long_decodes_meet_shorts(s)
     assert {r.request_id for r in out.requests} == {r.request_id for r in shorts}
     first, second, third = (r.request_id for r in longs)
@@ -151,20 +156,45 @@ def test_decode_rows_learn_a_price_per_pair_of_their_own():
     assert plain.cost().decode_extra_s == 0.0
 
 
-def test_long_decodes_priced_as_decodes_sit_out_whatever_fits_no_more():
-    # As the turns test above, but the model has learned that a decode row's pairs cost
-    # DECODE_EXTRA more: a long decode at 3,000 context costs 0.002 + 3e-6 x 3001 = 0.011 s,
-    # over the 0.007 s the two short decodes leave, so no long row fits any step; each
-    # sits out one step (long_decode_max_skip 1) and then runs, all three together.
-    s = turns_scheduler()
+def priced_as_decodes(s) -> None:
+    """Teaches the scheduler's model that a decode row's pairs cost DECODE_EXTRA more: a
+    long decode at 3,000 context then costs 0.002 + 3e-6 x 3001 = 0.011 s, over the 0.007 s
+    that two short decodes leave."""
     for context in (100, 1000, 3000):
         pairs = attention_pairs(1, context)
         s.policy.cost.observe(1, pairs, scripted_cost(1, pairs) + DECODE_EXTRA * pairs, decode_pairs=pairs)
-    _, shorts, _ = long_decodes_meet_shorts(s)
+
+
+def long_rows_beside_shorts(s, steps: int) -> list[list[str]]:
+    """The long decodes each of `steps` steps runs beside two short ones (which run every step)."""
+    longs, shorts, _ = long_decodes_meet_shorts(s)
+    short_ids = {r.request_id for r in shorts}
     ran = []
-    for _ in range(6):
+    for _ in range(steps):
         out, _ = run_step(s)
         ids = {r.request_id for r in out.requests}
-        assert {r.request_id for r in shorts} <= ids
-        ran.append(len(ids) - len(shorts))
-    assert ran == [3, 0, 3, 0, 3, 0]
+        assert short_ids <= ids <= short_ids | {r.request_id for r in longs}
+        ran.append(sorted(ids - short_ids))
+    return ran
+
+
+def test_long_decodes_priced_as_decodes_sit_out_whatever_fits_no_more():
+    # No long row fits a step. The class keeps one a step; the others sit out one step
+    # (long_decode_max_skip 1) and then run whatever it costs.
+    s = turns_scheduler(long_decode_max_skip=1)
+    priced_as_decodes(s)
+    ran = long_rows_beside_shorts(s, 6)
+    assert [len(r) for r in ran] == [3, 1, 2, 1, 2, 1]
+
+
+def test_the_long_class_keeps_one_decode_a_step_in_turns_where_none_fits():
+    # No long row fits a step, and none is owed a step before it has sat out 7: the class's
+    # floor alone runs one row a step, the one that sat out longest, so the three take
+    # turns and each runs every third step.
+    s = turns_scheduler(long_decode_max_skip=7)
+    priced_as_decodes(s)
+    ran = long_rows_beside_shorts(s, 9)
+    assert [len(r) for r in ran] == [1] * 9
+    for window in (ran[i : i + 3] for i in range(0, 9, 3)):
+        assert sorted(r[0] for r in window) == sorted({r[0] for r in ran})
+    assert len({r[0] for r in ran}) == 3
