@@ -342,6 +342,27 @@ def test_cpu_paged_decode_spans_on_two_threads_match_naive(head_dim: int) -> Non
         torch.set_num_threads(1)  # the module's setting (one_cpu_thread)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_cpu_paged_prefill_on_two_threads_matches_naive(cache_dtype: torch.dtype) -> None:
+    # Items dealt to two threads by their work: a short chunk deep in a context (cut into
+    # tiles of 8 so that both threads take some), a causal chunk from position 0 (its later
+    # tiles the heavy ones, and a partial last tile), long decode rows beside short ones.
+    batch = make_batch(
+        [1, 1, 16, 9, 150, 1],
+        [40, 2600, 1416, 9, 150, 2100],
+        num_heads=9,
+        num_kv_heads=3,
+        block_size=16,
+        head_dim=64,
+        seed=7,
+    )
+    torch.set_num_threads(2)
+    try:
+        check_cpu_paged_backend(rounded_to_cache(batch, cache_dtype))
+    finally:
+        torch.set_num_threads(1)  # the module's setting (one_cpu_thread)
+
+
 @settings(max_examples=60, deadline=None)
 @given(batch_shapes(), st.sampled_from([64, 128]), st.sampled_from([torch.float32, torch.float16]))
 def test_cpu_paged_matches_naive_on_random_shapes(shape: dict, head_dim: int, cache_dtype: torch.dtype) -> None:

@@ -70,36 +70,29 @@ struct Span {
   int64_t b, first, last;
 };
 
-// The spans, dealt into 4 bins a thread, so that bins are of about equal work. Contexts
-// differ in length by 100x in one step (a reasoning row beside chat rows), and past a
-// few rows at::parallel_for hands each thread a contiguous run of bins, so by count alone
-// one thread would take the long rows. Each context is cut into spans of about an equal
-// share of all keys; longest first, each goes to the bin with the least work, ties to
-// the first in the order thread 0's first bin, thread 1's first, ..., so that equal spans
-// alternate between threads. (Unequal spans can still leave one thread more.)
+// The spans, dealt into bins a thread of about equal work (headroom::deal). Contexts
+// differ in length by 100x in one step (a reasoning row beside chat rows), so each is
+// cut into spans of about an equal share of all keys first. (Unequal spans can still
+// leave one thread more.)
 inline std::vector<std::vector<Span>> deal(const int32_t* lp, int64_t B, int64_t threads, int64_t* spans_of) {
-  const int64_t per = 4, bins = per * threads;
+  const int64_t bins = 4 * threads;
   int64_t total = 0;
   for (int64_t b = 0; b < B; ++b) total += lp[b];
   const int64_t target = std::max(kMinSpan, (total + bins - 1) / bins);
   std::vector<Span> spans;
+  std::vector<int64_t> work;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t len = lp[b], n = std::max<int64_t>(1, (len + target - 1) / target);
     spans_of[b] = n;
-    for (int64_t i = 0; i < n; ++i) spans.push_back({b, len * i / n, len * (i + 1) / n});
-  }
-  std::stable_sort(spans.begin(), spans.end(),
-                   [](const Span& x, const Span& y) { return x.last - x.first > y.last - y.first; });
-  std::vector<std::vector<Span>> dealt(bins);
-  std::vector<int64_t> load(bins, 0);
-  for (const Span& span : spans) {
-    int64_t best = 0;
-    for (int64_t i = 1; i < bins; ++i) {  // bins in the order thread 0's first, thread 1's first, ...
-      const int64_t bin = (i % threads) * per + i / threads;
-      if (load[bin] < load[best]) best = bin;
+    for (int64_t i = 0; i < n; ++i) {
+      spans.push_back({b, len * i / n, len * (i + 1) / n});
+      work.push_back(spans.back().last - spans.back().first);
     }
-    dealt[best].push_back(span);
-    load[best] += span.last - span.first;
+  }
+  std::vector<std::vector<Span>> dealt;
+  for (const auto& bin : headroom::deal(work, threads, 4)) {
+    dealt.emplace_back();
+    for (const int64_t i : bin) dealt.back().push_back(spans[i]);
   }
   return dealt;
 }

@@ -1,9 +1,11 @@
 // Attention for a step's query rows, any number per sequence (prefill chunks, and decode
 // rows beside them), over the paged KV cache read in place: each (sequence, tile of up to
-// kTileTokens tokens, kv head) is one work item of paged_tile's kernel. The caller has written this
-// step's K/V to their slots.
+// kTileTokens tokens, kv head) is one work item of paged_tile's kernel, and the items are
+// dealt to the threads by their work (a step's long rows and a causal chunk's later tiles
+// are the heavy ones). The caller has written this step's K/V to their slots.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "paged_tile.h"
@@ -18,6 +20,7 @@ constexpr int64_t kTileTokens = 64;
 #else
 constexpr int64_t kTileTokens = 8;
 #endif
+constexpr int64_t kMinTile = 8;
 
 struct Item {
   int64_t seq, first_token, tokens, kv_head;
@@ -53,30 +56,42 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   TORCH_CHECK(starts[B] == N, "query_start_loc must end at the number of query rows");
+  // A chunk's tiles are cut smaller where it has too few for the threads (a short chunk
+  // deep in a long context: a few heavy items), never below kMinTile tokens.
+  const int64_t threads = at::get_num_threads();
+  const int64_t splits = (2 * threads + Hkv - 1) / Hkv;
   std::vector<Item> items;
+  std::vector<int64_t> work;  // each item's query rows times the keys they see, plus the keys it reads
   for (int64_t b = 0; b < B; ++b) {
     const int64_t q_len = starts[b + 1] - starts[b];
     TORCH_CHECK(q_len >= 0 && q_len <= lens[b] && (lens[b] + block_size - 1) / block_size <= W,
                 "seq_len does not fit the block table, or is shorter than the sequence's queries");
-    for (int64_t j = 0; j < q_len; j += kTileTokens)
-      for (int64_t h = 0; h < Hkv; ++h) items.push_back({b, j, std::min(kTileTokens, q_len - j), h});
+    const int64_t tile = std::clamp((q_len + splits - 1) / splits, std::min(kMinTile, q_len), kTileTokens);
+    for (int64_t j = 0; j < q_len; j += tile)
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t tokens = std::min(tile, q_len - j), keys = lens[b] - q_len + j + tokens;
+        items.push_back({b, j, tokens, h});
+        work.push_back(keys * (tokens + 1));
+      }
   }
+  const auto bins = headroom::deal(work, threads);
   auto out = torch::empty_like(q);
   const int64_t group = Hq / Hkv;
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int32_t* tp = block_tables.data_ptr<int32_t>();
   auto run = [&](auto* kc, auto* vc) {
-    headroom::parallel_rows(N, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const Item& it = items[i];
-        const int64_t q_len = starts[it.seq + 1] - starts[it.seq];
-        const int64_t row = (starts[it.seq] + it.first_token) * Hq + it.kv_head * group;
-        const headroom::TileArgs a{qp + row * D, op + row * D, Hq * D, it.tokens,
-                                   lens[it.seq] - q_len + it.first_token, group, D, tp + it.seq * W, block_size,
-                                   Hkv * D, block_size * Hkv * D, it.kv_head, static_cast<float>(scale)};
-        headroom::attend_tile(a, kc, vc);
-      }
+    headroom::parallel_rows(N, static_cast<int64_t>(bins.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t bin = begin; bin < end; ++bin)
+        for (const int64_t i : bins[bin]) {
+          const Item& it = items[i];
+          const int64_t q_len = starts[it.seq + 1] - starts[it.seq];
+          const int64_t row = (starts[it.seq] + it.first_token) * Hq + it.kv_head * group;
+          const headroom::TileArgs a{qp + row * D, op + row * D, Hq * D, it.tokens,
+                                     lens[it.seq] - q_len + it.first_token, group, D, tp + it.seq * W, block_size,
+                                     Hkv * D, block_size * Hkv * D, it.kv_head, static_cast<float>(scale)};
+          headroom::attend_tile(a, kc, vc);
+        }
     });
   };
   if (kv == torch::kFloat32)

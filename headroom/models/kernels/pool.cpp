@@ -116,6 +116,26 @@ void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, in
   fn(0, n);
 }
 
+std::vector<std::vector<int64_t>> deal(const std::vector<int64_t>& work, int64_t threads, int64_t per) {
+  threads = std::max<int64_t>(1, threads);
+  const int64_t bins = per * threads;
+  std::vector<int64_t> order(work.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return work[x] > work[y]; });
+  std::vector<std::vector<int64_t>> dealt(bins);
+  std::vector<int64_t> load(bins, 0);
+  for (const int64_t item : order) {
+    int64_t best = 0;
+    for (int64_t i = 1; i < bins; ++i) {  // bins in the order thread 0's first, thread 1's first, ...
+      const int64_t bin = (i % threads) * per + i / threads;
+      if (load[bin] < load[best]) best = bin;
+    }
+    dealt[best].push_back(item);
+    load[best] += work[item];
+  }
+  return dealt;
+}
+
 void parallel_rows(int64_t rows, int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
   if (rows <= kPoolRows) {
     parallel_for(n, grain, fn);

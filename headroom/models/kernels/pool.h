@@ -11,6 +11,7 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 namespace headroom {
 
@@ -26,5 +27,14 @@ void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, in
 // alternate (and spin against each other) within one step.
 constexpr int64_t kPoolRows = 4;
 void parallel_rows(int64_t rows, int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+
+// Items of the given work dealt into `per` bins a thread, of about equal work: heaviest
+// first, each to the bin with the least so far, ties to the first in the order thread 0's
+// first bin, thread 1's first, ..., so that equal items alternate between threads. A loop
+// over the bins that hands each thread a contiguous run of them (at::parallel_for) then
+// gives the threads about equal work, where by position alone one thread could take all
+// the heavy items (a step's long rows, a causal chunk's later tiles). Returns the items'
+// indices, a list per bin.
+std::vector<std::vector<int64_t>> deal(const std::vector<int64_t>& work, int64_t threads, int64_t per = 4);
 
 }  // namespace headroom
