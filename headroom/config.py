@@ -194,11 +194,11 @@ class SchedulerConfig:
     # While shorter requests decode, long-class work (decode rows, then a prefill chunk)
     # may add at most this fraction of what the step costs without it (the shorter
     # requests' time per output token is an objective like their first token). Long
-    # decodes take turns within it: the class keeps at least one row a step (the decode
-    # that sat out longest), and none sits out more than long_decode_max_skip steps in a
-    # row, so a long decode keeps at least 1 / (1 + that) of its pace; a chunk takes what
-    # they leave (and no more than its prefill allowance), plus what it saved sitting out
-    # as below.
+    # decodes take turns within it: each step runs at least one that sat out the step
+    # before (the one that sat out longest), and none sits out more than
+    # long_decode_max_skip steps in a row, so a long decode keeps at least 1 / (1 + that)
+    # of its pace; a chunk takes what they leave (and no more than its prefill allowance),
+    # plus what it saved sitting out as below.
     short_tpot_stretch: NonNegative = 0.5
     long_decode_max_skip: NonNegativeInt = 3
     # While shorter requests decode, a long prefill chunk that its step's allowance cannot

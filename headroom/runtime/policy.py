@@ -148,9 +148,10 @@ class SchedulingPolicy:
         short_tpot_stretch of what the step is predicted to cost without the long work:
         attention over long contexts would otherwise set every shorter request's time per
         output token. The scheduler spends it on long decodes first, which take turns
-        within it (longest sat out first, at least one a step, none sitting out more than
-        long_decode_max_skip steps in a row), then on a long chunk, which sits out what it cannot cover and carries the
-        unspent seconds over (none more than long_prefill_max_skip steps in a row)."""
+        within it (longest sat out first, one of those that sat out runs each step, none
+        sits out more than long_decode_max_skip steps in a row), then on a long chunk,
+        which sits out what it cannot cover and carries the unspent seconds over (none
+        more than long_prefill_max_skip steps in a row)."""
         if not self.config.long_lane or not any(r.size_class == LONG for r in (*running, *waiting)):
             return None
         shorts = [

@@ -57,7 +57,7 @@ class _Step:
     scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens, in scheduling order
     preempted: list[Request] = field(default_factory=list)
     sat_out: dict[str, int] = field(default_factory=dict)  # long decodes left out: how many steps in a row
-    row_floor: bool = False  # while shorter requests decode, at least one long decode runs each step
+    row_floor: bool = False  # while shorter requests decode, a long decode that sat out runs each step
     long_rows: int = 0  # long decodes scheduled so far
     chunk_turns: bool = False  # long chunks the allowance cannot cover may sit out (shorter requests decode)
     chunk_skipped: bool = False  # a long chunk sat this step out, and holds the turn
@@ -184,15 +184,17 @@ class Scheduler:
                 continue
             step.scheduled[request.request_id] = num_tokens
             step.budget -= num_tokens
+            if request.size_class == LONG and num_tokens == 1:
+                step.long_rows += 1
         self._sat_out = step.sat_out  # the turn order of the next step's long decodes
 
     def _sits_out(self, step: _Step, request: Request) -> bool:
         """Does a long decode sit this step out? Only when its row does not fit what long
         decodes may still add, it has not sat out long_decode_max_skip steps in a row
-        already, and (while shorter requests decode) another long decode runs in this
-        step: the long class keeps at least one row a step, which goes to the decode that
-        sat out longest, so that they take turns. A long decode that goes uses its row's
-        seconds up."""
+        already, and, while shorter requests decode, either it did not sit out the last
+        step or another long decode runs in this one: the long class keeps a row a step
+        for the decodes that wait, the one that sat out longest first, so that they take
+        turns. A long decode that goes uses its row's seconds up."""
         if (
             step.decode_left is None
             or request.size_class != LONG
@@ -202,11 +204,11 @@ class Scheduler:
         row_s = self.policy.cost.chunk_seconds(1, request.num_computed_tokens)
         skipped = self._sat_out.get(request.request_id, 0)
         over = step.decode_left <= 0 or row_s > step.decode_left
-        if over and skipped < self.config.long_decode_max_skip and not (step.row_floor and step.long_rows == 0):
+        floor = step.row_floor and skipped > 0 and not step.long_rows
+        if over and skipped < self.config.long_decode_max_skip and not floor:
             step.sat_out[request.request_id] = skipped + 1
             return True
         step.decode_left -= row_s
-        step.long_rows += 1
         return False
 
     def _chunk(self, step: _Step, request: Request, remaining: int, context: int) -> int:

@@ -179,18 +179,19 @@ def long_rows_beside_shorts(s, steps: int) -> list[list[str]]:
 
 
 def test_long_decodes_priced_as_decodes_sit_out_whatever_fits_no_more():
-    # No long row fits a step. The class keeps one a step; the others sit out one step
-    # (long_decode_max_skip 1) and then run whatever it costs.
+    # No long row fits a step: each sits out one step (long_decode_max_skip 1) and then
+    # runs whatever it costs, all three together.
     s = turns_scheduler(long_decode_max_skip=1)
     priced_as_decodes(s)
     ran = long_rows_beside_shorts(s, 6)
-    assert [len(r) for r in ran] == [3, 1, 2, 1, 2, 1]
+    assert [len(r) for r in ran] == [3, 0, 3, 0, 3, 0]
 
 
 def test_the_long_class_keeps_one_decode_a_step_in_turns_where_none_fits():
     # No long row fits a step, and none is owed a step before it has sat out 7: the class's
     # floor alone runs one row a step, the one that sat out longest, so the three take
-    # turns and each runs every third step.
+    # turns and each runs every third step. (All three sat out the step that started the
+    # shorts.)
     s = turns_scheduler(long_decode_max_skip=7)
     priced_as_decodes(s)
     ran = long_rows_beside_shorts(s, 9)
@@ -198,3 +199,25 @@ def test_the_long_class_keeps_one_decode_a_step_in_turns_where_none_fits():
     for window in (ran[i : i + 3] for i in range(0, 9, 3)):
         assert sorted(r[0] for r in window) == sorted({r[0] for r in ran})
     assert len({r[0] for r in ran}) == 3
+
+
+def test_a_lone_long_decode_that_fits_no_step_runs_every_other_one():
+    # The floor goes to a decode that sat out: one long decode alone sits out a step and
+    # runs in the next, and the steps it sits out leave the budget to long chunks.
+    s = turns_scheduler(long_decode_max_skip=7)
+    priced_as_decodes(s)
+    long = create_request(prompt=3000, size_class="long", max_tokens=500)
+    s.add_request(long)
+    decoding(s, [long])
+    shorts = [create_request(prompt=10, size_class="short", max_tokens=100) for _ in range(2)]
+    for r in shorts:
+        s.add_request(r)
+    out, _ = run_step(s)  # the step that starts them: the long decode sits out
+    assert long.request_id not in {r.request_id for r in out.requests}
+    ran = []
+    for _ in range(6):
+        out, _ = run_step(s)
+        ids = {r.request_id for r in out.requests}
+        assert {r.request_id for r in shorts} <= ids
+        ran.append(long.request_id in ids)
+    assert ran == [True, False] * 3

@@ -59,7 +59,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
   // A chunk's tiles are cut smaller where it has too few for the threads (a short chunk
   // deep in a long context: a few heavy items), never below kMinTile tokens.
   const int64_t threads = at::get_num_threads();
-  const int64_t splits = (2 * threads + Hkv - 1) / Hkv;
+  const int64_t splits = threads > 1 ? (2 * threads + Hkv - 1) / Hkv : 1;
   std::vector<Item> items;
   std::vector<int64_t> work;  // each item's query rows times the keys they see, plus the keys it reads
   for (int64_t b = 0; b < B; ++b) {
