@@ -79,10 +79,10 @@ def turns_scheduler(long_decode_max_skip: int):
     return s
 
 
-def long_decodes_meet_shorts(s):
-    """Three long requests at 3,000 tokens decoding, then two short ones started: returns
-    the longs, the shorts and the step that started them."""
-    longs = [create_request(prompt=3000, size_class="long", max_tokens=500) for _ in range(3)]
+def long_decodes_meet_shorts(s, num_long: int = 3):
+    """Long requests at 3,000 tokens decoding, then two short ones started: returns the
+    longs, the shorts and the step that started them."""
+    longs = [create_request(prompt=3000, size_class="long", max_tokens=500) for _ in range(num_long)]
     for r in longs:
         s.add_request(r)
     decoding(s, longs)
@@ -99,15 +99,8 @@ def test_long_decodes_take_turns_within_the_shorter_requests_time_per_token():
     # one fits a step, and the others, having sat out one step (long_decode_max_skip 1),
     # run in the next one whatever it costs.
     s = turns_scheduler(long_decode_max_skip=1)
-    longs, shorts, out = long_decodes_meet_shorts(s)
-    assert {r.request_id for r in out.requests} == {r.request_id for r in shorts}
+    longs, ran = long_rows_beside_shorts(s, 6)
     first, second, third = (r.request_id for r in longs)
-    ran = []
-    for _ in range(6):
-        out, _ = run_step(s)
-        ids = {r.request_id for r in out.requests}
-        assert {r.request_id for r in shorts} <= ids  # every short decode, every step
-        ran.append(sorted(ids - {r.request_id for r in shorts}))
     # All three sat out the shorts' first step, so all run; then the one that fits runs
     # alone, and the two it left out run together, in turns.
     assert ran[0] == sorted([first, second, third])
@@ -165,17 +158,19 @@ def priced_as_decodes(s) -> None:
         s.policy.cost.observe(1, pairs, scripted_cost(1, pairs) + DECODE_EXTRA * pairs, decode_pairs=pairs)
 
 
-def long_rows_beside_shorts(s, steps: int) -> list[list[str]]:
-    """The long decodes each of `steps` steps runs beside two short ones (which run every step)."""
-    longs, shorts, _ = long_decodes_meet_shorts(s)
+def long_rows_beside_shorts(s, steps: int, num_long: int = 3) -> tuple[list, list[list[str]]]:
+    """The long requests, and the long decodes each of `steps` steps runs beside two short
+    ones (which run every step, and alone in the step that starts them)."""
+    longs, shorts, out = long_decodes_meet_shorts(s, num_long)
     short_ids = {r.request_id for r in shorts}
+    assert {r.request_id for r in out.requests} == short_ids
     ran = []
     for _ in range(steps):
         out, _ = run_step(s)
         ids = {r.request_id for r in out.requests}
         assert short_ids <= ids <= short_ids | {r.request_id for r in longs}
         ran.append(sorted(ids - short_ids))
-    return ran
+    return longs, ran
 
 
 def test_long_decodes_priced_as_decodes_sit_out_whatever_fits_no_more():
@@ -183,7 +178,7 @@ def test_long_decodes_priced_as_decodes_sit_out_whatever_fits_no_more():
     # runs whatever it costs, all three together.
     s = turns_scheduler(long_decode_max_skip=1)
     priced_as_decodes(s)
-    ran = long_rows_beside_shorts(s, 6)
+    _, ran = long_rows_beside_shorts(s, 6)
     assert [len(r) for r in ran] == [3, 0, 3, 0, 3, 0]
 
 
@@ -194,7 +189,7 @@ def test_the_long_class_keeps_one_decode_a_step_in_turns_where_none_fits():
     # shorts.)
     s = turns_scheduler(long_decode_max_skip=7)
     priced_as_decodes(s)
-    ran = long_rows_beside_shorts(s, 9)
+    _, ran = long_rows_beside_shorts(s, 9)
     assert [len(r) for r in ran] == [1] * 9
     for window in (ran[i : i + 3] for i in range(0, 9, 3)):
         assert sorted(r[0] for r in window) == sorted({r[0] for r in ran})
@@ -206,18 +201,5 @@ def test_a_lone_long_decode_that_fits_no_step_runs_every_other_one():
     # runs in the next, and the steps it sits out leave the budget to long chunks.
     s = turns_scheduler(long_decode_max_skip=7)
     priced_as_decodes(s)
-    long = create_request(prompt=3000, size_class="long", max_tokens=500)
-    s.add_request(long)
-    decoding(s, [long])
-    shorts = [create_request(prompt=10, size_class="short", max_tokens=100) for _ in range(2)]
-    for r in shorts:
-        s.add_request(r)
-    out, _ = run_step(s)  # the step that starts them: the long decode sits out
-    assert long.request_id not in {r.request_id for r in out.requests}
-    ran = []
-    for _ in range(6):
-        out, _ = run_step(s)
-        ids = {r.request_id for r in out.requests}
-        assert {r.request_id for r in shorts} <= ids
-        ran.append(long.request_id in ids)
-    assert ran == [True, False] * 3
+    _, ran = long_rows_beside_shorts(s, 6, num_long=1)
+    assert [len(r) for r in ran] == [1, 0] * 3
