@@ -342,11 +342,30 @@ def test_cpu_paged_decode_spans_on_two_threads_match_naive(head_dim: int) -> Non
         torch.set_num_threads(1)  # the module's setting (one_cpu_thread)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_cpu_paged_prefill_cuts_decode_rows_beside_chunks_into_merged_spans(cache_dtype: torch.dtype) -> None:
+    # A step's decode rows go through the decode kernel's spans, not per-kv-head tiles: on
+    # one thread the 4,310 keys of its decode rows make spans of about 1,078 (3001 -> 3
+    # spans, merged; 1300 -> 2; 9 stays whole), beside a chunk deep in a context and a
+    # fresh one.
+    batch = make_batch(
+        [1, 40, 1, 1, 12],
+        [3001, 700, 9, 1300, 12],
+        num_heads=9,
+        num_kv_heads=3,
+        block_size=16,
+        head_dim=64,
+        seed=11,
+    )
+    check_cpu_paged_backend(rounded_to_cache(batch, cache_dtype))
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_cpu_paged_prefill_on_two_threads_matches_naive(cache_dtype: torch.dtype) -> None:
     # Items dealt to two threads by their work: a short chunk deep in a context (cut into
     # tiles of 8 so that both threads take some), a causal chunk from position 0 (its later
-    # tiles the heavy ones, and a partial last tile), long decode rows beside short ones.
+    # tiles the heavy ones, and a partial last tile), long decode rows cut into spans beside
+    # short ones, their spans merged after.
     batch = make_batch(
         [1, 1, 16, 9, 150, 1],
         [40, 2600, 1416, 9, 150, 2100],

@@ -38,6 +38,7 @@ SOURCES = (
     "q8_linear.cpp",
     "qdot_linear.cpp",
     "paged_attention.cpp",
+    "decode_spans.cpp",
     "paged_tile.cpp",
     "paged_prefill.cpp",
     "fused_ops.cpp",

@@ -9,6 +9,7 @@
 // sequence's context is read in spans by the tile kernel (see decode_spans).
 #include <torch/extension.h>
 
+#include "decode_spans.h"
 #include "paged_tile.h"
 #include "pool.h"
 #include <cmath>
@@ -60,118 +61,43 @@ inline void axpy(float p, const float* x, float* y, int64_t d) {
   for (int64_t i = 0; i < d; ++i) y[i] += p * x[i];
 }
 
-// The share of a step's keys below which a context is not cut (its spans then cover about
-// this many keys, never fewer than half): smaller spans cost more in merging and in
-// passes begun than they gain.
-constexpr int64_t kMinSpan = 512;
-
-// Keys [first, last) of sequence b: one unit of work.
-struct Span {
-  int64_t b, first, last;
-};
-
-// The spans, dealt into bins a thread of about equal work (headroom::deal). Contexts
-// differ in length by 100x in one step (a reasoning row beside chat rows), so each is
-// cut into spans of about an equal share of all keys first. (Unequal spans can still
-// leave one thread more.)
-inline std::vector<std::vector<Span>> deal(const int32_t* lp, int64_t B, int64_t threads, int64_t* spans_of) {
-  const int64_t bins = 4 * threads;
-  int64_t total = 0;
-  for (int64_t b = 0; b < B; ++b) total += lp[b];
-  const int64_t target = std::max(kMinSpan, (total + bins - 1) / bins);
-  std::vector<Span> spans;
-  std::vector<int64_t> work;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t len = lp[b], n = std::max<int64_t>(1, (len + target - 1) / target);
-    spans_of[b] = n;
-    for (int64_t i = 0; i < n; ++i) {
-      spans.push_back({b, len * i / n, len * (i + 1) / n});
-      work.push_back(spans.back().last - spans.back().first);
-    }
-  }
-  std::vector<std::vector<Span>> dealt;
-  for (const auto& bin : headroom::deal(work, threads, 4)) {
-    dealt.emplace_back();
-    for (const int64_t i : bin) dealt.back().push_back(spans[i]);
-  }
-  return dealt;
-}
-
-// The AVX2 path: an item per span of one sequence's context with all its kv heads, so
-// that a pass reads whole token rows (a block is one run of memory, which the hardware
-// prefetcher follows; an item per kv head read a third of every row and ran at three
-// quarters the speed). Spans of one context computed on different threads are merged
-// after from their partial softmaxes.
+// The AVX2 path: the step's rows cut into spans of their keys (decode_spans.h), dealt to
+// the threads by their keys (headroom::deal), then the cut rows merged.
 template <typename T>
 void decode_spans(const float* qp, T* kc, T* vc, const int32_t* tp, const int32_t* lp, float* op, int64_t B,
                   int64_t Hq, int64_t Hkv, int64_t D, int64_t W, int64_t block_size, float s, const float* knp,
                   const float* vnp, int64_t kn_row, int64_t vn_row, const int64_t* sp) {
   const int64_t group = Hq / Hkv;
   const int64_t token_stride = Hkv * D, block_stride = block_size * Hkv * D;
+  int64_t keys = 0;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lp[b] >= 1 && (lp[b] + block_size - 1) / block_size <= W, "seq_len does not fit the block table");
+    keys += lp[b];
     if (sp != nullptr)  // this step's keys and values first, before any span reads them
       for (int64_t h = 0; h < Hkv; ++h) {
         store_row(knp + b * kn_row + h * D, kc + sp[b] * token_stride + h * D, D);
         store_row(vnp + b * vn_row + h * D, vc + sp[b] * token_stride + h * D, D);
       }
   }
-  std::vector<int64_t> spans_of(B);
-  const auto bins = deal(lp, B, at::get_num_threads(), spans_of.data());
-  const int64_t part = Hq * (D + 2);  // a span's m, l and output
-  // Where each sequence's spans keep their partial results (none for a single span).
-  std::vector<int64_t> slot_of(B, -1);
-  int64_t slots = 0;
-  for (int64_t b = 0; b < B; ++b)
-    if (spans_of[b] > 1) {
-      slot_of[b] = slots;
-      slots += spans_of[b];
-    }
-  std::vector<float> partial(slots * part);
-  std::vector<int64_t> next_slot(slot_of);  // handed out here, not on the threads
-  std::vector<std::vector<int64_t>> slot_in(bins.size());
-  for (size_t i = 0; i < bins.size(); ++i)
-    for (const Span& span : bins[i]) slot_in[i].push_back(spans_of[span.b] > 1 ? next_slot[span.b]++ : -1);
+  const int64_t threads = at::get_num_threads(), target = headroom::span_keys(keys, threads);
+  headroom::Spans spans;
+  for (int64_t b = 0; b < B; ++b) headroom::cut(spans, b, b, lp[b], target);
+  std::vector<int64_t> work;
+  for (const auto& span : spans.spans) work.push_back(span.last - span.first);
+  const auto bins = headroom::deal(work, threads);
+  std::vector<float> partial(spans.slots * headroom::slot_floats(Hq, D));
   headroom::parallel_rows(B, static_cast<int64_t>(bins.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> own(part);
-    for (int64_t i = begin; i < end; ++i)
-      for (size_t j = 0; j < bins[i].size(); ++j) {
-        const Span& span = bins[i][j];
-        const int64_t b = span.b, slot = slot_in[i][j];
-        float* m = slot >= 0 ? partial.data() + slot * part : own.data();
-        float *l = m + Hq, *o = l + Hq;
-        std::fill(m, m + Hq, -std::numeric_limits<float>::infinity());
-        std::fill(l, o + Hq * D, 0.f);
-        const headroom::TileArgs a{qp + b * Hq * D, nullptr, Hq * D, 1, lp[b] - 1, group, D, tp + b * W,
+    std::vector<float> own(headroom::slot_floats(Hq, D));
+    for (int64_t bin = begin; bin < end; ++bin)
+      for (const int64_t i : bins[bin]) {
+        const headroom::Span& span = spans.spans[i];
+        const int64_t b = span.seq;
+        const headroom::TileArgs a{qp + b * Hq * D, op + b * Hq * D, Hq * D, 1, lp[b] - 1, group, D, tp + b * W,
                                    block_size, token_stride, block_stride, 0, s};
-        headroom::decode_span(a, Hkv, kc, vc, span.first, span.last, m, l, o);
-        if (slot < 0)
-          for (int64_t r = 0; r < Hq; ++r) {
-            const float inv = 1.f / l[r];
-            float* dst = op + (b * Hq + r) * D;
-            for (int64_t k = 0; k < D; ++k) dst[k] = o[r * D + k] * inv;
-          }
+        headroom::attend_span(span, a, Hkv, kc, vc, partial.data(), own.data());
       }
   });
-  for (int64_t b = 0; b < B; ++b) {  // o = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M)
-    if (slot_of[b] < 0) continue;
-    const float* first = partial.data() + slot_of[b] * part;
-    for (int64_t r = 0; r < Hq; ++r) {
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t span = 0; span < spans_of[b]; ++span) top = std::max(top, first[span * part + r]);
-      float* dst = op + (b * Hq + r) * D;
-      std::fill(dst, dst + D, 0.f);
-      float total = 0.f;
-      for (int64_t span = 0; span < spans_of[b]; ++span) {
-        const float* m = first + span * part;
-        const float w = std::exp(m[r] - top);
-        total += m[Hq + r] * w;
-        axpy(w, m + 2 * Hq + r * D, dst, D);
-      }
-      const float inv = 1.f / total;
-      for (int64_t k = 0; k < D; ++k) dst[k] *= inv;
-    }
-  }
+  headroom::merge(spans, partial.data(), Hq, D, op);
 }
 
 // The cache's element type T is float or bf16; q, k_new, v_new and the output are float32.

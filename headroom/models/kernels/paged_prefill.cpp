@@ -1,13 +1,17 @@
 // Attention for a step's query rows, any number per sequence (prefill chunks, and decode
-// rows beside them), over the paged KV cache read in place: each (sequence, tile of up to
-// kTileTokens tokens, kv head) is one work item of paged_tile's kernel, and the items are
-// dealt to the threads by their work (a step's long rows and a causal chunk's later tiles
-// are the heavy ones). The caller has written this step's K/V to their slots.
+// rows beside them), over the paged KV cache read in place. A chunk's work items are its
+// (tile of up to kTileTokens tokens, kv head) pairs, run by paged_tile's kernel; a decode
+// row's (a sequence with one query token) are the spans of its keys, as the decode kernel
+// runs them (decode_spans.h): an item per kv head would read a third of each cached token
+// row. All items are dealt to the threads by their work (a step's long rows and a causal
+// chunk's later tiles are the heavy ones) in one parallel region. The caller has written
+// this step's K/V to their slots.
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <vector>
 
+#include "decode_spans.h"
 #include "paged_tile.h"
 #include "pool.h"
 
@@ -61,11 +65,16 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
   const int64_t threads = at::get_num_threads();
   const int64_t splits = threads > 1 ? (2 * threads + Hkv - 1) / Hkv : 1;
   std::vector<Item> items;
-  std::vector<int64_t> work;  // each item's query rows times the keys they see, plus the keys it reads
+  std::vector<int64_t> work;  // each item's query rows times the keys they see, plus the keys it reads, per kv head
+  int64_t decode_keys = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t q_len = starts[b + 1] - starts[b];
     TORCH_CHECK(q_len >= 0 && q_len <= lens[b] && (lens[b] + block_size - 1) / block_size <= W,
                 "seq_len does not fit the block table, or is shorter than the sequence's queries");
+    if (q_len == 1) {
+      decode_keys += lens[b];
+      continue;
+    }
     const int64_t tile = std::clamp((q_len + splits - 1) / splits, std::min(kMinTile, q_len), kTileTokens);
     for (int64_t j = 0; j < q_len; j += tile)
       for (int64_t h = 0; h < Hkv; ++h) {
@@ -74,16 +83,31 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
         work.push_back(keys * (tokens + 1));
       }
   }
+  headroom::Spans spans;
+  const int64_t target = headroom::span_keys(decode_keys, threads);
+  for (int64_t b = 0; b < B; ++b)
+    if (starts[b + 1] - starts[b] == 1) headroom::cut(spans, b, starts[b], lens[b], target);
+  for (const auto& span : spans.spans) work.push_back((span.last - span.first) * 2 * Hkv);
   const auto bins = headroom::deal(work, threads);
   auto out = torch::empty_like(q);
-  const int64_t group = Hq / Hkv;
+  const int64_t group = Hq / Hkv, tiles = static_cast<int64_t>(items.size());
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int32_t* tp = block_tables.data_ptr<int32_t>();
+  std::vector<float> partial(spans.slots * headroom::slot_floats(Hq, D));
   auto run = [&](auto* kc, auto* vc) {
     headroom::parallel_rows(N, static_cast<int64_t>(bins.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> own(headroom::slot_floats(Hq, D));
       for (int64_t bin = begin; bin < end; ++bin)
         for (const int64_t i : bins[bin]) {
+          if (i >= tiles) {
+            const headroom::Span& span = spans.spans[i - tiles];
+            const headroom::TileArgs a{qp + span.row * Hq * D, op + span.row * Hq * D, Hq * D, 1, lens[span.seq] - 1,
+                                       group, D, tp + span.seq * W, block_size, Hkv * D, block_size * Hkv * D, 0,
+                                       static_cast<float>(scale)};
+            headroom::attend_span(span, a, Hkv, kc, vc, partial.data(), own.data());
+            continue;
+          }
           const Item& it = items[i];
           const int64_t q_len = starts[it.seq + 1] - starts[it.seq];
           const int64_t row = (starts[it.seq] + it.first_token) * Hq + it.kv_head * group;
@@ -100,5 +124,6 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
     run(reinterpret_cast<c10::Half*>(k_cache.data_ptr<at::Half>()), reinterpret_cast<c10::Half*>(v_cache.data_ptr<at::Half>()));
   else
     run(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
+  headroom::merge(spans, partial.data(), Hq, D, op);
   return out;
 }

@@ -1,0 +1,52 @@
+#include "decode_spans.h"
+
+#include <cmath>
+
+namespace headroom {
+
+namespace {
+
+constexpr int64_t kMinSpan = 512;
+
+}  // namespace
+
+int64_t span_keys(int64_t keys, int64_t threads) {
+  const int64_t bins = 4 * std::max<int64_t>(1, threads);
+  return std::max(kMinSpan, (keys + bins - 1) / bins);
+}
+
+void cut(Spans& spans, int64_t seq, int64_t row, int64_t len, int64_t target) {
+  const int64_t n = std::max<int64_t>(1, (len + target - 1) / target);
+  if (n > 1) {
+    spans.cut_rows.push_back(row);
+    spans.first_slots.push_back(spans.slots);
+    spans.counts.push_back(n);
+  }
+  for (int64_t i = 0; i < n; ++i) spans.spans.push_back({seq, row, len * i / n, len * (i + 1) / n, n > 1 ? spans.slots++ : -1});
+}
+
+void merge(const Spans& spans, const float* partial, int64_t Hq, int64_t D, float* out) {
+  const int64_t part = slot_floats(Hq, D);
+  for (size_t i = 0; i < spans.cut_rows.size(); ++i) {  // o = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M)
+    const float* first = partial + spans.first_slots[i] * part;
+    const int64_t n = spans.counts[i];
+    for (int64_t r = 0; r < Hq; ++r) {
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < n; ++s) top = std::max(top, first[s * part + r]);
+      float* dst = out + (spans.cut_rows[i] * Hq + r) * D;
+      std::fill(dst, dst + D, 0.f);
+      float total = 0.f;
+      for (int64_t s = 0; s < n; ++s) {
+        const float* m = first + s * part;
+        const float w = std::exp(m[r] - top);
+        total += m[Hq + r] * w;
+        const float* o = m + 2 * Hq + r * D;
+        for (int64_t k = 0; k < D; ++k) dst[k] += w * o[k];
+      }
+      const float inv = 1.f / total;
+      for (int64_t k = 0; k < D; ++k) dst[k] *= inv;
+    }
+  }
+}
+
+}  // namespace headroom
