@@ -16,9 +16,9 @@ A decode step of one sequence reads every weight once, so fewer bytes win there;
 batch of many rows is compute-bound. Batches of at most `small_batch` rows (the
 crossover measured at start) take the packed weights. Larger ones take, on a CPU with
 AVX-512 VNNI, the same 8-bit integer arithmetic on a second copy of the weights laid out
-in tiles of 16 rows, one byte each (qgemm_linear: 1.4-1.6x oneDNN's bfloat16 at 32-4096
-rows on a 2-core EPYC); elsewhere a float GEMM of the float weight the QuantLinear was
-built from (the same tensor, not a copy).
+in tiles of 16 rows, one byte each, or two 4-bit weights a byte for int4 (qgemm_linear:
+1.4-1.6x oneDNN's bfloat16 at 32-4096 rows on a 2-core EPYC); elsewhere a float GEMM of
+the float weight the QuantLinear was built from (the same tensor, not a copy).
 """
 
 from __future__ import annotations
@@ -82,11 +82,15 @@ def pack_q4(q: torch.Tensor) -> torch.Tensor:
     return pack_nibbles(q, GROUP)
 
 
-def integer_tiles(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def integer_tiles(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, ...]:
     """The layout of qgemm_linear: (N/16, K/32, 8, 16, 4) bytes, so that one 64-byte load
-    holds 4 consecutive weights of 16 output rows; scales and minima as (N/16, K/32, 16)."""
+    holds 4 consecutive weights of 16 output rows; scales and minima as (N/16, K/32, 16).
+    With bits 4 (q in 0..15), steps 4-7 of a group go into the high nibbles of steps 0-3:
+    (N/16, K/32, 4, 16, 4), half the bytes for a decode step to read."""
     n, k = q.shape
     tiles = q.view(n // TILE, TILE, k // GROUP, GROUP // 4, 4).permute(0, 2, 3, 1, 4).contiguous()
+    if bits == 4:
+        tiles = (tiles[:, :, :4] | (tiles[:, :, 4:] << 4)).contiguous()
     by_tile = [t.view(n // TILE, TILE, k // GROUP).transpose(1, 2).contiguous() for t in (scale, low)]
     return tiles, *by_tile
 
@@ -152,11 +156,11 @@ class QuantLinear(nn.Module):
                 q, low = (q.to(torch.int16) + 128).to(torch.uint8), -128 * scale
             self.qweight, self.scales, self.mins = q, scale, low
         # Batches over small_batch: the same integer arithmetic on a second layout of the same
-        # weights, one byte each, where the kernel has it; otherwise the float matmul.
+        # weights (int4 two a byte), where the kernel has it; otherwise the float matmul.
         self.tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.large: LargeBatchMatmul | None = None
         if tiled and self.qdot and self.out_features % TILE == 0:
-            self.tiles = integer_tiles(q, scale, low)
+            self.tiles = integer_tiles(q, scale, low, bits)
         else:
             self.large = LargeBatchMatmul(weight, large_dtype)
 

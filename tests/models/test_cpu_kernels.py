@@ -168,6 +168,7 @@ def test_batches_above_small_batch_take_the_tiled_kernel_and_the_same_arithmetic
     weight = q4_1_weight(336, 192) if bits == 4 else q8_0_weight(336, 192)
     linear = QuantLinear(weight, None, bits, small_batch=4)
     assert linear.tiles is not None and linear.large is None  # no float copy of the weight is kept
+    assert linear.tiles[0].numel() == 336 * 192 * bits // 8  # int4 two weights a byte
     x = torch.randn(rows, 192) * torch.linspace(0.1, 3, 192)
     x[1, 64:96] = 0
     expected = int8_activation_reference(x, linear)

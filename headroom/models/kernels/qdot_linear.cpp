@@ -162,10 +162,15 @@ constexpr int64_t kTile = 16;    // outputs per register
 constexpr int64_t kRowTile = 6;  // activation rows per register tile
 constexpr int64_t kTilePair = 2; // 16-output tiles per register tile: 6 x 2 accumulators of each kind
 
-template <int RT, int NB>
+// Bits 8: a weight a byte, 8 registers a group. Bits 4: a register's steps s and s + 4 of
+// a group share one 64-byte load (step s in the low nibbles), half the bytes a decode step
+// reads, at two instructions a register to unpack.
+template <int Bits, int RT, int NB>
 inline void tile_gemm(const int8_t* xq, const float* xd, const float* xsum, const uint8_t* w, const float* ws,
                       const float* wm, float* y, int64_t K, int64_t N) {
-  const int64_t G = K / kGroup, tile_bytes = K * kTile;
+  constexpr int kLoads = Bits == 8 ? kGroup / 4 : kGroup / 8;  // 64-byte loads a group, per tile
+  const int64_t G = K / kGroup, tile_bytes = G * kLoads * 64;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[RT][NB];
   for (int r = 0; r < RT; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -173,13 +178,30 @@ inline void tile_gemm(const int8_t* xq, const float* xd, const float* xsum, cons
     __m512i dots[RT][NB];
     for (int r = 0; r < RT; ++r)
       for (int j = 0; j < NB; ++j) dots[r][j] = _mm512_setzero_si512();
+    const int8_t* xg = xq + g * kGroup;
 #pragma GCC unroll 8
-    for (int s = 0; s < kGroup / 4; ++s) {
+    for (int s = 0; s < kLoads; ++s) {
       __m512i wv[NB];
-      for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w + j * tile_bytes + (g * 8 + s) * 64);
-      for (int r = 0; r < RT; ++r) {
-        const __m512i xv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xq + r * K + g * kGroup + s * 4));
-        for (int j = 0; j < NB; ++j) dots[r][j] = _mm512_dpbusd_epi32(dots[r][j], wv[j], xv);
+      for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w + j * tile_bytes + (g * kLoads + s) * 64);
+      if constexpr (Bits == 8) {
+        for (int r = 0; r < RT; ++r) {
+          const __m512i xv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xg + r * K + s * 4));
+          for (int j = 0; j < NB; ++j) dots[r][j] = _mm512_dpbusd_epi32(dots[r][j], wv[j], xv);
+        }
+      } else {
+        __m512i high[NB];
+        for (int j = 0; j < NB; ++j) {
+          high[j] = _mm512_and_si512(_mm512_srli_epi16(wv[j], 4), nibble);
+          wv[j] = _mm512_and_si512(wv[j], nibble);
+        }
+        for (int r = 0; r < RT; ++r) {
+          const __m512i lo = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xg + r * K + s * 4));
+          const __m512i hi = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xg + r * K + (s + 4) * 4));
+          for (int j = 0; j < NB; ++j) {
+            dots[r][j] = _mm512_dpbusd_epi32(dots[r][j], wv[j], lo);
+            dots[r][j] = _mm512_dpbusd_epi32(dots[r][j], high[j], hi);
+          }
+        }
       }
     }
     for (int j = 0; j < NB; ++j) {
@@ -196,40 +218,43 @@ inline void tile_gemm(const int8_t* xq, const float* xd, const float* xsum, cons
     for (int j = 0; j < NB; ++j) _mm512_storeu_ps(y + r * N + j * kTile, acc[r][j]);
 }
 
-template <int NB>
+template <int Bits, int NB>
 inline void gemm_rows(const QuantisedRows& x, const float* sums, int64_t m0, int64_t m1, const uint8_t* w,
                       const float* ws, const float* wm, float* y, int64_t K, int64_t N) {
   const int64_t G = K / kGroup;
   int64_t m = m0;
   for (; m + kRowTile <= m1; m += kRowTile)
-    tile_gemm<kRowTile, NB>(x.q.data() + m * K, x.scale.data() + m * G, sums + m * G, w, ws, wm, y + m * N, K, N);
+    tile_gemm<Bits, kRowTile, NB>(x.q.data() + m * K, x.scale.data() + m * G, sums + m * G, w, ws, wm, y + m * N, K,
+                                  N);
   const int8_t* xq = x.q.data() + m * K;
   const float *xd = x.scale.data() + m * G, *xs = sums + m * G;
   switch (m1 - m) {
-    case 5: tile_gemm<5, NB>(xq, xd, xs, w, ws, wm, y + m * N, K, N); break;
-    case 4: tile_gemm<4, NB>(xq, xd, xs, w, ws, wm, y + m * N, K, N); break;
-    case 3: tile_gemm<3, NB>(xq, xd, xs, w, ws, wm, y + m * N, K, N); break;
-    case 2: tile_gemm<2, NB>(xq, xd, xs, w, ws, wm, y + m * N, K, N); break;
-    case 1: tile_gemm<1, NB>(xq, xd, xs, w, ws, wm, y + m * N, K, N); break;
+    case 5: tile_gemm<Bits, 5, NB>(xq, xd, xs, w, ws, wm, y + m * N, K, N); break;
+    case 4: tile_gemm<Bits, 4, NB>(xq, xd, xs, w, ws, wm, y + m * N, K, N); break;
+    case 3: tile_gemm<Bits, 3, NB>(xq, xd, xs, w, ws, wm, y + m * N, K, N); break;
+    case 2: tile_gemm<Bits, 2, NB>(xq, xd, xs, w, ws, wm, y + m * N, K, N); break;
+    case 1: tile_gemm<Bits, 1, NB>(xq, xd, xs, w, ws, wm, y + m * N, K, N); break;
     default: break;
   }
 }
 
+template <int Bits>
 void qgemm_rows(const QuantisedRows& x, const uint8_t* wp, const float* sp, const float* mp, float* yp, int64_t M,
                 int64_t K, int64_t N) {
   // Threads split the weight tiles; each passes all rows over its tiles. (Splitting rows
   // too, in chunks, left the threads unequal work at 512 rows and gained nothing at 4096.)
   const int64_t G = K / kGroup, tiles = N / kTile, pairs = (tiles + kTilePair - 1) / kTilePair;
+  const int64_t tile_bytes = K * kTile * Bits / 8;
   const float* sums = x.sum.data_ptr<float>();
   headroom::parallel_rows(M, pairs, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t t = p * kTilePair;
-      const uint8_t* w = wp + t * K * kTile;
+      const uint8_t* w = wp + t * tile_bytes;
       const float *s = sp + t * G * kTile, *mn = mp + t * G * kTile;
       if (t + kTilePair <= tiles) {
-        gemm_rows<kTilePair>(x, sums, 0, M, w, s, mn, yp + t * kTile, K, N);
+        gemm_rows<Bits, kTilePair>(x, sums, 0, M, w, s, mn, yp + t * kTile, K, N);
       } else {
-        gemm_rows<1>(x, sums, 0, M, w, s, mn, yp + t * kTile, K, N);
+        gemm_rows<Bits, 1>(x, sums, 0, M, w, s, mn, yp + t * kTile, K, N);
       }
     }
   });
@@ -276,7 +301,8 @@ torch::Tensor qdot_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
 }
 
 // x: (M, K) float32; tiles: (N/16, K/32, 8, 16, 4) uint8, unsigned 8-bit weights (4-bit
-// ones as they are, 0..15); scales, mins: (N/16, K/32, 16) float32 -> (M, N) float32.
+// ones as they are, 0..15), or (N/16, K/32, 4, 16, 4) for 4-bit ones packed, step s + 4's
+// in the high nibbles of step s's; scales, mins: (N/16, K/32, 16) float32 -> (M, N) float32.
 torch::Tensor qgemm_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, torch::Tensor mins) {
   TORCH_CHECK(qdot_available(), "qgemm_linear needs AVX-512 VNNI, which this build lacks");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
@@ -285,17 +311,21 @@ torch::Tensor qgemm_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor s
                   mins.is_contiguous(), "tiles must be contiguous uint8, scales and mins contiguous float32");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(tiles.dim() == 5 && tiles.size(1) == K / kGroup && K % kGroup == 0 && tiles.size(2) == 8 &&
-                  tiles.size(3) == 16 && tiles.size(4) == 4 && scales.dim() == 3 &&
-                  scales.size(0) == tiles.size(0) && scales.size(1) == K / kGroup && scales.size(2) == 16 &&
-                  mins.sizes() == scales.sizes(),
-              "shapes do not match (N/16, K/32, 8, 16, 4) tiles of a group-32 weight");
+  TORCH_CHECK(tiles.dim() == 5 && tiles.size(1) == K / kGroup && K % kGroup == 0 &&
+                  (tiles.size(2) == 8 || tiles.size(2) == 4) && tiles.size(3) == 16 && tiles.size(4) == 4 &&
+                  scales.dim() == 3 && scales.size(0) == tiles.size(0) && scales.size(1) == K / kGroup &&
+                  scales.size(2) == 16 && mins.sizes() == scales.sizes(),
+              "shapes do not match (N/16, K/32, 8 or 4, 16, 4) tiles of a group-32 weight");
   const int64_t N = tiles.size(0) * 16;
   auto y = torch::empty({M, N}, x.options());
 #ifdef HEADROOM_VNNI
   const QuantisedRows xq = quantise_rows(x.data_ptr<float>(), M, K);
-  qgemm_rows(xq, tiles.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(), y.data_ptr<float>(),
-             M, K, N);
+  if (tiles.size(2) == 8)
+    qgemm_rows<8>(xq, tiles.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(),
+                  y.data_ptr<float>(), M, K, N);
+  else
+    qgemm_rows<4>(xq, tiles.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(),
+                  y.data_ptr<float>(), M, K, N);
 #endif
   return y;
 }
