@@ -231,9 +231,11 @@ async def test_redis_restarted_mid_load_no_5xx_and_counters_resync(fleet):
     client = aioredis.Redis(port=store.port)
     statuses: list[int] = []
     steady_statuses: list[int] = []
+    # Long enough to outlast the outage and the recovery several times over at this
+    # machine's pace: 300 tokens ended ~0.3 s before the second check once decode ran faster.
     long_body = {
         "prompt": "Write a long story about a dragon.",
-        "max_tokens": 300,
+        "max_tokens": 1500,
         "temperature": 0,
         "ignore_eos": True,
     }
