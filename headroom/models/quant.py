@@ -16,9 +16,10 @@ A decode step of one sequence reads every weight once, so fewer bytes win there;
 batch of many rows is compute-bound. Batches of at most `small_batch` rows (the
 crossover measured at start) take the packed weights. Larger ones take, on a CPU with
 AVX-512 VNNI, the same 8-bit integer arithmetic on a second copy of the weights laid out
-in tiles of 16 rows, one byte each, or two 4-bit weights a byte for int4 (qgemm_linear:
-1.4-1.6x oneDNN's bfloat16 at 32-4096 rows on a 2-core EPYC); elsewhere a float GEMM of
-the float weight the QuantLinear was built from (the same tensor, not a copy).
+in tiles of 16 rows, one byte each, or two 4-bit weights a byte for int4 (qgemm_linear;
+the byte tiles took 1.4-1.6x less time than oneDNN's bfloat16 at 32-4096 rows on a 2-core
+EPYC); elsewhere a float GEMM of the float weight the QuantLinear was built from (the same
+tensor, not a copy).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ int64_t span_keys(int64_t keys, int64_t threads) {
   return std::max(kMinSpan, (keys + bins - 1) / bins);
 }
 
-void cut(Spans& spans, int64_t seq, int64_t row, int64_t len, int64_t target) {
+void cut_row(Spans& spans, int64_t seq, int64_t row, int64_t len, int64_t target) {
   const int64_t n = std::max<int64_t>(1, (len + target - 1) / target);
   if (n > 1) {
     spans.cut_rows.push_back(row);
@@ -25,7 +25,7 @@ void cut(Spans& spans, int64_t seq, int64_t row, int64_t len, int64_t target) {
   for (int64_t i = 0; i < n; ++i) spans.spans.push_back({seq, row, len * i / n, len * (i + 1) / n, n > 1 ? spans.slots++ : -1});
 }
 
-void merge(const Spans& spans, const float* partial, int64_t Hq, int64_t D, float* out) {
+void merge_spans(const Spans& spans, const float* partial, int64_t Hq, int64_t D, float* out) {
   const int64_t part = slot_floats(Hq, D);
   for (size_t i = 0; i < spans.cut_rows.size(); ++i) {  // o = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M)
     const float* first = partial + spans.first_slots[i] * part;

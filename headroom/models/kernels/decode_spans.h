@@ -1,11 +1,11 @@
 // Decode rows (one query token a sequence) cut into spans of their keys, the work items of
 // both attention kernels: the decode kernel's whole step, and the prefill kernel's decode
 // rows beside chunks. A span reads whole token rows of the cache for all kv heads (a block
-// is one run of memory, which the hardware prefetcher follows; an item per kv head read a
-// third of every row). Contexts differ in length by 100x in one step (a reasoning row
-// beside chat rows), so each is cut into spans of about an equal share of the step's keys,
-// and the spans of one context, computed on different threads, are merged after from
-// their partial softmaxes.
+// is one run of memory, which the hardware prefetcher follows; an item per kv head read
+// only that head's share of every row). Contexts differ in length by 100x in one step (a
+// reasoning row beside chat rows), so each is cut into spans of about an equal share of
+// the step's keys, and the spans of one context, computed on different threads, are
+// merged after from their partial softmaxes.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -35,7 +35,7 @@ int64_t span_keys(int64_t keys, int64_t threads);
 
 // Appends the row's spans: its context [0, len) cut into pieces of about `target` keys
 // (never fewer than half).
-void cut(Spans& spans, int64_t seq, int64_t row, int64_t len, int64_t target);
+void cut_row(Spans& spans, int64_t seq, int64_t row, int64_t len, int64_t target);
 
 // The floats each slot of the partial buffer holds: a row's m, l and output per query head.
 inline int64_t slot_floats(int64_t Hq, int64_t D) { return Hq * (D + 2); }
@@ -59,6 +59,6 @@ void attend_span(const Span& span, const TileArgs& a, int64_t Hkv, const T* kc, 
 }
 
 // Writes each cut row's output (at out + row * Hq * D) from its spans' partials.
-void merge(const Spans& spans, const float* partial, int64_t Hq, int64_t D, float* out);
+void merge_spans(const Spans& spans, const float* partial, int64_t Hq, int64_t D, float* out);
 
 }  // namespace headroom

@@ -81,7 +81,7 @@ void decode_spans(const float* qp, T* kc, T* vc, const int32_t* tp, const int32_
   }
   const int64_t threads = at::get_num_threads(), target = headroom::span_keys(keys, threads);
   headroom::Spans spans;
-  for (int64_t b = 0; b < B; ++b) headroom::cut(spans, b, b, lp[b], target);
+  for (int64_t b = 0; b < B; ++b) headroom::cut_row(spans, b, b, lp[b], target);
   std::vector<int64_t> work;
   for (const auto& span : spans.spans) work.push_back(span.last - span.first);
   const auto bins = headroom::deal(work, threads);
@@ -97,7 +97,7 @@ void decode_spans(const float* qp, T* kc, T* vc, const int32_t* tp, const int32_
         headroom::attend_span(span, a, Hkv, kc, vc, partial.data(), own.data());
       }
   });
-  headroom::merge(spans, partial.data(), Hq, D, op);
+  headroom::merge_spans(spans, partial.data(), Hq, D, op);
 }
 
 // The cache's element type T is float or bf16; q, k_new, v_new and the output are float32.

@@ -2,10 +2,10 @@
 // rows beside them), over the paged KV cache read in place. A chunk's work items are its
 // (tile of up to kTileTokens tokens, kv head) pairs, run by paged_tile's kernel; a decode
 // row's (a sequence with one query token) are the spans of its keys, as the decode kernel
-// runs them (decode_spans.h): an item per kv head would read a third of each cached token
-// row. All items are dealt to the threads by their work (a step's long rows and a causal
-// chunk's later tiles are the heavy ones) in one parallel region. The caller has written
-// this step's K/V to their slots.
+// runs them (decode_spans.h): an item per kv head would read only that head's share of
+// each cached token row. All items are dealt to the threads by their work (a step's long
+// rows and a causal chunk's later tiles are the heavy ones) in one parallel region. The
+// caller has written this step's K/V to their slots.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -86,7 +86,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
   headroom::Spans spans;
   const int64_t target = headroom::span_keys(decode_keys, threads);
   for (int64_t b = 0; b < B; ++b)
-    if (starts[b + 1] - starts[b] == 1) headroom::cut(spans, b, starts[b], lens[b], target);
+    if (starts[b + 1] - starts[b] == 1) headroom::cut_row(spans, b, starts[b], lens[b], target);
   for (const auto& span : spans.spans) work.push_back((span.last - span.first) * 2 * Hkv);
   const auto bins = headroom::deal(work, threads);
   auto out = torch::empty_like(q);
@@ -124,6 +124,6 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
     run(reinterpret_cast<c10::Half*>(k_cache.data_ptr<at::Half>()), reinterpret_cast<c10::Half*>(v_cache.data_ptr<at::Half>()));
   else
     run(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
-  headroom::merge(spans, partial.data(), Hq, D, op);
+  headroom::merge_spans(spans, partial.data(), Hq, D, op);
   return out;
 }

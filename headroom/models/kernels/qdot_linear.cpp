@@ -156,11 +156,17 @@ void qdot_rows(const QuantisedRows& x, const uint8_t* wp, const float* sp, const
 // of 32 inputs takes 8 of them; its int32 sums are scaled once (cvt, one multiply-add)
 // and the minimum's share is one more. Per 512 multiply-adds that is 11 instructions,
 // where a bfloat16 GEMM takes 16 vdpbf16ps; on a 2-core EPYC (Zen, AVX-512 VNNI and BF16)
-// a projection of SmolLM2's took 1.45-1.6x less time than oneDNN's bfloat16 at 32-512 rows. Weights: (N/16, G, 8, 16, 4) bytes; their scales and
-// minima: (N/16, G, 16).
+// a projection of SmolLM2's took 1.45-1.6x less time than oneDNN's bfloat16 at 32-512
+// rows. Weights: (N/16, G, 8, 16, 4) bytes, or (N/16, G, 4, 16, 4) with 4-bit weights two
+// a byte (tile_gemm); their scales and minima: (N/16, G, 16).
 constexpr int64_t kTile = 16;    // outputs per register
 constexpr int64_t kRowTile = 6;  // activation rows per register tile
 constexpr int64_t kTilePair = 2; // 16-output tiles per register tile: 6 x 2 accumulators of each kind
+
+// 64-byte loads a group of one tile, and a tile's bytes for K inputs.
+template <int Bits>
+constexpr int kLoads = Bits == 8 ? kGroup / 4 : kGroup / 8;
+constexpr int64_t tile_size(int64_t K, int bits) { return K * kTile * bits / 8; }
 
 // Bits 8: a weight a byte, 8 registers a group. Bits 4: a register's steps s and s + 4 of
 // a group share one 64-byte load (step s in the low nibbles), half the bytes a decode step
@@ -168,9 +174,7 @@ constexpr int64_t kTilePair = 2; // 16-output tiles per register tile: 6 x 2 acc
 template <int Bits, int RT, int NB>
 inline void tile_gemm(const int8_t* xq, const float* xd, const float* xsum, const uint8_t* w, const float* ws,
                       const float* wm, float* y, int64_t K, int64_t N) {
-  constexpr int kLoads = Bits == 8 ? kGroup / 4 : kGroup / 8;  // 64-byte loads a group, per tile
-  const int64_t G = K / kGroup, tile_bytes = G * kLoads * 64;
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const int64_t G = K / kGroup, tile_bytes = tile_size(K, Bits);
   __m512 acc[RT][NB];
   for (int r = 0; r < RT; ++r)
     for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -180,15 +184,16 @@ inline void tile_gemm(const int8_t* xq, const float* xd, const float* xsum, cons
       for (int j = 0; j < NB; ++j) dots[r][j] = _mm512_setzero_si512();
     const int8_t* xg = xq + g * kGroup;
 #pragma GCC unroll 8
-    for (int s = 0; s < kLoads; ++s) {
+    for (int s = 0; s < kLoads<Bits>; ++s) {
       __m512i wv[NB];
-      for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w + j * tile_bytes + (g * kLoads + s) * 64);
+      for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w + j * tile_bytes + (g * kLoads<Bits> + s) * 64);
       if constexpr (Bits == 8) {
         for (int r = 0; r < RT; ++r) {
           const __m512i xv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xg + r * K + s * 4));
           for (int j = 0; j < NB; ++j) dots[r][j] = _mm512_dpbusd_epi32(dots[r][j], wv[j], xv);
         }
       } else {
+        const __m512i nibble = _mm512_set1_epi8(0x0F);
         __m512i high[NB];
         for (int j = 0; j < NB; ++j) {
           high[j] = _mm512_and_si512(_mm512_srli_epi16(wv[j], 4), nibble);
@@ -244,7 +249,7 @@ void qgemm_rows(const QuantisedRows& x, const uint8_t* wp, const float* sp, cons
   // Threads split the weight tiles; each passes all rows over its tiles. (Splitting rows
   // too, in chunks, left the threads unequal work at 512 rows and gained nothing at 4096.)
   const int64_t G = K / kGroup, tiles = N / kTile, pairs = (tiles + kTilePair - 1) / kTilePair;
-  const int64_t tile_bytes = K * kTile * Bits / 8;
+  const int64_t tile_bytes = tile_size(K, Bits);
   const float* sums = x.sum.data_ptr<float>();
   headroom::parallel_rows(M, pairs, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
