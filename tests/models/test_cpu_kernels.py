@@ -17,7 +17,7 @@ from headroom.executor.attention.cpu_paged import CpuPagedAttention
 from headroom.executor.attention.metadata import AttentionMetadata
 from headroom.executor.attention.torch_ref import TorchAttention
 from headroom.models.kernels import NAME, STALE_LOCK_S, clear_stale_lock, cpu_kernels
-from headroom.models.quant import QuantLinear, int4_groups, int8_groups, pack_q4
+from headroom.models.quant import QuantLinear, int4_groups, int8_groups, integer_tiles, pack_q4
 
 
 def test_the_kernels_build_on_this_machine():
@@ -179,6 +179,22 @@ def test_batches_above_small_batch_take_the_tiled_kernel_and_the_same_arithmetic
     one_by_one = torch.cat([linear(row[None]) for row in x])
     assert torch.allclose(tiled, one_by_one, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(tiled, x @ weight.t(), rtol=1e-5, atol=1e-4)  # activations rounded, not float
+
+
+def test_integer_tiles_lay_out_four_weights_of_16_rows_a_register_and_int4_two_a_byte():
+    # qgemm_linear's layouts, checked without the kernel (so on every CPU): byte (tile,
+    # group, step, row, i) is weight (16 tile + row, 32 group + 4 step + i); with bits 4,
+    # steps s and s + 4 share a byte, s in the low nibble.
+    q = torch.randint(0, 16, (32, 128), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    scale, low = torch.rand(32, 4), torch.rand(32, 4)
+    one, scales, mins = integer_tiles(q, scale, low)
+    t, g, step, row, i = (torch.arange(n).view(*([1] * d), n, *([1] * (4 - d))) for d, n in enumerate(one.shape))
+    assert torch.equal(one, q[16 * t + row, 32 * g + 4 * step + i])
+    for by_tile, by_row in ((scales, scale), (mins, low)):
+        assert torch.equal(by_tile, by_row.view(2, 16, 4).transpose(1, 2))
+    two, *rest = integer_tiles(q, scale, low, bits=4)
+    assert two.shape == (2, 4, 4, 16, 4) and all(torch.equal(a, b) for a, b in zip(rest, (scales, mins)))
+    assert torch.equal(two & 0xF, one[:, :, :4]) and torch.equal(two >> 4, one[:, :, 4:])
 
 
 def test_a_shape_the_kernel_does_not_tile_keeps_the_float_matmul():

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from headroom.executor.attention import AttentionMetadata, available_backends, select_backend
 from headroom.executor.attention.torch_ref import TorchAttention
+from headroom.models.kernels import cpu_kernels
 from tests.gpu import gpu_backend_unusable, gpu_package
 
 CPU = torch.device("cpu")
@@ -348,16 +349,31 @@ def test_cpu_paged_prefill_cuts_decode_rows_beside_chunks_into_merged_spans(cach
     # one thread the 4,310 keys of its decode rows make spans of about 1,078 (3001 -> 3
     # spans, merged; 1300 -> 2; 9 stays whole), beside a chunk deep in a context and a
     # fresh one.
-    batch = make_batch(
-        [1, 40, 1, 1, 12],
-        [3001, 700, 9, 1300, 12],
-        num_heads=9,
-        num_kv_heads=3,
-        block_size=16,
-        head_dim=64,
-        seed=11,
+    batch = rounded_to_cache(
+        make_batch(
+            [1, 40, 1, 1, 12],
+            [3001, 700, 9, 1300, 12],
+            num_heads=9,
+            num_kv_heads=3,
+            block_size=16,
+            head_dim=64,
+            seed=11,
+        ),
+        cache_dtype,
     )
-    check_cpu_paged_backend(rounded_to_cache(batch, cache_dtype))
+    check_cpu_paged_backend(batch)
+    # The same spans, summed in the same order, as the decode kernel gives those rows
+    # alone: bit for bit, where per-kv-head tiles rounded differently.
+    kernels, _ = cpu_kernels()
+    meta, decodes = batch.meta, [0, 2, 3]
+    rows = meta.query_start_loc[decodes].long()
+    mixed = kernels.paged_prefill_attention(
+        batch.q, batch.k_cache, batch.v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, batch.scale
+    )
+    alone = kernels.paged_decode_attention(
+        batch.q[rows], batch.k_cache, batch.v_cache, meta.block_tables[decodes], meta.seq_lens[decodes], batch.scale
+    )
+    assert torch.equal(mixed[rows], alone)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=str)
