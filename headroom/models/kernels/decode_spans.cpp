@@ -19,17 +19,19 @@ void cut_row(Spans& spans, int64_t seq, int64_t row, int64_t len, int64_t target
   const int64_t n = std::max<int64_t>(1, (len + target - 1) / target);
   if (n > 1) {
     spans.cut_rows.push_back(row);
-    spans.first_slots.push_back(spans.slots);
     spans.counts.push_back(n);
   }
-  for (int64_t i = 0; i < n; ++i) spans.spans.push_back({seq, row, len * i / n, len * (i + 1) / n, n > 1 ? spans.slots++ : -1});
+  for (int64_t i = 0; i < n; ++i)
+    spans.items.push_back({seq, row, len * i / n, len * (i + 1) / n, n > 1 ? spans.slots++ : -1});
 }
 
 void merge_spans(const Spans& spans, const float* partial, int64_t Hq, int64_t D, float* out) {
   const int64_t part = slot_floats(Hq, D);
+  int64_t slot = 0;
   for (size_t i = 0; i < spans.cut_rows.size(); ++i) {  // o = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M)
-    const float* first = partial + spans.first_slots[i] * part;
+    const float* first = partial + slot * part;
     const int64_t n = spans.counts[i];
+    slot += n;
     for (int64_t r = 0; r < Hq; ++r) {
       float top = -std::numeric_limits<float>::infinity();
       for (int64_t s = 0; s < n; ++s) top = std::max(top, first[s * part + r]);

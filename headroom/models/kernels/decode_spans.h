@@ -23,8 +23,10 @@ struct Span {
 };
 
 struct Spans {
-  std::vector<Span> spans;
-  std::vector<int64_t> cut_rows, first_slots, counts;  // rows of more than one span, for the merge
+  std::vector<Span> items;
+  // Rows of more than one span, for the merge, and how many each has; a cut row's slots
+  // follow one another, in the order of cut_rows.
+  std::vector<int64_t> cut_rows, counts;
   int64_t slots = 0;
 };
 

@@ -83,14 +83,14 @@ void decode_spans(const float* qp, T* kc, T* vc, const int32_t* tp, const int32_
   headroom::Spans spans;
   for (int64_t b = 0; b < B; ++b) headroom::cut_row(spans, b, b, lp[b], target);
   std::vector<int64_t> work;
-  for (const auto& span : spans.spans) work.push_back(span.last - span.first);
+  for (const auto& span : spans.items) work.push_back(span.last - span.first);
   const auto bins = headroom::deal(work, threads);
   std::vector<float> partial(spans.slots * headroom::slot_floats(Hq, D));
   headroom::parallel_rows(B, static_cast<int64_t>(bins.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> own(headroom::slot_floats(Hq, D));
     for (int64_t bin = begin; bin < end; ++bin)
       for (const int64_t i : bins[bin]) {
-        const headroom::Span& span = spans.spans[i];
+        const headroom::Span& span = spans.items[i];
         const int64_t b = span.seq;
         const headroom::TileArgs a{qp + b * Hq * D, op + b * Hq * D, Hq * D, 1, lp[b] - 1, group, D, tp + b * W,
                                    block_size, token_stride, block_stride, 0, s};

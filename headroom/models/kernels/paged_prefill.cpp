@@ -87,7 +87,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
   const int64_t target = headroom::span_keys(decode_keys, threads);
   for (int64_t b = 0; b < B; ++b)
     if (starts[b + 1] - starts[b] == 1) headroom::cut_row(spans, b, starts[b], lens[b], target);
-  for (const auto& span : spans.spans) work.push_back((span.last - span.first) * 2 * Hkv);
+  for (const auto& span : spans.items) work.push_back((span.last - span.first) * 2 * Hkv);
   const auto bins = headroom::deal(work, threads);
   auto out = torch::empty_like(q);
   const int64_t group = Hq / Hkv, tiles = static_cast<int64_t>(items.size());
@@ -101,7 +101,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
       for (int64_t bin = begin; bin < end; ++bin)
         for (const int64_t i : bins[bin]) {
           if (i >= tiles) {
-            const headroom::Span& span = spans.spans[i - tiles];
+            const headroom::Span& span = spans.items[i - tiles];
             const headroom::TileArgs a{qp + span.row * Hq * D, op + span.row * Hq * D, Hq * D, 1, lens[span.seq] - 1,
                                        group, D, tp + span.seq * W, block_size, Hkv * D, block_size * Hkv * D, 0,
                                        static_cast<float>(scale)};
