@@ -198,6 +198,36 @@ inline __m512 load16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
+// Lane u of block[j] becomes lane j of block[u]: a 16 x 16 block of floats transposed in
+// registers (pairs of floats, then pairs of pairs, then 128-bit lanes twice), where a
+// scalar copy per float took as many stores as the block has floats.
+inline void transpose16(__m512* block) {
+  __m512 pair[16], quad[16];
+  for (int i = 0; i < 16; i += 2) {
+    pair[i] = _mm512_unpacklo_ps(block[i], block[i + 1]);
+    pair[i + 1] = _mm512_unpackhi_ps(block[i], block[i + 1]);
+  }
+  // quad[4i + c], 128-bit lane L: column 4L + c of rows 4i..4i+3.
+  for (int i = 0; i < 16; i += 4) {
+    const __m512d a = _mm512_castps_pd(pair[i]), b = _mm512_castps_pd(pair[i + 1]);
+    const __m512d c = _mm512_castps_pd(pair[i + 2]), e = _mm512_castps_pd(pair[i + 3]);
+    quad[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    quad[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    quad[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
+    quad[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 low = _mm512_shuffle_f32x4(quad[c], quad[4 + c], 0x44);
+    const __m512 high = _mm512_shuffle_f32x4(quad[c], quad[4 + c], 0xEE);
+    const __m512 low2 = _mm512_shuffle_f32x4(quad[8 + c], quad[12 + c], 0x44);
+    const __m512 high2 = _mm512_shuffle_f32x4(quad[8 + c], quad[12 + c], 0xEE);
+    block[c] = _mm512_shuffle_f32x4(low, low2, 0x88);
+    block[4 + c] = _mm512_shuffle_f32x4(low, low2, 0xDD);
+    block[8 + c] = _mm512_shuffle_f32x4(high, high2, 0x88);
+    block[12 + c] = _mm512_shuffle_f32x4(high, high2, 0xDD);
+  }
+}
+
 // The tile with 512-bit vectors: each pass's kPass keys are widened once and laid out
 // transposed (head_dim x kPass), so that a row's scores are four vectors built by head_dim
 // FMAs each with no horizontal sums, four rows share every key and value load, and the
@@ -214,7 +244,6 @@ void attend16(const TileArgs& a, const T* kc, const T* vc) {
   scratch.assign(2 * kPass * d + rows * d + 2 * rows, 0.f);
   float *kt = scratch.data(), *vbuf = kt + kPass * d, *o = vbuf + kPass * d, *m = o + rows * d, *l = m + rows;
   std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
-  alignas(64) float row[64];
   alignas(64) float p[4][kPass];
   int64_t here[kPass];
   for (int64_t c0 = 0; c0 < keys; c0 += kPass) {
@@ -222,10 +251,13 @@ void attend16(const TileArgs& a, const T* kc, const T* vc) {
     offsets_of(a, c0, n, here);
     if (n < kPass) std::fill(kt, kt + kPass * d, 0.f);  // keys past n score 0, then are masked
     for (int64_t t = 0; t < n; ++t)
-      for (int64_t i = 0; i < d; i += 64) {
-        for (int k = 0; k < 4; ++k) _mm512_store_ps(row + 16 * k, load16(kc + here[t] + i + 16 * k));
-        for (int k = 0; k < 4; ++k) _mm512_storeu_ps(vbuf + t * d + i + 16 * k, load16(vc + here[t] + i + 16 * k));
-        for (int64_t u = 0; u < 64; ++u) kt[(i + u) * kPass + t] = row[u];
+      for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(vbuf + t * d + i, load16(vc + here[t] + i));
+    for (int64_t t0 = 0; t0 < n; t0 += 16)  // keys transposed 16 x 16 in registers
+      for (int64_t i = 0; i < d; i += 16) {
+        __m512 block[16];
+        for (int j = 0; j < 16; ++j) block[j] = t0 + j < n ? load16(kc + here[t0 + j] + i) : _mm512_setzero_ps();
+        transpose16(block);
+        for (int u = 0; u < 16; ++u) _mm512_storeu_ps(kt + (i + u) * kPass + t0, block[u]);
       }
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
       const int64_t count = std::min<int64_t>(4, rows - r0);
