@@ -1,10 +1,10 @@
 """Weight-only quantised linears for the CPU, on headroom's own kernels (models/kernels).
 
 int4: the decoder's linears as 4-bit groups of 32 along the input dimension with a scale
-and a minimum each (w = scale * q + min, q in 0..15): llama.cpp's Q4_1 block. The
-default model's file stores its linears that way, and re-quantising the weights the
-loader dequantised from such blocks finds the same q, scale and minimum again, so this
-path computes with the file's own weights. The output head goes to int8.
+and a minimum each (w = scale * q + min, q in 0..15, scale and min float16): llama.cpp's
+Q4_1 block. The default model's file stores its linears that way, and re-quantising the
+weights the loader dequantised from such blocks finds the same q, scale and minimum
+again, so this path computes with the file's own weights. The output head goes to int8.
 int8: groups of 32 in one of two forms, whichever reproduces the weight more closely:
 one scale each (w = scale * q, q in -127..127), Q8_0's block, which is how the default
 model stores its (tied) embedding and output head; or a scale and a minimum each
@@ -39,20 +39,26 @@ TILE = 16  # output rows per register in qgemm_linear
 BATCH_SIZES = (1, 4, 16, 32, 64)
 
 
-def asymmetric_groups(weight: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def asymmetric_groups(
+    weight: torch.Tensor, levels: int, half: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q (N, K) in 0..levels as uint8, scale (N, K/32), minimum (N, K/32)) with
-    w ~ scale * q + minimum: Q4_1's block for levels=15, its 8-bit twin for 255."""
+    w ~ scale * q + minimum: Q4_1's block for levels=15, its 8-bit twin for 255. With
+    half, scale and minimum are float16 values (as Q4_1 stores them), q found for those."""
     n, k = weight.shape
     groups = weight.float().view(n, k // GROUP, GROUP)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     scale = (high - low) / levels
+    if half:  # a Q4_1 group's (high - low) / 15 is its float16 scale but for float32 rounding
+        scale, low = scale.half().float(), low.half().float()
     q = torch.round((groups - low[..., None]) / scale.clamp(min=1e-12)[..., None]).clamp(0, levels)
     return q.view(n, k).to(torch.uint8), scale.contiguous(), low.contiguous()
 
 
 def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q (N, K) in 0..15, scale (N, K/32), minimum (N, K/32)) with w ~ scale * q + minimum."""
-    return asymmetric_groups(weight, 15)
+    """(q (N, K) in 0..15, scale (N, K/32), minimum (N, K/32)) with w ~ scale * q + minimum,
+    scale and minimum float16 values held as float32."""
+    return asymmetric_groups(weight, 15, half=True)
 
 
 def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,12 +93,15 @@ def integer_tiles(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits:
     """The layout of qgemm_linear: (N/16, K/32, 8, 16, 4) bytes, so that one 64-byte load
     holds 4 consecutive weights of 16 output rows; scales and minima as (N/16, K/32, 16).
     With bits 4 (q in 0..15), steps 4-7 of a group go into the high nibbles of steps 0-3:
-    (N/16, K/32, 4, 16, 4), half the bytes for a decode step to read."""
+    (N/16, K/32, 4, 16, 4), half the bytes for a decode step to read; and the scales and
+    minima, float16 values already (int4_groups), are stored as float16: a third of what
+    a decode step read was float32 scales and minima."""
     n, k = q.shape
     tiles = q.view(n // TILE, TILE, k // GROUP, GROUP // 4, 4).permute(0, 2, 3, 1, 4).contiguous()
     if bits == 4:
         tiles = (tiles[:, :, :4] | (tiles[:, :, 4:] << 4)).contiguous()
-    by_tile = [t.view(n // TILE, TILE, k // GROUP).transpose(1, 2).contiguous() for t in (scale, low)]
+    dtype = torch.float16 if bits == 4 else torch.float32
+    by_tile = [t.view(n // TILE, TILE, k // GROUP).transpose(1, 2).to(dtype).contiguous() for t in (scale, low)]
     return tiles, *by_tile
 
 

@@ -42,7 +42,8 @@ def q4_1_weight(n: int, k: int) -> torch.Tensor:
     0..15 (llama.cpp's quantiser maps a group's minimum to 0 and its maximum to 15)."""
     q = torch.randint(0, 16, (n, k // 32, 32)).float()
     q[..., 0], q[..., 1] = 0, 15
-    return (q * torch.rand(n, k // 32, 1) * 0.01 + torch.randn(n, k // 32, 1) * 0.05).view(n, k)
+    scale, low = (torch.rand(n, k // 32, 1) * 0.01).half().float(), (torch.randn(n, k // 32, 1) * 0.05).half().float()
+    return (q * scale + low).view(n, k)  # Q4_1 holds each group's scale and minimum as float16
 
 
 def q8_0_weight(n: int, k: int) -> torch.Tensor:
@@ -169,6 +170,7 @@ def test_batches_above_small_batch_take_the_tiled_kernel_and_the_same_arithmetic
     linear = QuantLinear(weight, None, bits, small_batch=4)
     assert linear.tiles is not None and linear.large is None  # no float copy of the weight is kept
     assert linear.tiles[0].numel() == 336 * 192 * bits // 8  # int4 two weights a byte
+    assert linear.tiles[1].dtype == linear.tiles[2].dtype == (torch.float16 if bits == 4 else torch.float32)
     x = torch.randn(rows, 192) * torch.linspace(0.1, 3, 192)
     x[1, 64:96] = 0
     expected = int8_activation_reference(x, linear)
@@ -193,7 +195,8 @@ def test_integer_tiles_lay_out_four_weights_of_16_rows_a_register_and_int4_two_a
     for by_tile, by_row in ((scales, scale), (mins, low)):
         assert torch.equal(by_tile, by_row.view(2, 16, 4).transpose(1, 2))
     two, *rest = integer_tiles(q, scale, low, bits=4)
-    assert two.shape == (2, 4, 4, 16, 4) and all(torch.equal(a, b) for a, b in zip(rest, (scales, mins)))
+    # int4's scales and minima are float16 (Q4_1's own), the same values in the same order.
+    assert two.shape == (2, 4, 4, 16, 4) and all(torch.equal(a, b.half()) for a, b in zip(rest, (scales, mins)))
     assert torch.equal(two & 0xF, one[:, :, :4]) and torch.equal(two >> 4, one[:, :, 4:])
 
 

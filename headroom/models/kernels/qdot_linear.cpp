@@ -171,9 +171,15 @@ constexpr int64_t tile_size(int64_t K, int bits) { return K * kTile * bits / 8; 
 // Bits 8: a weight a byte, 8 registers a group. Bits 4: a register's steps s and s + 4 of
 // a group share one 64-byte load (step s in the low nibbles), half the bytes a decode step
 // reads, at two instructions a register to unpack.
-template <int Bits, int RT, int NB>
-inline void tile_gemm(const int8_t* xq, const float* xd, const float* xsum, const uint8_t* w, const float* ws,
-                      const float* wm, float* y, int64_t K, int64_t N) {
+// A tile's 16 scales or minima of one group, stored as float32 or as float16.
+inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_scales(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int Bits, int RT, int NB, typename S>
+inline void tile_gemm(const int8_t* xq, const float* xd, const float* xsum, const uint8_t* w, const S* ws,
+                      const S* wm, float* y, int64_t K, int64_t N) {
   const int64_t G = K / kGroup, tile_bytes = tile_size(K, Bits);
   __m512 acc[RT][NB];
   for (int r = 0; r < RT; ++r)
@@ -210,8 +216,8 @@ inline void tile_gemm(const int8_t* xq, const float* xd, const float* xsum, cons
       }
     }
     for (int j = 0; j < NB; ++j) {
-      const __m512 scale = _mm512_loadu_ps(ws + j * G * kTile + g * kTile);
-      const __m512 low = _mm512_loadu_ps(wm + j * G * kTile + g * kTile);
+      const __m512 scale = load_scales(ws + j * G * kTile + g * kTile);
+      const __m512 low = load_scales(wm + j * G * kTile + g * kTile);
       for (int r = 0; r < RT; ++r) {
         const __m512 both = _mm512_mul_ps(scale, _mm512_set1_ps(xd[r * G + g]));
         acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r][j]), both, acc[r][j]);
@@ -223,9 +229,9 @@ inline void tile_gemm(const int8_t* xq, const float* xd, const float* xsum, cons
     for (int j = 0; j < NB; ++j) _mm512_storeu_ps(y + r * N + j * kTile, acc[r][j]);
 }
 
-template <int Bits, int NB>
+template <int Bits, int NB, typename S>
 inline void gemm_rows(const QuantisedRows& x, const float* sums, int64_t m0, int64_t m1, const uint8_t* w,
-                      const float* ws, const float* wm, float* y, int64_t K, int64_t N) {
+                      const S* ws, const S* wm, float* y, int64_t K, int64_t N) {
   const int64_t G = K / kGroup;
   int64_t m = m0;
   for (; m + kRowTile <= m1; m += kRowTile)
@@ -243,8 +249,8 @@ inline void gemm_rows(const QuantisedRows& x, const float* sums, int64_t m0, int
   }
 }
 
-template <int Bits>
-void qgemm_rows(const QuantisedRows& x, const uint8_t* wp, const float* sp, const float* mp, float* yp, int64_t M,
+template <int Bits, typename S>
+void qgemm_rows(const QuantisedRows& x, const uint8_t* wp, const S* sp, const S* mp, float* yp, int64_t M,
                 int64_t K, int64_t N) {
   // Threads split the weight tiles; each passes all rows over its tiles. (Splitting rows
   // too, in chunks, left the threads unequal work at 512 rows and gained nothing at 4096.)
@@ -255,7 +261,7 @@ void qgemm_rows(const QuantisedRows& x, const uint8_t* wp, const float* sp, cons
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t t = p * kTilePair;
       const uint8_t* w = wp + t * tile_bytes;
-      const float *s = sp + t * G * kTile, *mn = mp + t * G * kTile;
+      const S *s = sp + t * G * kTile, *mn = mp + t * G * kTile;
       if (t + kTilePair <= tiles) {
         gemm_rows<Bits, kTilePair>(x, sums, 0, M, w, s, mn, yp + t * kTile, K, N);
       } else {
@@ -307,13 +313,15 @@ torch::Tensor qdot_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
 
 // x: (M, K) float32; tiles: (N/16, K/32, 8, 16, 4) uint8, unsigned 8-bit weights (4-bit
 // ones as they are, 0..15), or (N/16, K/32, 4, 16, 4) for 4-bit ones packed, step s + 4's
-// in the high nibbles of step s's; scales, mins: (N/16, K/32, 16) float32 -> (M, N) float32.
+// in the high nibbles of step s's; scales, mins: (N/16, K/32, 16), both float32 or both
+// float16 -> (M, N) float32.
 torch::Tensor qgemm_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, torch::Tensor mins) {
   TORCH_CHECK(qdot_available(), "qgemm_linear needs AVX-512 VNNI, which this build lacks");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
-  TORCH_CHECK(tiles.scalar_type() == torch::kUInt8 && scales.scalar_type() == torch::kFloat32 &&
-                  mins.scalar_type() == torch::kFloat32 && tiles.is_contiguous() && scales.is_contiguous() &&
-                  mins.is_contiguous(), "tiles must be contiguous uint8, scales and mins contiguous float32");
+  TORCH_CHECK(tiles.scalar_type() == torch::kUInt8 && tiles.is_contiguous() && scales.is_contiguous() &&
+                  mins.is_contiguous() && scales.scalar_type() == mins.scalar_type() &&
+                  (scales.scalar_type() == torch::kFloat32 || scales.scalar_type() == torch::kHalf),
+              "tiles must be contiguous uint8, scales and mins contiguous and both float32 or both float16");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(tiles.dim() == 5 && tiles.size(1) == K / kGroup && K % kGroup == 0 &&
@@ -325,12 +333,16 @@ torch::Tensor qgemm_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor s
   auto y = torch::empty({M, N}, x.options());
 #ifdef HEADROOM_VNNI
   const QuantisedRows xq = quantise_rows(x.data_ptr<float>(), M, K);
-  if (tiles.size(2) == 8)
-    qgemm_rows<8>(xq, tiles.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(),
-                  y.data_ptr<float>(), M, K, N);
+  auto run = [&](const auto* sp, const auto* mp) {
+    if (tiles.size(2) == 8)
+      qgemm_rows<8>(xq, tiles.data_ptr<uint8_t>(), sp, mp, y.data_ptr<float>(), M, K, N);
+    else
+      qgemm_rows<4>(xq, tiles.data_ptr<uint8_t>(), sp, mp, y.data_ptr<float>(), M, K, N);
+  };
+  if (scales.scalar_type() == torch::kHalf)
+    run(scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>());
   else
-    qgemm_rows<4>(xq, tiles.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(),
-                  y.data_ptr<float>(), M, K, N);
+    run(scales.data_ptr<float>(), mins.data_ptr<float>());
 #endif
   return y;
 }
