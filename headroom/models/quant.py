@@ -40,16 +40,16 @@ BATCH_SIZES = (1, 4, 16, 32, 64)
 
 
 def asymmetric_groups(
-    weight: torch.Tensor, levels: int, half: bool = False
+    weight: torch.Tensor, levels: int, float16: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q (N, K) in 0..levels as uint8, scale (N, K/32), minimum (N, K/32)) with
     w ~ scale * q + minimum: Q4_1's block for levels=15, its 8-bit twin for 255. With
-    half, scale and minimum are float16 values (as Q4_1 stores them), q found for those."""
+    float16, scale and minimum are float16 values (as Q4_1 stores them), q found for those."""
     n, k = weight.shape
     groups = weight.float().view(n, k // GROUP, GROUP)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     scale = (high - low) / levels
-    if half:  # a Q4_1 group's (high - low) / 15 is its float16 scale but for float32 rounding
+    if float16:  # a Q4_1 group's (high - low) / 15 is its float16 scale but for float32 rounding
         scale, low = scale.half().float(), low.half().float()
     q = torch.round((groups - low[..., None]) / scale.clamp(min=1e-12)[..., None]).clamp(0, levels)
     return q.view(n, k).to(torch.uint8), scale.contiguous(), low.contiguous()
@@ -58,7 +58,7 @@ def asymmetric_groups(
 def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q (N, K) in 0..15, scale (N, K/32), minimum (N, K/32)) with w ~ scale * q + minimum,
     scale and minimum float16 values held as float32."""
-    return asymmetric_groups(weight, 15, half=True)
+    return asymmetric_groups(weight, 15, float16=True)
 
 
 def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,10 +93,13 @@ def integer_tiles(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits:
     """The layout of qgemm_linear: (N/16, K/32, 8, 16, 4) bytes, so that one 64-byte load
     holds 4 consecutive weights of 16 output rows; scales and minima as (N/16, K/32, 16).
     With bits 4 (q in 0..15), steps 4-7 of a group go into the high nibbles of steps 0-3:
-    (N/16, K/32, 4, 16, 4), half the bytes for a decode step to read; and the scales and
-    minima, float16 values already (int4_groups), are stored as float16: a third of what
-    a decode step read was float32 scales and minima."""
+    (N/16, K/32, 4, 16, 4), half the bytes for a decode step to read; and its scales and
+    minima, which int4_groups makes float16 values, are stored as float16 (a decode step
+    reads them beside the weights)."""
     n, k = q.shape
+    if bits == 4:
+        for values in (scale, low):
+            assert torch.equal(values, values.half().float()), "int4 scales and minima must be float16 values"
     tiles = q.view(n // TILE, TILE, k // GROUP, GROUP // 4, 4).permute(0, 2, 3, 1, 4).contiguous()
     if bits == 4:
         tiles = (tiles[:, :, :4] | (tiles[:, :, 4:] << 4)).contiguous()

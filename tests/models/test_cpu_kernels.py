@@ -176,6 +176,9 @@ def test_batches_above_small_batch_take_the_tiled_kernel_and_the_same_arithmetic
     expected = int8_activation_reference(x, linear)
     tiled = linear(x)
     assert torch.allclose(tiled, expected, rtol=1e-5, atol=1e-4)
+    if bits == 4:  # int4's float16 scales and minima, given as float32: the same values, the same sums
+        wide = kernels.qgemm_linear(x, linear.tiles[0], linear.tiles[1].float(), linear.tiles[2].float())
+        assert torch.equal(wide, tiled)
     # Row by row through the packed kernel: the same numbers but for float rounding, so a
     # sequence's logits hardly depend on which batch it was in.
     one_by_one = torch.cat([linear(row[None]) for row in x])
@@ -188,7 +191,7 @@ def test_integer_tiles_lay_out_four_weights_of_16_rows_a_register_and_int4_two_a
     # group, step, row, i) is weight (16 tile + row, 32 group + 4 step + i); with bits 4,
     # steps s and s + 4 share a byte, s in the low nibble.
     q = torch.randint(0, 16, (32, 128), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    scale, low = torch.rand(32, 4), torch.rand(32, 4)
+    scale, low = torch.rand(32, 4).half().float(), torch.rand(32, 4).half().float()  # as int4_groups gives them
     one, scales, mins = integer_tiles(q, scale, low)
     t, g, step, row, i = (torch.arange(n).view(*([1] * d), n, *([1] * (4 - d))) for d, n in enumerate(one.shape))
     assert torch.equal(one, q[16 * t + row, 32 * g + 4 * step + i])

@@ -168,15 +168,16 @@ template <int Bits>
 constexpr int kLoads = Bits == 8 ? kGroup / 4 : kGroup / 8;
 constexpr int64_t tile_size(int64_t K, int bits) { return K * kTile * bits / 8; }
 
-// Bits 8: a weight a byte, 8 registers a group. Bits 4: a register's steps s and s + 4 of
-// a group share one 64-byte load (step s in the low nibbles), half the bytes a decode step
-// reads, at two instructions a register to unpack.
-// A tile's 16 scales or minima of one group, stored as float32 or as float16.
+// A tile's 16 scales or minima of one group, stored as float32 or as float16 (int4's, as
+// Q4_1 stores them).
 inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_scales(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// Bits 8: a weight a byte, 8 registers a group. Bits 4: a register's steps s and s + 4 of
+// a group share one 64-byte load (step s in the low nibbles), half the bytes a decode step
+// reads, at two instructions a register to unpack.
 template <int Bits, int RT, int NB, typename S>
 inline void tile_gemm(const int8_t* xq, const float* xd, const float* xsum, const uint8_t* w, const S* ws,
                       const S* wm, float* y, int64_t K, int64_t N) {
