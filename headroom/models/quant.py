@@ -97,13 +97,12 @@ def integer_tiles(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bits:
     minima, which int4_groups makes float16 values, are stored as float16 (a decode step
     reads them beside the weights)."""
     n, k = q.shape
-    if bits == 4:
-        for values in (scale, low):
-            assert torch.equal(values, values.half().float()), "int4 scales and minima must be float16 values"
     tiles = q.view(n // TILE, TILE, k // GROUP, GROUP // 4, 4).permute(0, 2, 3, 1, 4).contiguous()
+    dtype = torch.float32
     if bits == 4:
+        assert all(torch.equal(v, v.half().float()) for v in (scale, low)), "int4 scales and minima must be float16"
         tiles = (tiles[:, :, :4] | (tiles[:, :, 4:] << 4)).contiguous()
-    dtype = torch.float16 if bits == 4 else torch.float32
+        dtype = torch.float16
     by_tile = [t.view(n // TILE, TILE, k // GROUP).transpose(1, 2).to(dtype).contiguous() for t in (scale, low)]
     return tiles, *by_tile
 
