@@ -64,22 +64,21 @@ def reference(prompts):
     missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     hf.tie_weights()
-    eos = {2}
 
     def greedy(prompt: list[int]) -> list[int]:
+        # generate() owns the KV cache: its keyword has changed name across transformers
+        # releases, and the pinned range spans them.
         ids = torch.tensor([prompt])
-        out: list[int] = []
         with torch.inference_mode():
-            past = None
-            for _ in range(MAX_TOKENS):
-                res = hf(input_ids=ids, past_key_values=past, use_cache=True)
-                past = res.past_key_values
-                token = int(res.logits[0, -1].argmax())
-                out.append(token)
-                if token in eos:
-                    break
-                ids = torch.tensor([[token]])
-        return out
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=2,
+                pad_token_id=2,
+            )
+        return out[0, len(prompt) :].tolist()
 
     plain, shared = prompts
     return [greedy(p) for p in plain], [greedy(p) for p in shared]
