@@ -67,7 +67,7 @@ def reference(prompts):
 
     def greedy(prompt: list[int]) -> list[int]:
         # generate() owns the KV cache: its keyword has changed name across transformers
-        # releases, and the pinned range spans them.
+        # releases, and the project's range (transformers>=4.46) spans them.
         ids = torch.tensor([prompt])
         with torch.inference_mode():
             out = hf.generate(
