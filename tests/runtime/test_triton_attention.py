@@ -67,6 +67,25 @@ def test_triton_matches_torch(kind: str, block_size: int, num_heads: int, num_kv
     assert_cache_written(batch, before)
 
 
+@pytest.mark.parametrize("part,tile", [pytest.param(None, None, id="default"), pytest.param(32, 16, id="small")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_long_decodes_run_in_parts_whose_softmaxes_merge(part: int | None, tile: int | None, dtype: torch.dtype):
+    backend = triton_paged.TritonAttention()
+    if part:
+        backend.decode_part, backend.decode_tile = part, tile
+    part = backend.decode_part
+    # One key, a part less one, a whole part, one key over, several parts and a ragged end;
+    # then a prefill chunk behind the decodes, as a mixed step has.
+    q_lens = [1, 1, 1, 1, 1, 24]
+    seq_lens = [1, part - 1, part, part + 1, 3 * part + 17, part + 40]
+    batch = make_batch(q_lens, seq_lens, num_heads=6, num_kv_heads=2, block_size=16, seed=part, head_dim=32).to(
+        DEVICE, dtype
+    )
+    expected = run(TorchAttention(), batch.to(DEVICE, torch.float32))
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(run(backend, batch).float(), expected, rtol=tol, atol=tol)
+
+
 def test_head_dim_that_is_not_a_power_of_two():
     q_lens, seq_lens = [1, 1, 9], [5, 30, 20]
     batch = make_batch(q_lens, seq_lens, num_heads=4, num_kv_heads=1, block_size=16, seed=3, head_dim=48).to(

@@ -1,5 +1,6 @@
-"""Our Triton paged-attention backend: one kernel for decode, one for prefill and chunked
-prefill, both reading K/V straight from the paged cache through the block table.
+"""Our Triton paged-attention backend: decode (a kernel over parts of each context and one
+that merges the parts) and prefill or chunked prefill, all reading K/V straight from the
+paged cache through the block table.
 
 GQA maps query head h to KV head h // (Hq // Hkv). Scores, softmax and the output are
 accumulated in fp32 whatever the input dtype (the online softmax of FlashAttention: a
@@ -35,9 +36,11 @@ def _decode_kernel(
     k_cache,
     v_cache,
     out_ptr,
+    parts_ptr,
     block_tables,
     seq_lens,
     scale,
+    max_parts,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -47,35 +50,112 @@ def _decode_kernel(
     stride_ot,
     stride_oh,
     GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    TILE: tl.constexpr,
+    PART: tl.constexpr,
+    IEEE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    WHOLE: tl.constexpr,
 ):
+    # One program per (sequence, KV head, PART keys): the GROUP query heads that share a KV
+    # head read its keys once, and a long context is cut into parts that run side by side
+    # (one program walking a whole context block by block left the card's memory mostly idle).
+    # Each part leaves its unnormalised output, softmax max and sum (a row of BLOCK_D + 2 floats
+    # in parts_ptr); _merge_kernel combines them. WHOLE: every context fits one part (eager steps
+    # of short contexts), so the output is stored here and no merge is launched.
     seq = tl.program_id(0)  # decode row == sequence index (decodes come first, one row each)
-    head = tl.program_id(1)
-    kv_head = head // GROUP
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
     seq_len = tl.load(seq_lens + seq)
+    start = part * PART
+    if start < seq_len:
+        g = tl.arange(0, BLOCK_G)
+        g_ok = g < GROUP
+        heads = kv_head * GROUP + g
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        q_off = seq * stride_qt + heads[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_ptr + q_off, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+        offs = tl.arange(0, TILE)
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max per query head
+        total = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        end = tl.minimum(seq_len, start + PART)
+        for t in range(start, end, TILE):
+            pos = t + offs
+            ok = pos < end
+            block = tl.load(block_tables + seq * stride_bt + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+            kv_off = block[:, None] * stride_kb + (pos % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh
+            kv_ok = ok[:, None] & d_ok[None, :]
+            k = tl.load(k_cache + kv_off + d[None, :], mask=kv_ok, other=0.0)
+            if DOT_FP32:
+                k = k.to(tl.float32)
+            if IEEE:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            scores = tl.where(ok[None, :], scores * scale, float("-inf"))  # (BLOCK_G, TILE), fp32
+            # The first position of a part is always in it, so no row's max stays -inf.
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            v = tl.load(v_cache + kv_off + d[None, :], mask=kv_ok, other=0.0)
+            if DOT_FP32:
+                v = v.to(tl.float32)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            total = total * alpha + tl.sum(p, axis=1)
+            m = m_new
+        if WHOLE:
+            o_off = seq * stride_ot + heads[:, None] * stride_oh + d[None, :]
+            out = acc / total[:, None]
+            tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        else:
+            row = ((seq * tl.num_programs(1) * GROUP + heads) * max_parts + part) * (BLOCK_D + 2)
+            tl.store(parts_ptr + row[:, None] + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+            tl.store(parts_ptr + row + BLOCK_D, m, mask=g_ok)
+            tl.store(parts_ptr + row + BLOCK_D + 1, total, mask=g_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    parts_ptr,
+    out_ptr,
+    seq_lens,
+    max_parts,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PART: tl.constexpr,
+):
+    # One program per (sequence, query head): the parts' partial softmaxes rescaled to their
+    # common max and summed, as FlashAttention merges blocks.
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    parts = tl.cdiv(tl.load(seq_lens + seq), PART)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + seq * stride_qt + head * stride_qh + d, mask=d_ok, other=0.0).to(tl.float32)
-    offs = tl.arange(0, BLOCK_SIZE)
-    m = tl.max(tl.full([BLOCK_SIZE], float("-inf"), tl.float32), axis=0)  # running max
-    total = tl.sum(tl.zeros([BLOCK_SIZE], tl.float32), axis=0)  # running sum of exp
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for b in range(tl.cdiv(seq_len, BLOCK_SIZE)):
-        block = tl.load(block_tables + seq * stride_bt + b).to(tl.int64)
-        pos = b * BLOCK_SIZE + offs
-        ok = pos < seq_len
-        kv_off = block * stride_kb + offs[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
-        k = tl.load(k_cache + kv_off, mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        scores = tl.sum(k * q[None, :], axis=1) * scale  # (BLOCK_SIZE,)
-        scores = tl.where(ok, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=0))
-        p = tl.exp(scores - m_new)
+    row = (seq * tl.num_programs(1) + head) * max_parts * (BLOCK_D + 2)
+    acc = tl.load(parts_ptr + row + d)
+    m = tl.load(parts_ptr + row + BLOCK_D)
+    total = tl.load(parts_ptr + row + BLOCK_D + 1)
+    for p in range(1, parts):
+        row += BLOCK_D + 2
+        m_part = tl.load(parts_ptr + row + BLOCK_D)
+        m_new = tl.maximum(m, m_part)
         alpha = tl.exp(m - m_new)
-        v = tl.load(v_cache + kv_off, mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        total = total * alpha + tl.sum(p, axis=0)
+        beta = tl.exp(m_part - m_new)
+        acc = acc * alpha + tl.load(parts_ptr + row + d) * beta
+        total = total * alpha + tl.load(parts_ptr + row + BLOCK_D + 1) * beta
         m = m_new
     out = acc / total
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
@@ -169,7 +249,9 @@ class TritonAttention:
     name = "triton"
     block_size = 16
     block_m = 16  # query rows per prefill program
-    cuda_graphs = True  # its decode kernel reads only device tensors
+    decode_part = 256  # keys per decode program (a context of more runs in parts side by side)
+    decode_tile = 64  # keys per decode loop step
+    cuda_graphs = True  # its decode kernels read only device tensors (and max_seq_len, a bound there)
 
     @staticmethod
     def check_available(device: torch.device) -> None:
@@ -192,27 +274,56 @@ class TritonAttention:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         num_heads, head_dim = q.shape[1], q.shape[2]
-        group = num_heads // k_cache.shape[2]
-        strides = (
-            q.stride(0),
-            q.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            meta.block_tables.stride(0),
-            out.stride(0),
-            out.stride(1),
-        )
-        shape = {
-            "GROUP": group,
-            "BLOCK_SIZE": k_cache.shape[1],
-            "HEAD_DIM": head_dim,
-            "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
-        }
+        num_kv_heads = k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        block_d = max(16, triton.next_power_of_2(head_dim))
+        cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0))
+        # tl.dot in fp32 when the inputs are fp32 (ieee: no tf32) or interpreted (see INTERPRETED).
+        precision = {"IEEE": q.dtype == torch.float32 or INTERPRETED, "DOT_FP32": INTERPRETED}
         if meta.num_decodes:
-            _decode_kernel[(meta.num_decodes, num_heads)](
-                q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, scale, *strides, **shape
+            # Under a CUDA graph max_seq_len is the model's length, so the grid fits any step.
+            max_parts = triton.cdiv(meta.max_seq_len, self.decode_part)
+            whole = max_parts == 1
+            rows = meta.num_decodes * num_heads * max_parts
+            # A whole step's decode kernel stores straight to out and never touches parts.
+            parts = out if whole else torch.empty(rows, block_d + 2, dtype=torch.float32, device=q.device)
+            _decode_kernel[(meta.num_decodes, num_kv_heads, max_parts)](
+                q,
+                k_cache,
+                v_cache,
+                out,
+                parts,
+                meta.block_tables,
+                meta.seq_lens,
+                scale,
+                max_parts,
+                q.stride(0),
+                q.stride(1),
+                *cache_strides,
+                out.stride(0),
+                out.stride(1),
+                GROUP=group,
+                BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot's smallest tile
+                BLOCK_SIZE=k_cache.shape[1],
+                HEAD_DIM=head_dim,
+                BLOCK_D=block_d,
+                TILE=self.decode_tile,
+                PART=self.decode_part,
+                WHOLE=whole,
+                **precision,
             )
+            if not whole:
+                _merge_kernel[(meta.num_decodes, num_heads)](
+                    parts,
+                    out,
+                    meta.seq_lens,
+                    max_parts,
+                    out.stride(0),
+                    out.stride(1),
+                    HEAD_DIM=head_dim,
+                    BLOCK_D=block_d,
+                    PART=self.decode_part,
+                )
         num_prefills = meta.num_seqs - meta.num_decodes
         if num_prefills:
             longest = max(meta.query_lens_cpu[meta.num_decodes :])
@@ -227,10 +338,16 @@ class TritonAttention:
                 meta.query_start_loc,
                 scale,
                 meta.num_decodes,
-                *strides,
-                **shape,
+                q.stride(0),
+                q.stride(1),
+                *cache_strides,
+                out.stride(0),
+                out.stride(1),
+                GROUP=group,
+                BLOCK_SIZE=k_cache.shape[1],
+                HEAD_DIM=head_dim,
+                BLOCK_D=block_d,
                 BLOCK_M=self.block_m,
-                IEEE=q.dtype == torch.float32 or INTERPRETED,
-                DOT_FP32=INTERPRETED,
+                **precision,
             )
         return out
