@@ -31,6 +31,25 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _online_softmax(q, k, v, visible, scale, m, total, acc, IEEE: tl.constexpr):
+    # One tile of keys and values folded into each query row's running max, sum of exp and
+    # unnormalised output (FlashAttention's online softmax); fp32 dots (ieee) for fp32 inputs.
+    if IEEE:
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))
+    scores = tl.where(visible, scores * scale, float("-inf"))  # (rows, keys), fp32
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    p = tl.exp(scores - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, total * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     k_cache,
@@ -93,27 +112,11 @@ def _decode_kernel(
             kv_off = block[:, None] * stride_kb + (pos % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh
             kv_ok = ok[:, None] & d_ok[None, :]
             k = tl.load(k_cache + kv_off + d[None, :], mask=kv_ok, other=0.0)
-            if DOT_FP32:
-                k = k.to(tl.float32)
-            if IEEE:
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                scores = tl.dot(q, tl.trans(k))
-            scores = tl.where(ok[None, :], scores * scale, float("-inf"))  # (BLOCK_G, TILE), fp32
-            # The first position of a part is always in it, so no row's max stays -inf.
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m - m_new)
             v = tl.load(v_cache + kv_off + d[None, :], mask=kv_ok, other=0.0)
             if DOT_FP32:
-                v = v.to(tl.float32)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            total = total * alpha + tl.sum(p, axis=1)
-            m = m_new
+                k, v = k.to(tl.float32), v.to(tl.float32)
+            # The first position of a part is always in it, so no row's max stays -inf.
+            m, total, acc = _online_softmax(q, k, v, ok[None, :], scale, m, total, acc, IEEE)
         if WHOLE:
             o_off = seq * stride_ot + heads[:, None] * stride_oh + d[None, :]
             out = acc / total[:, None]
@@ -217,29 +220,12 @@ def _prefill_kernel(
             k_ok = k_pos < seq_len
             kv_off = block * stride_kb + offs[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
             k = tl.load(k_cache + kv_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-            if DOT_FP32:
-                k = k.to(tl.float32)
-            if IEEE:
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                scores = tl.dot(q, tl.trans(k))
-            scores = scores * scale  # (BLOCK_M, BLOCK_SIZE), fp32
-            causal = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
-            scores = tl.where(causal, scores, float("-inf"))
-            # Every row sees position 0, so after the first block no row's max is -inf.
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m - m_new)
             v = tl.load(v_cache + kv_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
             if DOT_FP32:
-                v = v.to(tl.float32)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            total = total * alpha + tl.sum(p, axis=1)
-            m = m_new
+                k, v = k.to(tl.float32), v.to(tl.float32)
+            causal = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+            # Every row sees position 0, so after the first block no row's max is -inf.
+            m, total, acc = _online_softmax(q, k, v, causal, scale, m, total, acc, IEEE)
         out = acc / total[:, None]
         o_off = (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :]
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
