@@ -67,23 +67,40 @@ def test_triton_matches_torch(kind: str, block_size: int, num_heads: int, num_kv
     assert_cache_written(batch, before)
 
 
-@pytest.mark.parametrize("part,tile", [pytest.param(None, None, id="default"), pytest.param(32, 16, id="small")])
+class PoisonedParts(triton_paged.TritonAttention):
+    """Scratch rows start as NaN, so a merge that reads a row no part wrote shows it."""
+
+    @staticmethod
+    def parts_buffer(rows: int, width: int, device: torch.device) -> torch.Tensor:
+        return torch.full((rows, width), float("nan"), device=device)
+
+
+@pytest.mark.parametrize(
+    "part,tile",
+    [
+        pytest.param(None, None, id="default"),
+        pytest.param(32, 16, id="small"),
+        pytest.param(48, 32, id="ragged"),  # a part's last step is a partial tile
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_long_decodes_run_in_parts_whose_softmaxes_merge(part: int | None, tile: int | None, dtype: torch.dtype):
-    backend = triton_paged.TritonAttention()
+    backend = PoisonedParts()
     if part:
         backend.decode_part, backend.decode_tile = part, tile
     part = backend.decode_part
-    # One key, a part less one, a whole part, one key over, several parts and a ragged end;
-    # then a prefill chunk behind the decodes, as a mixed step has.
-    q_lens = [1, 1, 1, 1, 1, 24]
-    seq_lens = [1, part - 1, part, part + 1, 3 * part + 17, part + 40]
-    batch = make_batch(q_lens, seq_lens, num_heads=6, num_kv_heads=2, block_size=16, seed=part, head_dim=32).to(
-        DEVICE, dtype
-    )
-    expected = run(TorchAttention(), batch.to(DEVICE, torch.float32))
-    tol = TOLERANCE[dtype]
-    torch.testing.assert_close(run(backend, batch).float(), expected, rtol=tol, atol=tol)
+    # One key, a part less one, a whole part, one key over, several parts and a ragged end,
+    # with a prefill chunk behind them as a mixed step has; then short decodes beside a long
+    # prefill, whose length alone makes the step run in parts.
+    for q_lens, seq_lens in (
+        ([1, 1, 1, 1, 1, 24], [1, part - 1, part, part + 1, 3 * part + 17, part + 40]),
+        ([1, 1, 1, 24], [1, 5, part - 3, 3 * part]),
+    ):
+        batch = make_batch(q_lens, seq_lens, num_heads=6, num_kv_heads=2, block_size=16, seed=part, head_dim=32)
+        batch = batch.to(DEVICE, dtype)
+        expected = run(TorchAttention(), batch.to(DEVICE, torch.float32))
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(run(backend, batch).float(), expected, rtol=tol, atol=tol)
 
 
 def test_head_dim_that_is_not_a_power_of_two():

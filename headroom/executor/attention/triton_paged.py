@@ -4,7 +4,7 @@ paged cache through the block table.
 
 GQA maps query head h to KV head h // (Hq // Hkv). Scores, softmax and the output are
 accumulated in fp32 whatever the input dtype (the online softmax of FlashAttention: a
-running max and sum per query row, rescaled as each KV block arrives). A prefill chunk's
+running max and sum per query row, rescaled as each tile of keys arrives). A prefill chunk's
 query rows sit at the end of their sequence, so row j of a chunk of q_len rows attends
 to cached positions 0 .. seq_len - q_len + j.
 
@@ -25,7 +25,7 @@ from headroom.executor.attention.metadata import AttentionMetadata
 from headroom.executor.attention.torch_ref import write_kv
 
 # Triton's interpreter computes tl.dot on bf16/fp16 operands wrongly (it has no numpy
-# type for them), so there the prefill kernel's matmul operands are upcast to fp32. Loads,
+# type for them), so there the kernels' matmul operands are upcast to fp32. Loads,
 # masking, paging, GQA and the online softmax are the same code either way.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -83,8 +83,8 @@ def _decode_kernel(
     # head read its keys once, and a long context is cut into parts that run side by side
     # (one program walking a whole context block by block left the card's memory mostly idle).
     # Each part leaves its unnormalised output, softmax max and sum (a row of BLOCK_D + 2 floats
-    # in parts_ptr); _merge_kernel combines them. WHOLE: every context fits one part (eager steps
-    # of short contexts), so the output is stored here and no merge is launched.
+    # in parts_ptr); _merge_kernel combines them. WHOLE: max_seq_len fits one part, so the output is
+    # stored here and no merge is launched.
     seq = tl.program_id(0)  # decode row == sequence index (decodes come first, one row each)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -122,7 +122,7 @@ def _decode_kernel(
             out = acc / total[:, None]
             tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
         else:
-            row = ((seq * tl.num_programs(1) * GROUP + heads) * max_parts + part) * (BLOCK_D + 2)
+            row = ((seq.to(tl.int64) * tl.num_programs(1) * GROUP + heads) * max_parts + part) * (BLOCK_D + 2)
             tl.store(parts_ptr + row[:, None] + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
             tl.store(parts_ptr + row + BLOCK_D, m, mask=g_ok)
             tl.store(parts_ptr + row + BLOCK_D + 1, total, mask=g_ok)
@@ -147,8 +147,8 @@ def _merge_kernel(
     parts = tl.cdiv(tl.load(seq_lens + seq), PART)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    row = (seq * tl.num_programs(1) + head) * max_parts * (BLOCK_D + 2)
-    acc = tl.load(parts_ptr + row + d)
+    row = (seq.to(tl.int64) * tl.num_programs(1) + head) * max_parts * (BLOCK_D + 2)
+    acc = tl.load(parts_ptr + row + d, mask=d_ok, other=0.0)
     m = tl.load(parts_ptr + row + BLOCK_D)
     total = tl.load(parts_ptr + row + BLOCK_D + 1)
     for p in range(1, parts):
@@ -157,7 +157,7 @@ def _merge_kernel(
         m_new = tl.maximum(m, m_part)
         alpha = tl.exp(m - m_new)
         beta = tl.exp(m_part - m_new)
-        acc = acc * alpha + tl.load(parts_ptr + row + d) * beta
+        acc = acc * alpha + tl.load(parts_ptr + row + d, mask=d_ok, other=0.0) * beta
         total = total * alpha + tl.load(parts_ptr + row + BLOCK_D + 1) * beta
         m = m_new
     out = acc / total
@@ -240,6 +240,11 @@ class TritonAttention:
     cuda_graphs = True  # its decode kernels read only device tensors (and max_seq_len, a bound there)
 
     @staticmethod
+    def parts_buffer(rows: int, width: int, device: torch.device) -> torch.Tensor:
+        """Scratch for the decode parts, each row written before the merge reads it."""
+        return torch.empty(rows, width, dtype=torch.float32, device=device)
+
+    @staticmethod
     def check_available(device: torch.device) -> None:
         if device.type == "cuda":
             return
@@ -272,7 +277,7 @@ class TritonAttention:
             whole = max_parts == 1
             rows = meta.num_decodes * num_heads * max_parts
             # A whole step's decode kernel stores straight to out and never touches parts.
-            parts = out if whole else torch.empty(rows, block_d + 2, dtype=torch.float32, device=q.device)
+            parts = out if whole else self.parts_buffer(rows, block_d + 2, q.device)
             _decode_kernel[(meta.num_decodes, num_kv_heads, max_parts)](
                 q,
                 k_cache,
