@@ -59,7 +59,6 @@ class Engine(EngineCore):
             self._wakeup.notify()
 
     @classmethod
-    @classmethod
     def started(cls, config: Config) -> Engine:
         """Build an engine on a new thread and run its step loop on that same thread.
 
