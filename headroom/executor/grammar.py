@@ -8,6 +8,13 @@ gets its own matcher: on the engine thread, the sampler fills the batch's bitmas
 the matchers, masks the logits, samples, and advances each matcher by its token. When
 the grammar is complete it allows only the end-of-sequence tokens, so the sequence ends
 as any other does.
+
+A grammar that leaves a value's length open (a JSON string, or a number's digits) lets a
+model loop inside it until max_tokens, and cutting it there leaves invalid JSON. So a
+sequence the loop detector finds looping under a grammar is steered instead
+(runtime/loops.py): its next token is one that closes the string (it begins with a quote)
+or, where the grammar allows none, one that ends the number or item (it begins with a
+comma or a closing bracket); where the grammar allows neither, it goes on as it was.
 """
 
 from __future__ import annotations
@@ -43,6 +50,25 @@ class GrammarSpec:
         return cls("choice", json.dumps(choices, ensure_ascii=False))
 
 
+# A token whose text begins with one of these closes a string; with one of the second,
+# it ends a number or an item.
+STRING_CLOSERS = '"'
+VALUE_CLOSERS = ",}]"
+
+
+class Constraint:
+    """One sequence's grammar: its xgrammar matcher, and whether its next token is to close
+    the value it loops in (set by the loop detector, cleared by the mask that closes it);
+    closers: the tokens that close a string, then those that end a number or an item."""
+
+    __slots__ = ("closers", "closing", "matcher")
+
+    def __init__(self, matcher, closers: tuple[torch.Tensor, ...] = ()):
+        self.matcher = matcher
+        self.closers = closers
+        self.closing = False
+
+
 class Grammars:
     """Compiles specs for one tokenizer (xgrammar's compiler is thread-safe: compile runs
     in worker threads)."""
@@ -66,6 +92,7 @@ class Grammars:
         self._compiler = xgr.GrammarCompiler(
             info, max_threads=max_threads, cache_enabled=True, cache_limit_bytes=cache_limit_bytes
         )
+        self.closers = (_starting(info.decoded_vocab, STRING_CLOSERS), _starting(info.decoded_vocab, VALUE_CLOSERS))
 
     def compile(self, spec: GrammarSpec):
         """The compiled grammar for `spec` (from the cache when it was compiled before).
@@ -91,19 +118,31 @@ class Grammars:
             raise GrammarError(_clean(str(exc))) from None
         return compiled
 
-    def matcher(self, compiled):
-        return self._xgr.GrammarMatcher(compiled)
+    def constraint(self, compiled) -> Constraint:
+        return Constraint(self._xgr.GrammarMatcher(compiled), self.closers)
 
 
-def mask(logits: torch.Tensor, matchers: list[tuple[int, Any]]) -> None:
-    """Mask, in place, the rows of `logits` given as (row, matcher): every token the row's
-    grammar does not allow next becomes -inf."""
+def _starting(vocab: list[bytes], firsts: str) -> torch.Tensor:
+    """(V,) bool: the tokens whose text begins with one of `firsts`, in the bitmask's layout
+    (padded to whole 32-bit words)."""
+    starts = tuple(c.encode() for c in firsts)
+    marks = torch.zeros(32 * ((len(vocab) + 31) // 32), dtype=torch.bool)
+    marks[: len(vocab)] = torch.tensor([text.startswith(starts) for text in vocab])
+    return marks
+
+
+def mask(logits: torch.Tensor, constraints: list[tuple[int, Constraint]]) -> None:
+    """Mask, in place, the rows of `logits` given as (row, constraint): every token the row's
+    grammar does not allow next becomes -inf, and of a closing row also every token that
+    does not close its value, where the grammar allows one that does."""
     import xgrammar as xgr
 
-    rows = [row for row, _ in matchers]
+    rows = [row for row, _ in constraints]
     bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
-    for k, (_, matcher) in enumerate(matchers):
-        matcher.fill_next_token_bitmask(bitmask, k)
+    for k, (_, constraint) in enumerate(constraints):
+        constraint.matcher.fill_next_token_bitmask(bitmask, k)
+        if constraint.closing:
+            _close(bitmask, k, constraint)
     if logits.is_cuda:  # xgrammar's own kernel
         part = logits[rows]
         xgr.apply_token_bitmask_inplace(part, bitmask.to(logits.device))
@@ -118,6 +157,26 @@ def mask(logits: torch.Tensor, matchers: list[tuple[int, Any]]) -> None:
     else:
         index = torch.tensor(rows)
         logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
+
+
+def _close(bitmask: torch.Tensor, k: int, constraint: Constraint) -> None:
+    """Narrow row k of the bitmask to the first set of closers the grammar allows any of."""
+    allowed = _bits(bitmask[k])
+    for closer in constraint.closers:
+        narrowed = allowed & closer
+        if narrowed.any():
+            bitmask[k] = _words(narrowed)
+            constraint.closing = False  # the token sampled from this row closes the value
+            return
+
+
+def _bits(words: torch.Tensor) -> torch.Tensor:
+    """A bitmask row (int32 words; bit j of word w is token 32w + j) as bools."""
+    return torch.from_numpy(np.unpackbits(words.numpy().view(np.uint8), bitorder="little").astype(bool))
+
+
+def _words(bits: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(np.packbits(bits.numpy(), bitorder="little").view(np.int32))
 
 
 def _clean(message: str) -> str:

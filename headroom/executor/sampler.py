@@ -69,8 +69,8 @@ class Sampler:
             picked = self._sample(logits[rows], [requests[i] for i in sampled_rows])
             tokens[rows] = picked
         token_ids = tokens.tolist()
-        for i, matcher in constrained:
-            if not matcher.accept_token(token_ids[i]):  # the grammar allowed nothing at all
+        for i, constraint in constrained:
+            if not constraint.matcher.accept_token(token_ids[i]):  # the grammar allowed nothing at all
                 log.error("grammar refused token %d of %s; it ends here", token_ids[i], requests[i].request_id)
                 token_ids[i] = self.eos_token_ids[0] if self.eos_token_ids else token_ids[i]
         return SampleResult(token_ids, self._logprobs(raw, tokens, token_ids, requests))

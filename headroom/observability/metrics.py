@@ -217,9 +217,9 @@ class EngineCollector(Collector):
         )
         yield _counter(
             "headroom:loops_detected",
-            "Sequences the server's loop detector found looping, by the "
-            "action its loop policy took (flag, cap or stop).",
-            {a: stats.loops.get(a, 0) for a in ("flag", "cap", "stop")},
+            "Sequences the server's loop detector found looping, by the action its loop policy "
+            "took (flag, cap or stop; close: a loop under a grammar steered to close its value).",
+            {a: stats.loops.get(a, 0) for a in ("flag", "cap", "stop", "close")},
             "action",
         )
         yield _counter(

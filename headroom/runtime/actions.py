@@ -25,8 +25,6 @@ from headroom.runtime.stats import sequence_snapshot
 
 log = logging.getLogger(__name__)
 
-DEPRIORITIZED = -(2**31)  # below every tier: runs last, preempted first
-
 
 def abort(request: Request, by: str, reason: str | None) -> None:
     """Record an abort; the engine then aborts the request."""
@@ -36,8 +34,7 @@ def abort(request: Request, by: str, reason: str | None) -> None:
 
 
 def deprioritize(request: Request, by: str, reason: str | None = None, long_lane: bool = False) -> None:
-    request.priority = DEPRIORITIZED
-    request.deprioritized = True
+    request.priority = request.priority._replace(kept=0)  # below every tier: runs last, preempted first
     if long_lane:
         request.size_class = "long"
     lane = " to the long lane" if long_lane else ""
@@ -62,6 +59,9 @@ def on_loop(request: Request, finding: Finding, cap_tokens: int) -> RequestStatu
         request.stop_reason = "loop_detected"  # what a finish at the cap reports; a stop replaces it
         if cap(request, limit, f"cap by loop detector at {limit} tokens: {finding.what}"):
             return RequestStatus.FINISHED_LENGTH
+        return None
+    if finding.action == "close":
+        request.admin_actions.append(f"close the value by loop detector: {finding.what}")
         return None
     request.admin_actions.append(f"flag by loop detector: {finding.what}")
     return None

@@ -2,9 +2,11 @@
 appended: a sequence whose output ends in a repeated pattern (runtime/repetition.py) is
 flagged, capped or stopped, once, by its tenant's policy or the server's ([admin]
 loop_policy). A request that brings its own repetition_detection has asked for exactly
-that test (the scheduler applies it), one that sets ignore_eos asked for every token,
-and one under a grammar ends where the grammar does, so the server's detector leaves
-them alone."""
+that test (the scheduler applies it) and one that sets ignore_eos asked for every token,
+so the server's detector leaves them alone. One under a grammar is never cut (that
+would leave invalid JSON): a loop found in it is steered to close the value it loops in
+(executor/grammar.py), as often as it loops; where the grammar cannot close there, it
+runs on to its max_tokens and finishes as length."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from headroom.runtime.request import Request
 
 @dataclass(frozen=True)
 class Finding:
-    action: str  # flag | cap | stop
+    action: str  # flag | cap | stop, or close under a grammar
     what: str  # for the log, the span and /admin/sequences
 
 
@@ -33,39 +35,44 @@ class LoopPolicy:
 
     def watches(self, request: Request) -> bool:
         params = request.sampling
-        # A grammar ends a structured output where it must, and a valid one may repeat
-        # itself (a JSON array of equal items): cutting it would leave invalid JSON.
-        return (
-            (request.loop_policy or self.policy) != "off"
-            and params.repetition_detection is None
-            and not params.ignore_eos
-            and request.grammar is None
-        )
+        return (request.loop_policy or self.policy) != "off" and params.repetition_detection is None
+
+    def acts_on(self, request: Request) -> bool:
+        """Whether a loop found in request is flagged, capped or stopped (not steered)."""
+        return self.watches(request) and not request.sampling.ignore_eos and request.grammar is None
 
     def attach(self, request: Request) -> None:
         """Give request the tracker its detectors need, if any."""
         own = request.sampling.repetition_detection
         sizes = [own.max_pattern_size] if own is not None else []
-        if self.watches(request):
+        if self.watches(request) and (self.acts_on(request) or request.grammar is not None):
             sizes.append(self.detection.max_pattern_size)
         if sizes:
             request.loop = LoopTracker(max(sizes))
 
     def check(self, request: Request) -> Finding | None:
-        """What to do about request now: the first time its output is found looping."""
+        """What to do about request now: the first time its output is found looping, or
+        under a grammar, each time it is found looping and is not already being closed."""
+        constraint = request.grammar
+        steered = constraint is not None and self.watches(request)
         if (
-            request.loop_detected_at is not None
-            or request.loop is None
-            or not self.watches(request)
+            request.loop is None
+            or not (steered or self.acts_on(request))
+            or (request.loop_detected_at is not None and not steered)
+            or (steered and constraint.closing)
             or request.num_output_tokens < request.sampling.min_tokens
         ):
             return None
         period = request.loop.period(self.detection)
         if period is None:
             return None
-        request.loop_period, request.loop_detected_at = period, request.num_output_tokens
+        if request.loop_detected_at is None:
+            request.loop_period, request.loop_detected_at = period, request.num_output_tokens
         what = (
             f"a {period}-token pattern repeated {self.detection.min_count} times "
             f"at {request.num_output_tokens} output tokens"
         )
+        if steered:
+            constraint.closing = True
+            return Finding("close", what)
         return Finding(request.loop_policy or self.policy, what)

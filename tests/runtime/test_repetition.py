@@ -5,6 +5,7 @@ not loop, that ask for every token (ignore_eos) or that bring their own detectio
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 
@@ -18,9 +19,10 @@ from headroom.config import (
     SchedulerConfig,
     TenantConfig,
 )
+from headroom.executor.grammar import GrammarSpec
 from headroom.runtime.engine import Engine
 from headroom.runtime.repetition import LoopTracker, RepetitionDetection, first_detection
-from headroom.runtime.request import Request, SamplingParams
+from headroom.runtime.request import SamplingParams
 
 
 def vllm_check(tokens: list[int], max_size: int, min_size: int, min_count: int) -> bool:
@@ -209,11 +211,42 @@ def test_a_tenants_policy_overrides_the_servers(default_model, prompt, the):
     assert engine.stats.loops == {"stop": 1}
 
 
-def test_a_request_under_a_grammar_is_left_to_its_grammar(default_model, prompt, the):
-    policy = make_engine(default_model, loop_policy="stop").loops
-    request = Request("g", prompt, SamplingParams(max_tokens=8, temperature=0.0))
-    assert policy.watches(request)
-    request.grammar = object()  # any matcher: a JSON array of equal items is a valid repeat
-    assert not policy.watches(request)
-    policy.attach(request)
-    assert request.loop is None
+@pytest.mark.parametrize("loop_policy", ["stop", "cap", "flag"])
+def test_a_loop_under_a_grammar_is_closed_into_valid_json_not_cut(default_model, prompt, the, loop_policy):
+    """The bias makes the model write " the" for ever inside a JSON string. Cutting it would
+    leave invalid JSON; the detector instead steers it to close the string, and the grammar
+    then closes the object: valid JSON, finish "stop", whatever the loop policy."""
+    engine = make_engine(default_model, loop_policy=loop_policy)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    request = engine.new_request(prompt, SamplingParams(max_tokens=120, temperature=0.0, logit_bias=((the, 100.0),)))
+    request.grammar = engine.grammars.constraint(engine.grammars.compile(GrammarSpec.json_schema(schema)))
+    engine.submit(request, lambda _: None)
+    while not request.is_finished:
+        engine.step()
+    text = engine.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+    assert request.status.finish_reason == "stop", text
+    detection = engine.config.admin.loop_detection
+    # " the" repeated fires every period at once: 8 tokens seen 4 times, 32 in all.
+    repeats = detection.min_pattern_size * detection.min_count
+    start = request.output_token_ids.index(the)  # after '{"name": "'
+    fired_at = start + repeats
+    assert request.output_token_ids[start:fired_at] == [the] * repeats
+    # The very next token closed the string, and the grammar the object.
+    assert json.loads(text) == {"name": " the" * repeats}
+    assert engine.stats.loops == {"close": 1} and request.loop_detected_at == fired_at
+    assert request.admin_actions == [
+        f"close the value by loop detector: a 8-token pattern repeated 4 times at {fired_at} output tokens"
+    ]
+
+
+def test_a_grammar_that_cannot_close_runs_to_its_length(default_model, prompt, the):
+    """Where the grammar allows no closing token (a regex of " the" repeated), the loop
+    goes on to max_tokens and is reported as length, never cut into a stop."""
+    engine = make_engine(default_model, loop_policy="stop")
+    request = engine.new_request(prompt, SamplingParams(max_tokens=48, temperature=0.0, logit_bias=((the, 100.0),)))
+    request.grammar = engine.grammars.constraint(engine.grammars.compile(GrammarSpec("regex", "( the)+")))
+    engine.submit(request, lambda _: None)
+    while not request.is_finished:
+        engine.step()
+    assert request.status.finish_reason == "length" and request.num_output_tokens == 48
+    assert engine.tokenizer.decode(request.output_token_ids) == " the" * 48
