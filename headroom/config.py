@@ -13,6 +13,9 @@ from pydantic.fields import FieldInfo
 
 from headroom.runtime.repetition import RepetitionDetection
 
+# A request's own `priority` lies in [-bound, bound] (vLLM's sign: lower is served first).
+REQUEST_PRIORITY_BOUND = 1000
+
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message says which and why."""
@@ -126,8 +129,10 @@ CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 16
 class ModelConfig:
     # A GGUF file, a Hugging Face checkpoint directory, or None for the default model.
     model: str | None = None
-    # The name clients use in the API; defaults to the file or directory name.
-    served_model_name: str | None = None
+    # The names clients may use in the API, as vLLM's --served-model-name: the first is the
+    # id /v1/models lists first. None: the file or directory name, and that name without a
+    # GGUF quantisation suffix (SmolLM2-135M-Instruct for SmolLM2-135M-Instruct.Q4_1).
+    served_model_name: SkipValidation[str | tuple[str, ...] | None] = None
     dtype: Dtype = "auto"
     device: str = "auto"
     # Weight-only quantised linears on the CPU: int4 (the GGUF's own Q4_1 groups), int8,
@@ -141,6 +146,12 @@ class ModelConfig:
     cuda_graph_sizes: SkipValidation[tuple[int, ...]] = CUDA_GRAPH_SIZES
 
     def __post_init__(self) -> None:
+        names = self.served_model_name
+        if names is not None:
+            names = (names,) if isinstance(names, str) else names
+            if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) and n for n in names):
+                raise ConfigError(f"served_model_name must be a name or a list of names, got {names!r}")
+            object.__setattr__(self, "served_model_name", tuple(dict.fromkeys(names)))  # TOML gives a list
         sizes = self.cuda_graph_sizes
         if isinstance(sizes, (str, bytes)) or not all(isinstance(s, int) and s > 0 for s in sizes):
             raise ConfigError(f"cuda_graph_sizes must be a list of positive integers, got {sizes!r}")
@@ -267,6 +278,10 @@ class TenantConfig:
     # Per-tenant caps on a request's max_tokens and total length (None: the server's).
     max_tokens: AtLeast1 | None = None
     max_model_len: ModelLen | None = None
+    # The request `priority` values it may send (None: any the API takes, [-1000, 1000]);
+    # one outside is a 400, or with priority_clamp the nearest allowed. [0, 0] forbids them.
+    priority_range: SkipValidation[tuple[int, int] | None] = None
+    priority_clamp: bool = False
     # Its own loop policy and remediation ladder (None: the server's, in [admin]).
     loop_policy: LoopPolicy | None = None
     ladder: SkipValidation[tuple[str, ...] | None] = None
@@ -285,6 +300,19 @@ class TenantConfig:
         if self.ladder is not None:
             object.__setattr__(self, "ladder", tuple(self.ladder))
             check_ladder(self.ladder, f"{where}: ladder")
+        if self.priority_range is not None:
+            bounds = self.priority_range
+            if (
+                not isinstance(bounds, (list, tuple))
+                or len(bounds) != 2
+                or not all(type(b) is int for b in bounds)
+                or not -REQUEST_PRIORITY_BOUND <= bounds[0] <= bounds[1] <= REQUEST_PRIORITY_BOUND
+            ):
+                raise ConfigError(
+                    f"{where}: priority_range must be [low, high] integers with "
+                    f"-{REQUEST_PRIORITY_BOUND} <= low <= high <= {REQUEST_PRIORITY_BOUND}, got {bounds!r}"
+                )
+            object.__setattr__(self, "priority_range", tuple(bounds))
 
 
 def check_store_url(url: str, where: str) -> None:
@@ -476,6 +504,9 @@ class ObservabilityConfig:
     # Put prompt text into the per-request log line. Off: prompts can hold secrets.
     log_prompts: bool = False
     metrics: bool = True  # serve /metrics
+    # The bearer token a scraper sends for /metrics (else HEADROOM_METRICS_TOKEN; the admin
+    # token also works). With a token or with [admission] auth on, /metrics needs one.
+    metrics_token: str | None = None
     # The head-of-line signal: rolling TTFT window, and when it fires.
     monitor_interval_s: Positive = 1.0
     ttft_window_s: Positive = 60.0
@@ -492,6 +523,8 @@ class ObservabilityConfig:
     predictor_health_min_requests: int = 50
 
     def __post_init__(self) -> None:
+        if self.metrics_token is not None and len(self.metrics_token) < 16:
+            raise ConfigError("metrics token must be at least 16 characters")  # by hand: never echo it
         if not 2 <= self.predictor_health_min_requests <= self.predictor_health_window:
             raise ConfigError(
                 "predictor_health_min_requests must be in [2, predictor_health_window], "

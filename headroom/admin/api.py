@@ -28,8 +28,8 @@ from aiohttp import web
 from headroom.admin.schemas import AbortBody, CapBody, DeprioritizeBody, parse, sequence_json
 from headroom.admin.tenants_api import list_tenants, patch_tenant, reload_predictor
 from headroom.app import keys
-from headroom.app.admission_gate import Unauthorized
-from headroom.app.errors import APIError, BadRequest, Conflict, NotFound
+from headroom.app.auth import bearer, digest
+from headroom.app.errors import BadRequest, Conflict, Forbidden, NotFound, Unauthorized
 from headroom.config import Config
 from headroom.observability.ledger import OUTCOMES, SUMS
 from headroom.runtime.outputs import SequenceFinished, UnknownSequence
@@ -48,27 +48,17 @@ SORT_KEYS = {
 }
 
 
-class Forbidden(APIError):
-    status = 403
-    type = "permission_error"
-
-
 def admin_token(config: Config) -> str | None:
     return config.admin.token or os.environ.get(TOKEN_ENV) or None
-
-
-def _digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode()).digest()
 
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
     if request.path == "/admin/ui" and request.method == "GET":
         return await handler(request)  # the static page; everything it shows needs the token
-    header = request.headers.get("Authorization", "")
-    given = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+    given = bearer(request)
     # Digests of equal length, so the comparison's time says nothing about the token.
-    if given and hmac.compare_digest(_digest(given), request.app[TOKEN_DIGEST]):
+    if given and hmac.compare_digest(digest(given), request.app[TOKEN_DIGEST]):
         return await handler(request)
     if given and request.config_dict[keys.GATE].registry.by_api_key(given) is not None:
         raise Forbidden("tenant API keys cannot use the admin API", code="admin_forbidden")
@@ -77,7 +67,7 @@ async def auth_middleware(request: web.Request, handler):
 
 def create_admin_app(token: str) -> web.Application:
     admin = web.Application(middlewares=[auth_middleware])
-    admin[TOKEN_DIGEST] = _digest(token)
+    admin[TOKEN_DIGEST] = digest(token)
     admin.router.add_get("/sequences", list_sequences)
     admin.router.add_get("/sequences/{id}", get_sequence)
     admin.router.add_post("/sequences/{id}/abort", abort)

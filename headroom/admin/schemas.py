@@ -51,7 +51,8 @@ def sequence_json(s: SequenceSnapshot) -> dict:
         "tier": s.tier,
         "size_class": s.size_class,
         "state": s.status,
-        "priority": s.priority,
+        "priority": -s.priority.value,  # the request's own, as the client sent it (after its tenant's clamp)
+        "tier_priority": s.priority.tier,
         "deprioritized": s.deprioritized,
         "prompt_tokens": s.prompt_tokens,
         "output_tokens": s.output_tokens,

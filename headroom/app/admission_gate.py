@@ -20,13 +20,11 @@ from headroom.admission.predictor import Prediction, load_predictor
 from headroom.admission.records import RecordLog, label
 from headroom.admission.redis_store import RedisStore
 from headroom.admission.tenants import Tenant, TenantRegistry
-from headroom.app.errors import APIError, BadRequest, QueueFull, Unavailable
+from headroom.app.errors import APIError, BadRequest, QueueFull, Unauthorized, Unavailable
 from headroom.config import Config, check_store_url
 from headroom.openmp import in_passing_thread
 from headroom.runtime.request import Request
 
-# Tier priority dominates; the request's own vLLM-style priority orders within a tier.
-TIER_STRIDE = 1000
 # The Gateway API Inference Extension's flow control names who a request belongs to and
 # its InferenceObjective in these headers; llm-d's router, which carries its endpoint
 # picker on from v1.6, reads its own names first and these as aliases, and so does headroom.
@@ -35,11 +33,6 @@ OBJECTIVE_HEADER = "x-gateway-inference-objective"
 FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", FAIRNESS_HEADER)
 OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", OBJECTIVE_HEADER)
 MAX_TENANT_NAME = 128
-
-
-class Unauthorized(APIError):
-    status = 401
-    type = "invalid_request_error"
 
 
 @dataclass
@@ -156,7 +149,7 @@ class AdmissionGate:
         priority = self.config.priority(tier)
         for r in engine_requests:
             r.admission_decision = ticket.decision
-            r.priority += priority * TIER_STRIDE
+            r.priority = r.priority._replace(tier=priority)  # outranks the request's own (runtime/request.py)
             if self.config.deadline_s is not None:
                 r.deadline = r.arrival_time + self.config.deadline_s
         return admitted

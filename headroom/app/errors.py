@@ -32,6 +32,16 @@ class BadRequest(APIError):
     type = "invalid_request_error"
 
 
+class Unauthorized(APIError):
+    status = 401
+    type = "invalid_request_error"
+
+
+class Forbidden(APIError):
+    status = 403
+    type = "permission_error"
+
+
 class NotFound(APIError):
     status = 404
     type = "invalid_request_error"

@@ -84,9 +84,15 @@ def on_off(value: str) -> bool:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine (flags override --config)")
-    g.add_argument("--config", default=None, help="TOML file with [model] [cache] [scheduler] [server] tables")
+    tables = " ".join(f"[{name}]" for name in _SECTIONS)
+    g.add_argument("--config", default=None, help=f"TOML file with any of the tables {tables} ([[admission.tenants]])")
     g.add_argument("--model", help="GGUF file or HF checkpoint dir (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--served-model-name")
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        help="the names clients may use in `model`, the first being its id (default: the file's name, "
+        "with and without its quantisation suffix)",
+    )
     g.add_argument("--dtype", choices=choices("dtype"))
     g.add_argument(
         "--quantization",

@@ -35,7 +35,7 @@ from headroom.app.sse import DONE, encode_event, open_stream
 from headroom.app.structured import constraint_param, grammar_spec, template_messages, tool_use
 from headroom.executor.grammar import GrammarError, GrammarSpec
 from headroom.executor.sampler import TokenLogprob
-from headroom.runtime.request import Request, SamplingParams
+from headroom.runtime.request import Priority, Request, SamplingParams
 
 log = logging.getLogger("headroom.api")
 
@@ -73,10 +73,16 @@ def check_accepting(request: web.Request) -> None:
 
 
 def check_model(request: web.Request, name: str | None) -> str:
-    served = request.app[keys.ENGINE].engine.loaded.name
-    if name is not None and name != served:
-        raise NotFound(f"The model `{name}` does not exist.", param="model", code="model_not_found")
-    return served
+    """The name the response reports: the one the client asked by (as vLLM), else the id."""
+    names = request.app[keys.ENGINE].engine.loaded.names
+    if name is None:
+        return names[0]
+    if name not in names:
+        served = ", ".join(f"`{n}`" for n in names)
+        raise NotFound(
+            f"The model `{name}` does not exist. This server serves: {served}.", param="model", code="model_not_found"
+        )
+    return name
 
 
 def build_requests(
@@ -100,6 +106,20 @@ def build_requests(
         for engine_request in built:
             engine_request.arrival_time = trace.arrival
     return built
+
+
+def request_priority(asked: int, tenant: Tenant) -> int:
+    """The request's own priority under its tenant's priority_range: as asked, clamped, or a 400."""
+    bounds = tenant.config.priority_range
+    if bounds is None or bounds[0] <= asked <= bounds[1]:
+        return asked
+    if tenant.config.priority_clamp:
+        return min(max(asked, bounds[0]), bounds[1])
+    raise BadRequest(
+        f"priority must be in [{bounds[0]}, {bounds[1]}] for this tenant, got {asked}",
+        param="priority",
+        code="priority_out_of_range",
+    )
 
 
 def _wrap_seed(seed: int) -> int:
@@ -163,7 +183,8 @@ def build_request(
         )
     try:
         # vLLM's convention: a lower `priority` value is served earlier.
-        built = engine.new_request(prompt_ids, sampling, request_id=rid, priority=-body.priority)
+        priority = Priority(value=-request_priority(body.priority, tenant))
+        built = engine.new_request(prompt_ids, sampling, request_id=rid, priority=priority)
     except ValueError as exc:
         raise BadRequest(str(exc), code="invalid_value") from None
     built.loop_policy, built.ladder = tenant.config.loop_policy, tenant.config.ladder
@@ -253,7 +274,7 @@ async def constrain(request: web.Request, engine_requests: list[Request], spec: 
     except GrammarError as exc:
         raise BadRequest(f"{param}: unsupported or invalid: {exc}", param=param, code="invalid_grammar") from None
     for engine_request in engine_requests:
-        engine_request.grammar = grammars.matcher(compiled)
+        engine_request.grammar = grammars.constraint(compiled)
 
 
 def _token_text(tokenizer):
@@ -424,13 +445,17 @@ async def _run(
 
 
 async def list_models(request: web.Request) -> web.Response:
+    """One card per served name, as vLLM lists them; `root` is the model they all name."""
     engine = request.app[keys.ENGINE].engine
-    card = {
-        "id": engine.loaded.name,
-        "object": "model",
-        "created": request.app[keys.LIFECYCLE].started_at,
-        "owned_by": "headroom",
-        "root": engine.loaded.name,
-        "max_model_len": engine.max_model_len,
-    }
-    return web.json_response({"object": "list", "data": [card]})
+    cards = [
+        {
+            "id": name,
+            "object": "model",
+            "created": request.app[keys.LIFECYCLE].started_at,
+            "owned_by": "headroom",
+            "root": engine.loaded.name,
+            "max_model_len": engine.max_model_len,
+        }
+        for name in engine.loaded.names
+    ]
+    return web.json_response({"object": "list", "data": cards})

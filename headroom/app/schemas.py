@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from headroom.config import REQUEST_PRIORITY_BOUND
 from headroom.runtime.repetition import MAX_PATTERN_SIZE, RepetitionDetection
 
 MAX_STOP_STRINGS = 16
@@ -126,7 +127,8 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
     repetition_detection: RepetitionDetectionSpec | None = None
-    priority: int = 0
+    # vLLM's: lower is served earlier, within the tenant's tier (a tier always outranks it).
+    priority: Annotated[int, Field(ge=-REQUEST_PRIORITY_BOUND, le=REQUEST_PRIORITY_BOUND)] = 0
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None

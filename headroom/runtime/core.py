@@ -39,7 +39,7 @@ from headroom.runtime.outputs import (
     UnknownSequence,
 )
 from headroom.runtime.probe import LengthProbe, ProbeRefiner
-from headroom.runtime.request import Request, SamplingParams, check_fits
+from headroom.runtime.request import Priority, Request, SamplingParams, check_fits
 from headroom.runtime.scheduler import Scheduler, SchedulerOutput
 from headroom.runtime.stats import StepAccounting, engine_counters, engine_snapshot, long_lane_state
 
@@ -92,10 +92,12 @@ class EngineCore:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         request_id: str | None = None,
-        priority: int = 0,
+        priority: Priority | None = None,
     ) -> Request:
         """Validate and build a request (not yet submitted); raises ValueError."""
-        request = Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), sampling, priority)
+        request = Request(
+            request_id or f"req-{next(self._ids)}", list(prompt_token_ids), sampling, priority or Priority()
+        )
         cache_tokens = self.block_manager.num_blocks * self.block_manager.block_size
         check_fits(request, self.max_model_len, cache_tokens, self.loaded.args.vocab_size)
         return request

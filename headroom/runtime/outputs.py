@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from headroom.executor.sampler import TokenLogprob
-from headroom.runtime.request import Request
+from headroom.runtime.request import Priority, Request
 from headroom.runtime.step_cost import StepCost
 
 
@@ -86,7 +86,7 @@ class SequenceSnapshot:
     tier: str | None
     size_class: str | None
     status: str  # waiting | running | preempted
-    priority: int
+    priority: Priority
     age_s: float
     prompt_tokens: int
     output_tokens: int

@@ -49,7 +49,7 @@ class SchedulingPolicy:
     def order_key(self, request: Request, now: float, probed: bool = True) -> tuple:
         waited = now - request.arrival_time
         rank = (request.estimated_remaining_tokens(probed) or 0.0) - self.config.ageing_tokens_per_s * waited
-        return (-request.priority, rank, request.submit_order)
+        return (*request.priority.first(), rank, request.submit_order)
 
     def victim_key(self, request: Request, probed: bool = True) -> tuple:
         """min() of this is the preemption victim."""

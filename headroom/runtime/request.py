@@ -6,9 +6,23 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from headroom.runtime.repetition import LoopTracker, RepetitionDetection
+
+
+class Priority(NamedTuple):
+    """Who is served first, compared as a tuple (higher first, preempted last): an
+    operator's deprioritisation, then the tier, then the request's own value; arrival
+    breaks ties after these. A tier so always outranks what a request asks for itself."""
+
+    kept: int = 1  # 0 once an operator or a policy deprioritised it: below every tier
+    tier: int = 0  # the tier's priority ([admission.tiers])
+    value: int = 0  # the request's own, negated from the API's so that higher runs first
+
+    def first(self) -> tuple[int, int, int]:
+        """A sort key on which what is served first comes first."""
+        return (-self.kept, -self.tier, -self.value)
 
 
 class RequestStatus(enum.IntEnum):
@@ -99,8 +113,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    # Higher runs first and is preempted last.
-    priority: int = 0
+    priority: Priority = field(default_factory=Priority)
     arrival_time: float = field(default_factory=time.monotonic)
 
     # Set by admission (None when admission is off): they steer order, lanes and victims.
@@ -137,7 +150,6 @@ class Request:
     abort_cause: str | None = None  # client_disconnect | shutdown | engine_error | wall_clock_budget | admin
     # Operator actions (admin API or automatic policy) taken on it, in order.
     admin_actions: list[str] = field(default_factory=list)
-    deprioritized: bool = False
     max_tokens_cap: int | None = None  # an operator's cap below sampling.max_tokens
     # Structured output: an xgrammar matcher (executor/grammar.py) that masks every token
     # this sequence samples and advances with it; None: unconstrained.
@@ -163,6 +175,10 @@ class Request:
         if not self.prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
         self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def deprioritized(self) -> bool:
+        return not self.priority.kept
 
     @property
     def num_prompt_tokens(self) -> int:

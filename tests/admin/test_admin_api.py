@@ -152,7 +152,11 @@ def test_deprioritize_drops_it_below_every_tier(admin_server):
     r = admin(admin_server, "POST", f"/sequences/{rid}/deprioritize", json={"long_lane": True})
     assert r.status_code == 200
     seq = admin(admin_server, "GET", f"/sequences/{rid}").json()
-    assert seq["deprioritized"] is True and seq["priority"] == -(2**31) and seq["size_class"] == "long"
+    assert (
+        seq["deprioritized"] is True
+        and (seq["priority"], seq["tier_priority"]) == (0, 1)
+        and seq["size_class"] == "long"
+    )
     assert seq["admin_actions"] == ["deprioritize by admin to the long lane"]
     assert admin(admin_server, "POST", f"/sequences/{rid}/abort").status_code == 200
     stream.wait()

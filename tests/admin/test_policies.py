@@ -189,9 +189,9 @@ def test_the_runaway_policy_moves_a_probed_runaway_to_the_long_lane(default_mode
         assert [at for at, _, _ in estimates] == list(range(0, probe.last_point + 1, a.probe_every))
         assert estimates[0][2] < a.runaway_threshold <= estimates[1][2]  # no loop at prefill, one at 16
         at, remaining, p = estimates[-1]
-        assert (seq["size_class"], seq["priority"], seq["runaway_probability"], seq["runaway_flagged_at"]) == (
+        assert (seq["size_class"], seq["deprioritized"], seq["runaway_probability"], seq["runaway_flagged_at"]) == (
             "long",
-            -(2**31),
+            True,
             p,
             16,
         )

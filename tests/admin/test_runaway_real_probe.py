@@ -18,7 +18,6 @@ import httpx
 import pytest
 
 from headroom.app.background import BackgroundServer
-from headroom.runtime.actions import DEPRIORITIZED
 from headroom.runtime.engine import Engine
 from tests.admin.conftest import admin, admin_config, wait_until
 
@@ -70,7 +69,7 @@ def test_the_probe_catches_a_looping_sequence_and_the_policy_moves_it(default_mo
         acted_at = int(found.group(2))
         # Flagged by the default threshold before the policy's higher one was reached.
         assert seq["runaway_flagged_at"] is not None and 0 <= seq["runaway_flagged_at"] < acted_at
-        assert (seq["size_class"], seq["priority"]) == ("long", DEPRIORITIZED)
+        assert (seq["size_class"], seq["deprioritized"]) == ("long", True)
         assert 0.8 <= seq["runaway_probability"] < 1.0  # ignore_eos would make it exactly 1
 
         assert response.status_code == 200

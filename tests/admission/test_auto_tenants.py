@@ -13,7 +13,7 @@ from headroom.admission.tenants import MAX_AUTO_TENANTS
 from headroom.app.admission_gate import FAIRNESS_HEADER, OBJECTIVE_HEADER, AdmissionGate
 from headroom.app.errors import BadRequest
 from headroom.config import AdmissionConfig, Config, TenantConfig
-from headroom.runtime.request import Request, SamplingParams
+from headroom.runtime.request import Priority, Request, SamplingParams
 
 
 def gate(**admission) -> AdmissionGate:
@@ -99,7 +99,7 @@ def test_the_gateway_objective_names_the_tier_the_config_maps_it_to():
 @pytest.mark.asyncio
 async def test_the_objectives_tier_is_the_priority_the_engine_gets():
     g = AdmissionGate(Config(admission=AdmissionConfig(objectives={"sheddable": "batch"})), 8, 40_000)
-    cases = (({OBJECTIVE_HEADER: "sheddable"}, ("batch", 0)), ({}, ("standard", 1000)))
+    cases = (({OBJECTIVE_HEADER: "sheddable"}, ("batch", Priority(tier=0))), ({}, ("standard", Priority(tier=1))))
     for headers, expected in cases:
         request = make_mocked_request("POST", "/v1/completions", headers=headers)
         tenant = g.tenant(request)

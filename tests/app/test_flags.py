@@ -52,4 +52,6 @@ def test_every_flag_hands_the_strict_config_a_value_it_takes():
     config = build_config(ns)
     for dest in _FLAGS:
         section, name = _FLAGS[dest]
-        assert getattr(getattr(config, section) if section else config, name) == getattr(ns, dest), dest
+        given = getattr(ns, dest)
+        given = tuple(given) if isinstance(given, list) else given  # nargs="+" flags; the config holds tuples
+        assert getattr(getattr(config, section) if section else config, name) == given, dest

@@ -18,9 +18,9 @@ from headroom.admission.features import RequestFeatures
 from headroom.admission.predictor import LengthPredictor, load_predictor
 from headroom.admission.train import load_records
 from headroom.app import cli, keys
-from headroom.app.admission_gate import AdmissionGate, Unauthorized
+from headroom.app.admission_gate import AdmissionGate
 from headroom.app.background import BackgroundServer
-from headroom.app.errors import BadRequest
+from headroom.app.errors import BadRequest, Unauthorized
 from headroom.config import (
     AdminConfig,
     AdmissionConfig,
@@ -31,7 +31,7 @@ from headroom.config import (
     TenantConfig,
 )
 from headroom.runtime.engine import Engine
-from headroom.runtime.request import SamplingParams
+from headroom.runtime.request import Priority, SamplingParams
 from tests.steps import before_each_step
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -234,7 +234,7 @@ def test_admission_off_serves_in_arrival_order_whatever_the_tier(fcfs_server):
     # Tenants are still resolved; nothing else from admission is set.
     assert [(r.tenant, r.tier) for r in (a, b, c)] == [("bulk", "batch"), ("bulk", "batch"), ("vip", "premium")]
     assert {(r.priority, r.size_class, r.predicted_output_tokens, r.admission_decision) for r in (a, b, c)} == {
-        (0, None, None, None)
+        (Priority(), None, None, None)
     }
 
 

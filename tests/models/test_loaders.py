@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from headroom.config import ConfigError, ModelConfig
 from headroom.models.gguf_loader import load_gguf
 from headroom.models.hf_loader import load_hf_dir
-from headroom.models.loader import default_model_path, load_model, save_hf_checkpoint
+from headroom.models.loader import QUANT_SUFFIX, default_model_path, load_model, save_hf_checkpoint
 from headroom.models.tokenizer import Tokenizer
 
 SMOLLM2_CHAT = (
@@ -119,7 +119,9 @@ def test_load_model_default_gguf(monkeypatch, gguf_path, gguf_checkpoint, tokeni
 
     loaded = load_model(ModelConfig(max_model_len=2048), torch.device("cpu"), torch.float32)
     assert read == [gguf_path]
-    assert loaded.name == "SmolLM2-135M-Instruct.Q4_1"
+    # The README's name first (the id), then the file's.
+    assert loaded.names == ("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1")
+    assert loaded.name == "SmolLM2-135M-Instruct"
     assert loaded.tokenizer is tokenizer
     assert loaded.args.num_layers == 30
     assert loaded.args.max_position_embeddings == 2048  # capped by max_model_len
@@ -135,7 +137,24 @@ def test_load_model_default_gguf(monkeypatch, gguf_path, gguf_checkpoint, tokeni
     assert torch.equal(qkv[:576], state["model.layers.3.self_attn.q_proj.weight"])
 
     named = load_model(ModelConfig(served_model_name="smol"), torch.device("cpu"), torch.float32)
-    assert named.name == "smol"
+    assert named.names == ("smol",)
+    both = load_model(ModelConfig(served_model_name=["smol", "tiny", "smol"]), torch.device("cpu"), torch.float32)
+    assert both.names == ("smol", "tiny")
+
+
+@pytest.mark.parametrize(
+    ("file_name", "model_name"),
+    [
+        ("SmolLM2-135M-Instruct.Q4_1", "SmolLM2-135M-Instruct"),
+        ("Llama-3.2-1B-Instruct-Q4_K_M", "Llama-3.2-1B-Instruct"),
+        ("qwen2.5-0.5b-instruct-q8_0", "qwen2.5-0.5b-instruct"),
+        ("Mistral-7B-v0.3.f16", "Mistral-7B-v0.3"),
+        ("model-IQ2_XXS", "model"),
+        ("Llama-3.2-1B", "Llama-3.2-1B"),  # no quantisation in the name: nothing taken off
+    ],
+)
+def test_a_gguf_file_answers_to_its_model_name_without_the_quantisation(file_name, model_name):
+    assert QUANT_SUFFIX.sub("", file_name) == model_name
 
 
 def test_load_model_hf_dir(hf_dir, gguf_checkpoint):

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from headroom.config import SchedulerConfig
 from headroom.runtime.block_manager import BlockManager
-from headroom.runtime.request import Request, SamplingParams
+from headroom.runtime.request import Priority, Request, SamplingParams
 from headroom.runtime.scheduler import Scheduler, SchedulerOutput
 
 EOS = 2
@@ -52,7 +52,7 @@ def create_request(
         f"r{n}",
         tokens,
         SamplingParams(max_tokens=max_tokens, **sampling),
-        priority,
+        Priority(value=priority),
         arrival_time=float(n) if arrival is None else arrival,
         predicted_output_tokens=predicted,
         size_class=size_class,

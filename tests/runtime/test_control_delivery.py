@@ -17,7 +17,7 @@ from headroom.executor.sampler import Sampler
 from headroom.runtime import actions
 from headroom.runtime.output_processor import OutputProcessor
 from headroom.runtime.outputs import EngineStats, RequestOutput, SequenceFinished, UnknownSequence
-from headroom.runtime.request import Request, RequestStatus, SamplingParams
+from headroom.runtime.request import Priority, Request, RequestStatus, SamplingParams
 from headroom.runtime.scheduler import SchedulerOutput
 from headroom.runtime.stats import StepAccounting, engine_counters, engine_snapshot
 from headroom.runtime.step_cost import StepCostModel
@@ -207,7 +207,7 @@ def test_apply_deprioritize_and_abort(hf):
     short, lane = rig.add("One", output="aaaa"), rig.add("Two", output="bbbb")
     rig.step()
     snap = actions.apply(short.request_id, "deprioritize", {}, rig.scheduler, rig.processor, rig.stats)
-    assert short.priority == actions.DEPRIORITIZED == snap.priority and snap.deprioritized
+    assert short.priority == Priority(kept=0) == snap.priority and snap.deprioritized
     assert short.size_class is None and short.admin_actions == ["deprioritize by admin"]
     args = {"by": "policy", "long_lane": True, "reason": "runaway"}
     snap = actions.apply(lane.request_id, "deprioritize", args, rig.scheduler, rig.processor, rig.stats)

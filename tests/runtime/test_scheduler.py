@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from headroom.runtime.request import RequestStatus
+from headroom.config import REQUEST_PRIORITY_BOUND
+from headroom.runtime.request import Priority, RequestStatus
 from tests.runtime.factories import EOS, create_request, create_scheduler, run_step
 
 
@@ -53,6 +54,29 @@ def test_priority_orders_admission():
     s.add_request(high)
     out, _ = run_step(s)
     assert out.requests == [high]
+
+
+def test_a_tier_always_outranks_a_requests_own_priority():
+    """Standard-tier requests asking for the most urgent priority the API takes, a premium
+    one asking for the least, and a deprioritised premium one: one seat, so the order in
+    which they run is the order of their priorities, whatever they asked for."""
+    standard_tier, premium_tier = 1, 2
+    s = create_scheduler(max_num_seqs=1)
+    urgent = [create_request(prompt=4, max_tokens=1) for _ in range(2)]
+    for r in urgent:
+        r.priority = Priority(tier=standard_tier, value=REQUEST_PRIORITY_BOUND)  # the API's -1000
+    premium = create_request(prompt=4, max_tokens=1)
+    premium.priority = Priority(tier=premium_tier, value=-REQUEST_PRIORITY_BOUND)  # the API's +1000
+    demoted = create_request(prompt=4, max_tokens=1)
+    demoted.priority = Priority(kept=0, tier=premium_tier, value=REQUEST_PRIORITY_BOUND)
+    for r in (demoted, *urgent, premium):
+        s.add_request(r)
+    ran = []
+    while s.has_work():
+        out, _ = run_step(s)
+        ran += [r for r in out.requests if r not in ran]
+    assert ran == [premium, *urgent, demoted]
+    s.block_manager.check_invariants()
 
 
 def test_finish_on_eos_length_and_stop_token_frees_blocks():
