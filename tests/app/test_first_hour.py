@@ -4,14 +4,26 @@ structured outputs that finish, and a server under auth that answers nobody with
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pydantic
 import pytest
 
+from headroom.admission.tenants import Tenant
 from headroom.app.background import BackgroundServer
-from headroom.config import AdminConfig, AdmissionConfig, CacheConfig, Config, ObservabilityConfig, TenantConfig
+from headroom.app.errors import BadRequest
+from headroom.app.openai_api import request_priority
+from headroom.config import (
+    AdminConfig,
+    AdmissionConfig,
+    CacheConfig,
+    Config,
+    ConfigError,
+    ObservabilityConfig,
+    TenantConfig,
+)
 from headroom.runtime.engine import Engine
 
 pytestmark = pytest.mark.slow
@@ -158,3 +170,34 @@ def test_with_auth_on_each_route_answers_the_caller_it_is_for(keyed):
     assert (refused.status_code, refused.json()["error"]["code"]) == (403, "metrics_forbidden")
     assert get("/v1/models", METRICS_TOKEN).status_code == 401
     assert get("/admin/stats", METRICS_TOKEN).status_code == 401
+
+
+# ---- a request's own priority: bounded, and its tenant's to restrict ------------------------
+
+
+def test_a_priority_outside_the_apis_bounds_is_a_400(server):
+    body = {"prompt": "Hi", "max_tokens": 1, "priority": -5000}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == ("priority", "invalid_value"), error
+    assert "greater than or equal to -1000" in error["message"]
+
+
+def test_a_tenant_may_forbid_or_clamp_a_requests_priority():
+    def tenant(**limits) -> Tenant:
+        return SimpleNamespace(config=TenantConfig("t", **limits))
+
+    assert request_priority(-1000, tenant()) == -1000
+    assert request_priority(-7, tenant(priority_range=(-10, 10))) == -7
+    assert request_priority(-50, tenant(priority_range=(-10, 10), priority_clamp=True)) == -10
+    assert request_priority(50, tenant(priority_range=(-10, 10), priority_clamp=True)) == 10
+    with pytest.raises(BadRequest) as refused:
+        request_priority(-1, tenant(priority_range=(0, 0)))  # [0, 0]: none but the default
+    assert (refused.value.param, refused.value.code, refused.value.message) == (
+        "priority",
+        "priority_out_of_range",
+        "priority must be in [0, 0] for this tenant, got -1",
+    )
+    with pytest.raises(ConfigError, match="priority_range must be"):
+        TenantConfig("t", priority_range=(5, -5))

@@ -4,19 +4,13 @@ the torch reference backend (the oracle) on a cache with scattered blocks."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import pytest
 import torch
 
 from headroom.executor.attention.cpu_paged import CpuPagedAttention
 from headroom.executor.attention.metadata import AttentionMetadata
 from headroom.executor.attention.torch_ref import TorchAttention
-from headroom.models.kernels import NAME, STALE_LOCK_S, clear_stale_lock, cpu_kernels
+from headroom.models.kernels import cpu_kernels
 from headroom.models.quant import QuantLinear, int4_groups, int8_groups, integer_tiles, pack_q4
 
 
@@ -274,34 +268,3 @@ def test_decode_step_writes_this_steps_kv_and_attends_like_the_reference(hq, hkv
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)  # the same slots written
     assert got.dtype == torch.float32
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
-
-
-def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, caplog):
-    assert not clear_stale_lock(tmp_path)  # none there
-    lock = tmp_path / "lock"
-    lock.touch()
-    made = lock.stat().st_mtime
-    assert not clear_stale_lock(tmp_path, now=made + 60) and lock.exists()  # a build may be running
-    assert clear_stale_lock(tmp_path, now=made + STALE_LOCK_S + 1) and not lock.exists()
-    assert "removing a stale build lock left" in caplog.text
-
-
-def test_a_killed_builds_lock_does_not_hang_the_next_start():
-    """torch's builder waits for ever on a lock it finds; a start must get past one that a
-    killed build left behind (it did hang `make install` here once)."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    lock = Path(_get_build_directory(NAME, False)) / "lock"
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    lock.touch()
-    old = time.time() - STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
-    try:
-        run = subprocess.run(
-            [sys.executable, "-m", "headroom.models.kernels"], capture_output=True, text=True, timeout=600, check=False
-        )
-    finally:
-        leftover = lock.exists()
-        lock.unlink(missing_ok=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert not leftover

@@ -7,11 +7,15 @@ build fails, cpu_kernels() answers None with the reason, and callers use PyTorch
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -46,27 +50,62 @@ SOURCES = (
 )
 VNNI_FLAGS = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"}
 # One build per checkout: torch's builder writes the sources' absolute paths into its
-# build file, so two checkouts sharing one name rebuild over each other (3 minutes, the
-# lock held) each time the other has built.
+# build file, so two checkouts sharing one name rebuild over each other each time the
+# other has built.
 NAME = "headroom_cpu_kernels_" + hashlib.sha1(str(HERE).encode()).hexdigest()[:10]
-# A build takes ~3 minutes on 2 cores. torch's builder holds a `lock` file in the build
-# directory while it compiles and waits, without end, for any lock it finds; a build that
-# was killed leaves its lock behind, and every later start would hang on it.
-STALE_LOCK_S = 900.0
+PROGRESS_EVERY_S = 10.0
 
 
-def clear_stale_lock(build_dir: Path, now: float | None = None) -> bool:
-    """Remove the builder's lock in build_dir if it is older than any build takes."""
-    lock = build_dir / "lock"
+@contextlib.contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """Held across torch's build and load. torch's builder marks a build with a `lock` file
+    and waits, without end, for any it finds; a build killed part-way (a timeout, Ctrl-C,
+    the OOM killer) leaves it behind. This OS lock dies with its process instead: whoever
+    holds it knows that any `lock` there is such a leftover, and clears it at once, and
+    a start that finds another live process building waits for it and says so."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "headroom.lock", "a+", encoding="ascii") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held.seek(0)
+            log.warning("waiting for process %s, which is building headroom's CPU kernels", held.read() or "?")
+            fcntl.flock(held, fcntl.LOCK_EX)
+        held.seek(0)
+        held.truncate()
+        held.write(str(os.getpid()))
+        held.flush()
+        leftover = build_dir / "lock"
+        if leftover.exists():
+            log.warning("removing the build lock of a build that did not finish: %s", leftover)
+            leftover.unlink(missing_ok=True)
+        yield
+
+
+@contextlib.contextmanager
+def progress(build_dir: Path, total: int) -> Iterator[None]:
+    """Say what is being compiled while a build runs (a first start that compiles for a
+    minute in silence looks hung); a load from the cache returns before the first word."""
+    done = threading.Event()
+    started = time.time()
+
+    def report() -> None:
+        if done.wait(2.0):
+            return
+        log.warning("building headroom's CPU kernels for this CPU: %d C++ files into %s", total, build_dir)
+        while not done.wait(PROGRESS_EVERY_S):
+            compiled = sum(1 for o in build_dir.glob("*.o") if o.stat().st_mtime >= started)
+            log.warning("... %d of %d compiled after %.0f s", compiled, total, time.time() - started)
+
+    reporter = threading.Thread(target=report, name="headroom-kernel-build-progress", daemon=True)
+    reporter.start()
     try:
-        age = (time.time() if now is None else now) - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age < STALE_LOCK_S:
-        return False
-    log.warning("removing a stale build lock left %.0f s ago by a build that did not finish: %s", age, lock)
-    lock.unlink(missing_ok=True)
-    return True
+        yield
+    finally:
+        done.set()
+        reporter.join()
+        if time.time() - started > 2.0:
+            log.warning("headroom's CPU kernels: built in %.0f s", time.time() - started)
 
 
 @functools.cache
@@ -77,10 +116,9 @@ def cpu_kernels() -> tuple[ModuleType | None, str]:
     from torch.utils import cpp_extension
     from torch.utils.cpp_extension import load
 
-    # torch keeps the build directory's name to itself; without it, no cleanup (torch's own wait).
+    # torch keeps the build directory's name to itself; without it, no lock (torch's own wait).
     with_build_dir = getattr(cpp_extension, "_get_build_directory", None)
-    if with_build_dir is not None:
-        clear_stale_lock(Path(with_build_dir(NAME, False)))
+    build_dir = Path(with_build_dir(NAME, False)) if with_build_dir is not None else None
 
     flags = ["-O3", "-fopenmp"]  # at::parallel_for is OpenMP inlined from its header
     cpu = cpu_flags()
@@ -89,14 +127,18 @@ def cpu_kernels() -> tuple[ModuleType | None, str]:
     if VNNI_FLAGS <= cpu:
         flags += ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni"]
     try:
-        module = load(
-            name=NAME,
-            sources=[str(HERE / name) for name in SOURCES],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(HERE)],
-            verbose=False,
-        )
+        with (
+            build_lock(build_dir) if build_dir else contextlib.nullcontext(),
+            progress(build_dir, len(SOURCES)) if build_dir else contextlib.nullcontext(),
+        ):
+            module = load(
+                name=NAME,
+                sources=[str(HERE / name) for name in SOURCES],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                extra_include_paths=[str(HERE)],
+                verbose=False,
+            )
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler, or it failed
         log.warning("headroom's CPU kernels did not build (%s); using PyTorch's ops", exc)
         return None, f"build failed: {str(exc).splitlines()[0][:200]}"

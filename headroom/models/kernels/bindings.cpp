@@ -1,5 +1,6 @@
 // The Python module of headroom's CPU kernels.
-#include <torch/extension.h>
+// pybind11 and its Tensor casters, without the C++ frontend that torch/extension.h adds.
+#include <torch/python.h>
 
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins);
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,

@@ -1,7 +1,7 @@
 // The small float32 ops of a decoder layer, one call each instead of several PyTorch ops
 // (which cost more in dispatch than in arithmetic at decode sizes): RMSNorm, the residual
 // add fused into the next RMSNorm, SiLU(gate) * up, and rotate-half RoPE in place.
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include "pool.h"
 #include <cmath>

@@ -7,7 +7,7 @@
 // first. With AVX2 (AVX-512 builds included: the spans read the cache faster there than a
 // kernel per (sequence, kv head) with 512-bit vectors did, bench/RESULTS.md), each
 // sequence's context is read in spans by the tile kernel (see decode_spans).
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include "decode_spans.h"
 #include "paged_tile.h"

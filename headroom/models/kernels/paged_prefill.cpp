@@ -6,7 +6,7 @@
 // each cached token row. All items are dealt to the threads by their work (a step's long
 // rows and a causal chunk's later tiles are the heavy ones) in one parallel region. The
 // caller has written this step's K/V to their slots.
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include <algorithm>
 #include <vector>

@@ -3,7 +3,7 @@
 // are unpacked to floats once and used for every row of x, so one sequence reads an
 // eighth of the fp32 bytes and a batch shares the unpacking. AVX2 + FMA where the
 // compiler targets them, plain C++ elsewhere; threads over output rows on the kernels' pool.
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include "pool.h"
 #include <cstdint>

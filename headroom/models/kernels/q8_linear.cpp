@@ -3,7 +3,7 @@
 // with a minimum, uint8 q with a scale and a minimum per group (w = scale * q + min), which
 // holds any Q4_1 group exactly (q = 17 * its 4-bit value). Same shape of loop as
 // q4_linear.cpp: each group is widened to floats once and used for every row of x.
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include "pool.h"
 #include <cstdint>

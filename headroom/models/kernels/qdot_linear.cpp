@@ -7,7 +7,7 @@
 // vpdpbusd per 64 weights, scaled once; the minimum adds min * sum(x) over the group. That
 // sum is the quantised x's, as in Q8_1: then the error is sum(w * e) over the weights as
 // they are, not over scale * q, which is far from zero mean. No weight is widened to float.
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include "pool.h"
 
