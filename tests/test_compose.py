@@ -124,6 +124,11 @@ def test_prometheus_scrapes_headroom_and_loads_the_rules(services):
     [target] = job["static_configs"][0]["targets"]
     host, port = target.split(":")
     assert host == "headroom" and int(port) in container_ports(services["headroom"])
+    # headroom's /metrics needs its token (SECURITY.md): Prometheus sends the one headroom has.
+    assert job["authorization"] == {
+        "type": "Bearer",
+        "credentials": services["headroom"]["environment"]["HEADROOM_METRICS_TOKEN"],
+    }
     assert "headroom" in depends_on(prometheus)
 
 

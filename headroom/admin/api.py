@@ -25,7 +25,7 @@ from importlib import resources
 
 from aiohttp import web
 
-from headroom.admin.schemas import AbortBody, CapBody, DeprioritizeBody, parse, sequence_json
+from headroom.admin.schemas import SORTS, AbortBody, CapBody, DeprioritizeBody, parse, sequence_json
 from headroom.admin.tenants_api import list_tenants, patch_tenant, reload_predictor
 from headroom.app import keys
 from headroom.app.auth import bearer, digest
@@ -46,6 +46,7 @@ SORT_KEYS = {
     "output_tokens": lambda s: s.output_tokens,
     "progress": lambda s: s.progress or 0.0,
 }
+assert tuple(SORT_KEYS) == SORTS
 
 
 def admin_token(config: Config) -> str | None:

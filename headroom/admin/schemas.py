@@ -11,6 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from headroom.app.errors import APIError
 from headroom.runtime.outputs import SequenceSnapshot
 
+# GET /admin/sequences?sort=: the orders it takes (and `headroom top --sort`), costliest first.
+SORTS = ("cost", "kv_blocks", "kv_block_seconds", "age", "output_tokens", "progress")
+
 
 class Unprocessable(APIError):
     status = 422

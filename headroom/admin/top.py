@@ -215,6 +215,14 @@ def keys_in(chunk: str) -> list[str]:
     return list(chunk)
 
 
+def once(url: str, token: str, sort: str = "cost") -> int:
+    """One poll printed as plain text: for scripts, pipes and logs."""
+    client, state = Client(url, token), State()
+    poll(client, state, sort)
+    Console(width=200).print(render(url, sort, state))
+    return 1 if state.error else 0
+
+
 def run(url: str, token: str, interval: float = 1.0, sort: str = "cost") -> int:
     client, state = Client(url, token), State()
     interactive = sys.stdin.isatty()
@@ -258,4 +266,6 @@ def main(args) -> int:
     if args.interval <= 0:
         print("headroom top: --interval must be positive", file=sys.stderr)
         return 2
+    if args.once or not sys.stdout.isatty():
+        return once(args.url, token, args.sort)
     return run(args.url, token, args.interval, args.sort)

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import queue
 import sys
+from collections.abc import Iterator
 
+from headroom.admin.schemas import SORTS
 from headroom.admission.tool import add_predictor_parser
 from headroom.app.flags import add_engine_args, build_config, choices, on_off
 from headroom.config import ConfigError
@@ -35,6 +38,30 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     return 0
 
 
+class _Held(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def logs_after_text() -> Iterator[None]:
+    """Log records that arrive while text streams to the terminal, written after it: a
+    warning (the loop detector's, say) would otherwise land in the middle of the text."""
+    root, held = logging.getLogger(), _Held()
+    saved = root.handlers[:]
+    root.handlers = [held]
+    try:
+        yield
+    finally:
+        root.handlers = saved
+        for record in held.records:
+            root.handle(record)
+
+
 def cmd_generate(ns: argparse.Namespace) -> int:
     engine = Engine(build_config(ns))
     tok = engine.tokenizer
@@ -51,16 +78,18 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     engine.start()
     engine.submit(request, outputs.put)
     out = None
-    try:
-        while out is None or not out.finished:
-            out = outputs.get()
-            sys.stdout.write(out.text)
-            sys.stdout.flush()
-    except KeyboardInterrupt:
-        engine.abort(request.request_id)
-    finally:
-        engine.stop()
-    sys.stdout.write("\n")
+    with logs_after_text():
+        try:
+            while out is None or not out.finished:
+                out = outputs.get()
+                sys.stdout.write(out.text)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            engine.abort(request.request_id)
+        finally:
+            engine.stop()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
     if out is not None and request.first_token_time and request.finished_time:
         decode_s = max(request.finished_time - request.first_token_time, 1e-9)
         print(
@@ -132,7 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     top.add_argument("--token", default=None, help="admin bearer token (default: $HEADROOM_ADMIN_TOKEN)")
     top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
-    top.add_argument("--sort", choices=["cost", "kv_blocks", "age", "output_tokens", "progress"], default="cost")
+    top.add_argument("--sort", choices=SORTS, default="cost")
+    top.add_argument(
+        "--once", action="store_true", help="print the view once and exit (what it does where stdout is no terminal)"
+    )
     top.set_defaults(func=cmd_top)
     return parser
 

@@ -140,7 +140,16 @@ def build_request(
     engine = client.engine
     if client.is_submitted(rid):
         raise Conflict(f"request id {rid!r} is already in flight", param="X-Request-Id", code="duplicate_request_id")
-    # The tenant's own limits, where set, are hard caps below the server's.
+    # The tenant's own limits, where set, are hard caps below the server's: a request that
+    # asks for more is refused, as OpenAI refuses more than a model's output limit; one
+    # that names no max_tokens gets the cap.
+    cap = tenant.config.max_tokens
+    if cap is not None and max_tokens is not None and max_tokens > cap:
+        raise BadRequest(
+            f"max_tokens is too large: {max_tokens}. This API key may ask for at most {cap} completion tokens.",
+            param="max_tokens",
+            code="exceeds_tenant_limit",
+        )
     max_len = min(engine.max_model_len, tenant.config.max_model_len or engine.max_model_len)
     room = max_len - len(prompt_ids)
     if max_tokens is None:
@@ -151,9 +160,7 @@ def build_request(
                 param="messages",
                 code="context_length_exceeded",
             )
-        max_tokens = room
-    if tenant.config.max_tokens is not None:
-        max_tokens = min(max_tokens, tenant.config.max_tokens)
+        max_tokens = room if cap is None else min(room, cap)
     try:
         sampling = SamplingParams(
             max_tokens=max_tokens,

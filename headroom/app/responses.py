@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -109,10 +110,9 @@ def renamed(err: BadRequest) -> BadRequest:
     if chat_param not in CHAT_PARAMS:
         return err
     param = CHAT_PARAMS[chat_param]
-    message = err.message
-    if message.startswith(err.param + ":"):
-        message = param + message[len(err.param) :]
-    return BadRequest(message, param=param, code=err.code, headers=err.headers)
+    # Every mention, not only a leading "field:": "... Please reduce the prompt or max_tokens."
+    message = re.sub(rf"\b{re.escape(chat_param)}\b", param, err.message)
+    return BadRequest(message, param=err.param.replace(chat_param, param, 1), code=err.code, headers=err.headers)
 
 
 def echo(body: ResponsesRequest, chat_body: ChatCompletionRequest) -> dict:

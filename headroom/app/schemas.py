@@ -200,8 +200,9 @@ class CompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _no_echo(self):
-        if self.echo or self.suffix:
-            raise ValueError("echo and suffix are not supported")
+        for name in ("echo", "suffix"):
+            if getattr(self, name):
+                raise ValueError(f"{name}: not supported yet")
         for name in ("tools", "tool_choice"):
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: only in chat completions")

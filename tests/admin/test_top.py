@@ -127,3 +127,31 @@ def test_top_shows_the_runaway_first_and_aborts_it(admin_server):
         s.wait(timeout=60)
     wait_idle(engine, timeout=30)
     engine.block_manager.check_invariants()
+
+
+def test_top_without_a_terminal_prints_once_in_every_documented_order(admin_server):
+    """Piped (no terminal), `headroom top` prints one view and exits; every order the
+    admin API documents is one it takes."""
+    stream = start_stream(admin_server, {"prompt": "Hi", "max_tokens": 3000, "ignore_eos": True}, request_id="top-once")
+    try:
+        assert wait_until(
+            lambda: any(s.request_id == "cmpl-top-once" for s in admin_server.engine.snapshot().sequences)
+        )
+        env = {k: v for k, v in os.environ.items() if k != "HEADROOM_ADMIN_TOKEN"}
+        for sort in ("cost", "kv_blocks", "kv_block_seconds", "age", "output_tokens", "progress"):
+            run = subprocess.run(
+                [sys.executable, "-m", "headroom.app.cli", "top", "--url", admin_server.url, "--token", ADMIN_TOKEN]
+                + ["--sort", sort],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=60,
+                check=False,
+            )
+            assert run.returncode == 0, (sort, run.stderr[-2000:])
+            assert f"sequences by {sort}" in run.stdout and "cmpl-top-once" in run.stdout, run.stdout
+    finally:
+        admin(admin_server, "POST", "/sequences/cmpl-top-once/abort")
+        stream.wait(timeout=60)
+    wait_idle(admin_server.engine, timeout=30)
