@@ -3,6 +3,7 @@ structured outputs that finish, and a server under auth that answers nobody with
 
 from __future__ import annotations
 
+import logging
 import re
 from types import SimpleNamespace
 
@@ -28,7 +29,10 @@ from headroom.runtime.engine import Engine
 
 pytestmark = pytest.mark.slow
 
-CONFIG = Config(cache=CacheConfig(num_blocks=256))
+CONFIG = Config(
+    cache=CacheConfig(num_blocks=256),
+    admission=AdmissionConfig(tenants=(TenantConfig("default"), TenantConfig("capped", max_tokens=8))),
+)
 README_NAME = "SmolLM2-135M-Instruct"
 FILE_NAME = "SmolLM2-135M-Instruct.Q4_1"
 
@@ -201,3 +205,62 @@ def test_a_tenant_may_forbid_or_clamp_a_requests_priority():
     )
     with pytest.raises(ConfigError, match="priority_range must be"):
         TenantConfig("t", priority_range=(5, -5))
+
+
+# ---- the smaller ones -----------------------------------------------------------------------
+
+
+def test_a_tenants_max_tokens_cap_refuses_more_and_is_the_default(server):
+    capped = {"X-Tenant": "capped"}
+    body = {"messages": [{"role": "user", "content": "Tell me a story."}], "temperature": 0}
+    r = httpx.post(server.url + "/v1/chat/completions", json={**body, "max_tokens": 9}, headers=capped, timeout=60)
+    assert r.status_code == 400 and r.json()["error"] == {
+        "message": "max_tokens is too large: 9. This API key may ask for at most 8 completion tokens.",
+        "type": "invalid_request_error",
+        "param": "max_tokens",
+        "code": "exceeds_tenant_limit",
+    }
+    r = httpx.post(
+        server.url + "/v1/responses", json={"input": "Hi", "max_output_tokens": 9}, headers=capped, timeout=60
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens"
+    assert r.json()["error"]["message"].startswith("max_output_tokens is too large: 9.")
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=capped, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 8
+
+
+def test_the_responses_context_error_names_its_own_field(server):
+    r = httpx.post(server.url + "/v1/responses", json={"input": "Hi", "max_output_tokens": 10**6}, timeout=60)
+    error = r.json()["error"]
+    assert r.status_code == 400 and (error["param"], error["code"]) == ("max_output_tokens", "context_length_exceeded")
+    assert "max_tokens" not in error["message"] and error["message"].endswith(
+        "Please reduce the prompt or max_output_tokens."
+    )
+
+
+@pytest.mark.parametrize("field", ["echo", "suffix"])
+def test_an_unsupported_completions_field_is_named(server, field):
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", field: True if field == "echo" else "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_generate_writes_its_log_after_the_text():
+    from headroom.app.cli import logs_after_text
+
+    order: list[str] = []
+
+    class Recorder(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            order.append(record.getMessage())
+
+    root, recorder = logging.getLogger(), Recorder()
+    root.addHandler(recorder)
+    try:
+        with logs_after_text():
+            order.append("text")
+            logging.getLogger("headroom.test").warning("a loop")
+            order.append("more text")
+        assert recorder in root.handlers
+    finally:
+        root.removeHandler(recorder)
+    assert order == ["text", "more text", "a loop"]
