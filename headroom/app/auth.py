@@ -39,7 +39,9 @@ def digest(token: str) -> bytes:
 def guard(config: Config, admin_token: str | None) -> web.middleware:
     """The middleware that enforces the rules above for this config."""
     auth = config.admission.auth
-    scrapers = tuple(digest(t) for t in (metrics_token(config), admin_token) if t is not None)
+    scraper_token = metrics_token(config)
+    scrapers = tuple(digest(t) for t in (scraper_token, admin_token) if t is not None)
+    metrics_guarded = auth or scraper_token is not None
 
     def scraper(given: str) -> bool:
         # Every digest compared, in constant time: timing says nothing about which matched.
@@ -52,7 +54,7 @@ def guard(config: Config, admin_token: str | None) -> web.middleware:
             return await handler(request)
         given = bearer(request)
         if path == "/metrics":
-            if (auth or scrapers) and not (given and scraper(given)):
+            if metrics_guarded and not (given and scraper(given)):
                 if given and request.app[keys.GATE].registry.by_api_key(given) is not None:
                     raise Forbidden("tenant API keys cannot read /metrics", code="metrics_forbidden")
                 raise Unauthorized("/metrics needs the metrics or admin bearer token", code="invalid_metrics_token")

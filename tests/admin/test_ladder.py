@@ -15,7 +15,7 @@ from headroom.admin.policies import Ladder, Violation, enabled, violations
 from headroom.app.background import BackgroundServer
 from headroom.config import AdminConfig, TenantConfig
 from headroom.runtime.engine import Engine
-from tests.admin.conftest import admin, admin_config, start_stream, wait_until
+from tests.admin.conftest import ADMIN_TOKEN, admin, admin_config, start_stream, wait_until
 from tests.admin.test_policies import seq, snap
 from tests.observability.test_tracing_otlp import Collected, GrpcReceiver, attributes
 
@@ -128,7 +128,10 @@ def test_a_planted_loop_climbs_the_whole_ladder_on_the_real_server(monkeypatch, 
 
         assert wait_until(capped, timeout=120), seen[-1:] if seen else "never seen"
         assert stream.wait(120).finish_reason == "abort"
-        metrics = httpx.get(server.url + "/metrics", timeout=30).text
+        # With auth on, /metrics is the operator's: the admin token reads it.
+        metrics = httpx.get(
+            server.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30
+        ).text
     finally:
         server.stop()
         receiver.stop()
@@ -145,7 +148,7 @@ def test_a_planted_loop_climbs_the_whole_ladder_on_the_real_server(monkeypatch, 
         f"policy {action} on {rid}: {rule}" for action in LADDER
     ]
     assert metric(metrics, "headroom:policy_actions_total") == {"deprioritize": 1.0, "cap": 1.0, "abort": 1.0}
-    assert metric(metrics, "headroom:loops_detected_total") == {"flag": 1.0, "cap": 0.0, "stop": 0.0}
+    assert metric(metrics, "headroom:loops_detected_total") == {"flag": 1.0, "cap": 0.0, "stop": 0.0, "close": 0.0}
     [span] = [s for _, s in collected.spans if s.name == "POST /v1/completions"]
     assert attributes(span.attributes)["headroom.admin_actions"] == [
         flag,

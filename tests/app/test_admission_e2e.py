@@ -85,7 +85,10 @@ def test_unknown_or_missing_key_is_401(server):
 
 
 def test_tenant_hard_max_tokens_caps_the_request(server):
-    r = post(server, "key-b", {"prompt": "Count to a hundred:", "max_tokens": 200, "ignore_eos": True})
+    # More than the cap is refused, not cut silently; the cap itself runs.
+    r = post(server, "key-b", {"prompt": "Count to a hundred:", "max_tokens": 25, "ignore_eos": True})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "exceeds_tenant_limit"
+    r = post(server, "key-b", {"prompt": "Count to a hundred:", "max_tokens": 24, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 24
 
 

@@ -72,7 +72,7 @@ def chat_ids(engine: Engine, text: str) -> list[int]:
 
 def test_models_lists_the_served_model(client, server):
     models = client.models.list()
-    assert [m.id for m in models.data] == [server.engine.loaded.name]
+    assert [m.id for m in models.data] == list(server.engine.loaded.names)
 
 
 def test_chat_greedy_equals_runtime_and_usage_is_exact(client, reference):
@@ -316,7 +316,8 @@ def test_context_overflow_is_400_with_token_counts(server):
 def test_unknown_model_is_404(server):
     err = _error(httpx.post(server.url + "/v1/completions", json={"model": "gpt-9", "prompt": "x"}), 404)
     assert err == {
-        "message": "The model `gpt-9` does not exist.",
+        "message": "The model `gpt-9` does not exist. This server serves: `SmolLM2-135M-Instruct`, "
+        "`SmolLM2-135M-Instruct.Q4_1`.",
         "type": "invalid_request_error",
         "param": "model",
         "code": "model_not_found",

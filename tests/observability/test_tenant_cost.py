@@ -99,7 +99,10 @@ def test_tenant_costs_add_up_over_a_scripted_run(default_model, tmp_path):
         refused = complete(server, "key-beta", {"prompt": prompt(10, 5), **fixed})
         assert refused.status_code == 429
         wait_idle(server.engine)
-        metrics = samples(httpx.get(server.url + "/metrics", timeout=10).text)
+        # With auth on, /metrics is the operator's: the admin token reads it.
+        metrics = samples(
+            httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10).text
+        )
         billed = usage(server).json()
         csv_text = usage(server, "?format=csv").text
     finally:

@@ -168,7 +168,7 @@ def test_one_span_per_sequence_with_phases_and_attributes(monkeypatch, default_m
             assert root.parent_span_id == b""
         assert root.kind == root.SPAN_KIND_SERVER
         usage = sent["usage"]
-        assert attrs["gen_ai.request.model"] == "SmolLM2-135M-Instruct.Q4_1"
+        assert attrs["gen_ai.request.model"] == "SmolLM2-135M-Instruct"
         assert attrs["gen_ai.request.max_tokens"] == sent["max_tokens"]
         assert attrs["gen_ai.usage.input_tokens"] == usage.prompt_tokens
         assert attrs["gen_ai.usage.output_tokens"] == usage.completion_tokens == sent["max_tokens"]
