@@ -68,6 +68,7 @@ redis:
 lint: dev
 	$(BIN)/ruff check headroom tests bench tools
 	$(BIN)/ruff format --check headroom tests bench tools
+	$(BIN)/lint-imports
 
 test: lint browser promtool redis
 	$(BIN)/python -m pytest -q $(ARGS)

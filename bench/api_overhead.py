@@ -22,9 +22,9 @@ import torch
 
 from headroom.app.background import BackgroundServer
 from headroom.config import CacheConfig, Config, ModelConfig, SchedulerConfig
+from headroom.contracts.request import SamplingParams
 from headroom.runtime.engine import Engine
 from headroom.runtime.outputs import RequestOutput
-from headroom.runtime.request import SamplingParams
 
 
 def direct_run(engine: Engine, prompts: list[list[int]], output_len: int) -> float:

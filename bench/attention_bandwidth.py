@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from headroom.executor.attention import AttentionMetadata, select_backend
+from headroom.contracts.attention import AttentionMetadata
+from headroom.executor.attention import select_backend
 
 # Peak memory bandwidth in GB/s, by a substring of torch.cuda.get_device_name().
 PEAK_GBPS = {

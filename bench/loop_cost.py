@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hol import PROMPTS, cpu_line
 
 from headroom.config import AdminConfig, Config
+from headroom.contracts.request import SamplingParams
 from headroom.runtime.engine import Engine
 from headroom.runtime.loops import LoopPolicy
-from headroom.runtime.request import SamplingParams
 
 
 def main() -> None:

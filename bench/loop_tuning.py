@@ -27,14 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hol import PROMPTS, cpu_line
 
 from headroom.config import AdminConfig, Config
-from headroom.runtime.repetition import RepetitionDetection, first_detection
+from headroom.contracts.repetition import RepetitionDetection, first_detection
 
 MAX_TOKENS = 512
 
 
 def generate(split: str) -> list[dict]:
+    from headroom.contracts.request import SamplingParams
     from headroom.runtime.engine import Engine
-    from headroom.runtime.request import SamplingParams
 
     rows = [json.loads(line) for line in (PROMPTS.parent / "smollm2-135m-labels.jsonl").open(encoding="utf-8")]
     rows = [r for r in rows if r["split"] == split and r["temperature"] == 0.0 and r["prompt_tokens"] < 600]

@@ -20,9 +20,9 @@ from pathlib import Path
 
 from headroom.admission.probe_model import load_probe
 from headroom.config import Config
+from headroom.contracts.request import SamplingParams
 from headroom.runtime.engine import Engine
 from headroom.runtime.outputs import EngineStats
-from headroom.runtime.request import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hol import cpu_line

@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hol import PROMPTS, cpu_line
 
 from headroom.config import ModelConfig
+from headroom.executor.scoring import chunked_perplexity, corpus
 from headroom.models.loader import default_model_path, load_model
 from headroom.models.quant import quantize_model
-from headroom.models.scoring import chunked_perplexity, corpus
 
 
 def llama_perplexity(binary: str, text: str, ctx: int, chunks: int) -> float:

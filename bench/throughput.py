@@ -19,9 +19,9 @@ import time
 import torch
 
 from headroom.config import CacheConfig, Config, ModelConfig, SchedulerConfig
+from headroom.contracts.request import SamplingParams
 from headroom.runtime.engine import Engine
 from headroom.runtime.outputs import EngineStats
-from headroom.runtime.request import SamplingParams
 
 
 def run_once(engine: Engine, concurrency: int, prompt_len: int, output_len: int, rng: random.Random) -> dict:

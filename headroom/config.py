@@ -11,7 +11,7 @@ from pydantic import ConfigDict, Field, SkipValidation, ValidationError
 from pydantic.dataclasses import dataclass
 from pydantic.fields import FieldInfo
 
-from headroom.runtime.repetition import RepetitionDetection
+from headroom.contracts.repetition import RepetitionDetection
 
 # A request's own `priority` lies in [-bound, bound] (vLLM's sign: lower is served first).
 REQUEST_PRIORITY_BOUND = 1000
@@ -556,7 +556,7 @@ class AdminConfig:
     ladder_step_s: Positive = 5.0
     # A cap (policy or loop) lets a sequence generate at most this many more tokens.
     cap_tokens: NonNegativeInt = 32
-    # Loop detection on the engine thread (runtime/repetition.py), vLLM's
+    # Loop detection on the engine thread (contracts/repetition.py), vLLM's
     # repetition_detection test with these parameters, for every sequence that brings no
     # repetition_detection of its own and does not set ignore_eos. A loop is then:
     # off: not looked for; flag: logged, counted, shown on the span and /admin/sequences,

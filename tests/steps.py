@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
+from headroom.contracts.schedule import SchedulerOutput
 from headroom.runtime.core import EngineCore
-from headroom.runtime.scheduler import SchedulerOutput
 
 
 @contextlib.contextmanager

@@ -18,9 +18,9 @@ import time
 from collections import deque
 
 from headroom.admission.probe_rows import ProbeRecorder
+from headroom.contracts.request import SamplingParams
 from headroom.runtime.engine import Engine
 from headroom.runtime.outputs import RequestOutput
-from headroom.runtime.request import SamplingParams
 
 
 def row_messages(row: dict) -> list[dict]:

@@ -27,7 +27,7 @@ from headroom.admission.probe_rows import (
     fit,
     loop_signals,
 )
-from headroom.runtime.request import Request
+from headroom.contracts.request import Request
 
 log = logging.getLogger("headroom.admission")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from headroom.runtime.request import Request
+from headroom.contracts.request import Request
 
 POINTS = (0, 16, 32, 64, 128)  # generated tokens at which a sequence is described
 WINDOW = 32  # tokens of the recent output the loop signals look at

@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 from headroom.admission.features import RequestFeatures
 from headroom.admission.predictor import Prediction
-from headroom.runtime.request import Request
+from headroom.contracts.request import Request
 
 
 class RecordLog:

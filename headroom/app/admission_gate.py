@@ -22,8 +22,8 @@ from headroom.admission.redis_store import RedisStore
 from headroom.admission.tenants import Tenant, TenantRegistry
 from headroom.app.errors import APIError, BadRequest, QueueFull, Unauthorized, Unavailable
 from headroom.config import Config, check_store_url
+from headroom.contracts.request import Request
 from headroom.openmp import in_passing_thread
-from headroom.runtime.request import Request
 
 # The Gateway API Inference Extension's flow control names who a request belongs to and
 # its InferenceObjective in these headers; llm-d's router, which carries its endpoint
@@ -149,7 +149,7 @@ class AdmissionGate:
         priority = self.config.priority(tier)
         for r in engine_requests:
             r.admission_decision = ticket.decision
-            r.priority = r.priority._replace(tier=priority)  # outranks the request's own (runtime/request.py)
+            r.priority = r.priority._replace(tier=priority)  # outranks the request's own (contracts/request.py)
             if self.config.deadline_s is not None:
                 r.deadline = r.arrival_time + self.config.deadline_s
         return admitted

@@ -1,5 +1,5 @@
 """The `headroom` command line: serve (the HTTP API), generate (one completion to the
-terminal), predictor (train, eval, calibrate: admission/tool.py) and top (a live view over
+terminal), predictor (train, eval, calibrate: app/predictor_cli.py) and top (a live view over
 the admin API). Settings come from --config FILE (TOML), then flags override them
 (flags.py)."""
 
@@ -14,13 +14,13 @@ import sys
 from collections.abc import Iterator
 
 from headroom.admin.schemas import SORTS
-from headroom.admission.tool import add_predictor_parser
 from headroom.app.flags import add_engine_args, build_config, choices, on_off
+from headroom.app.predictor_cli import add_predictor_parser
 from headroom.config import ConfigError
+from headroom.contracts.request import SamplingParams
 from headroom.observability.logs import configure_logging
 from headroom.runtime.engine import Engine
 from headroom.runtime.outputs import RequestOutput
-from headroom.runtime.request import SamplingParams
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:

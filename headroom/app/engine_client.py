@@ -12,9 +12,9 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
+from headroom.contracts.request import Request
 from headroom.runtime.engine import Engine
 from headroom.runtime.outputs import RequestOutput
-from headroom.runtime.request import Request
 
 
 class AsyncEngine:

@@ -33,9 +33,9 @@ from headroom.app.response_metrics import metrics_of, reports_metrics
 from headroom.app.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from headroom.app.sse import DONE, encode_event, open_stream
 from headroom.app.structured import constraint_param, grammar_spec, template_messages, tool_use
+from headroom.contracts.request import Priority, Request, SamplingParams
 from headroom.executor.grammar import GrammarError, GrammarSpec
 from headroom.executor.sampler import TokenLogprob
-from headroom.runtime.request import Priority, Request, SamplingParams
 
 log = logging.getLogger("headroom.api")
 

@@ -10,8 +10,8 @@ from dataclasses import asdict
 
 from headroom.admission.tenants import Tenant
 from headroom.config import ServerConfig
+from headroom.contracts.request import Request
 from headroom.observability.request_metrics import RequestMetrics
-from headroom.runtime.request import Request
 
 
 def reports_metrics(server: ServerConfig, tenant: Tenant) -> bool:

@@ -29,7 +29,7 @@ from headroom.app.responses_format import ResponseEvents, ResponsesFormat
 from headroom.app.responses_schemas import ResponsesRequest
 from headroom.app.schemas import ChatCompletionRequest
 from headroom.app.sse import encode_event, open_stream
-from headroom.runtime.request import Request
+from headroom.contracts.request import Request
 
 log = logging.getLogger("headroom.api")
 

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from headroom.config import REQUEST_PRIORITY_BOUND
-from headroom.runtime.repetition import MAX_PATTERN_SIZE, RepetitionDetection
+from headroom.contracts.repetition import MAX_PATTERN_SIZE, RepetitionDetection
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16  # n: each choice is a sequence of its own

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from headroom.config import Config
-from headroom.executor.attention import AttentionBackend, AttentionMetadata
+from headroom.contracts.attention import AttentionBackend, AttentionMetadata
 from headroom.models.llama import ForwardContext, Llama
 
 log = logging.getLogger(__name__)

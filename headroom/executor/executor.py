@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from headroom.config import Config
-from headroom.executor.attention import AttentionBackend, select_backend
+from headroom.contracts.attention import AttentionBackend
+from headroom.executor.attention import select_backend
 from headroom.executor.cuda_graphs import graph_plan
 from headroom.executor.device import prepare_model, resolve_kv_dtype
 from headroom.executor.model_runner import ModelRunner, kv_block_bytes

@@ -9,11 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from headroom.executor.attention import AttentionBackend, AttentionMetadata
+from headroom.contracts.attention import AttentionBackend, AttentionMetadata
+from headroom.contracts.schedule import BlockTables, SchedulerOutput
 from headroom.executor.cuda_graphs import DecodeGraphs
 from headroom.models.llama import ForwardContext, Llama, ModelArgs
-from headroom.runtime.block_manager import BlockManager
-from headroom.runtime.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +137,7 @@ class ModelRunner:
             return f"off (capture failed: {type(exc).__name__}: {exc})"
         return None
 
-    def prepare(self, out: SchedulerOutput, block_manager: BlockManager) -> BatchInputs:
+    def prepare(self, out: SchedulerOutput, block_manager: BlockTables) -> BatchInputs:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -192,7 +191,7 @@ class ModelRunner:
         return t.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, block_manager: BlockManager, keep_hidden: bool = True) -> ModelOutput:
+    def execute(self, out: SchedulerOutput, block_manager: BlockTables, keep_hidden: bool = True) -> ModelOutput:
         """keep_hidden: keep the rows of hidden_layers this step (a step that keeps them runs
         eagerly, never from a CUDA graph)."""
         batch = self.prepare(out, block_manager)

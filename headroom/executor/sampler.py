@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from headroom.contracts.request import Request
 from headroom.executor import grammar
-from headroom.runtime.request import Request
 
 CPU = torch.device("cpu")
 log = logging.getLogger("headroom.sampler")

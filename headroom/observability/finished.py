@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from headroom.contracts.request import Request
 from headroom.observability.request_metrics import NO_CLASS, RequestMetrics
-from headroom.runtime.request import Request
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from headroom.contracts.request import Request
 from headroom.observability.finished import FinishedRequest
-from headroom.runtime.request import Request
 
 OUTCOMES = ("stop", "length", "repetition", "abort", "rejected", "invalid", "routed", "error")
 SUMS = (

@@ -10,12 +10,12 @@ vLLM's, with the `headroom:` prefix, where the meaning is the same (docs/METRICS
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from headroom.admission.admission import Admission
 from headroom.observability.finished import FinishedRequest
 from headroom.observability.ledger import Usage
 from headroom.observability.predictor_health import PredictorHealth
@@ -28,9 +28,18 @@ TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 
 
+class AdmissionView(Protocol):
+    """What the metrics read of admission at scrape time (admission/admission.py's
+    Admission): its counters, and the shared store's health where there is one."""
+
+    store: Any
+
+    def stats(self) -> Any: ...
+
+
 class Metrics:
     def __init__(
-        self, engine: Engine, admission: Admission | None, dropped_spans: Callable[[], int], health: PredictorHealth
+        self, engine: Engine, admission: AdmissionView | None, dropped_spans: Callable[[], int], health: PredictorHealth
     ):
         # One registry per app, so several servers in one process never share counters.
         self.registry = CollectorRegistry(auto_describe=True)
@@ -156,7 +165,7 @@ def refused_outcome(done: FinishedRequest) -> str:
 class EngineCollector(Collector):
     """Reads the engine's and admission's own counters at scrape time."""
 
-    def __init__(self, engine: Engine, admission: Admission | None, dropped_spans: Callable[[], int]):
+    def __init__(self, engine: Engine, admission: AdmissionView | None, dropped_spans: Callable[[], int]):
         self.engine = engine
         self.admission = admission
         self.dropped_spans = dropped_spans

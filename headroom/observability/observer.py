@@ -11,20 +11,19 @@ from importlib.metadata import PackageNotFoundError, version
 
 from opentelemetry.trace import Span, format_trace_id
 
-from headroom.admission.admission import Admission
 from headroom.config import ObservabilityConfig
+from headroom.contracts.request import Request
 from headroom.observability.finished import FinishedRequest
 from headroom.observability.hol import HolMonitor, HolState
 from headroom.observability.ledger import Usage, UsageLedger
 from headroom.observability.logs import log_finished
-from headroom.observability.metrics import Metrics, refused_outcome
+from headroom.observability.metrics import AdmissionView, Metrics, refused_outcome
 from headroom.observability.predictor_health import PredictorHealth
 from headroom.observability.split import SplitSignal, SplitState
 from headroom.observability.tracing import Tracing, exporter_from_env
 from headroom.observability.windows import LatencyWindows
 from headroom.runtime.engine import Engine
 from headroom.runtime.policy import HolFeedback
-from headroom.runtime.request import Request
 
 log = logging.getLogger("headroom.observability")
 
@@ -54,7 +53,11 @@ class RequestTrace:
 
 class Observability:
     def __init__(
-        self, config: ObservabilityConfig, engine: Engine, admission: Admission | None, tracing: Tracing | None = None
+        self,
+        config: ObservabilityConfig,
+        engine: Engine,
+        admission: AdmissionView | None,
+        tracing: Tracing | None = None,
     ):
         self.config = config
         self.engine = engine

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from headroom.runtime.request import Request
+from headroom.contracts.request import Request
 
 NO_CLASS = "none"  # the size-class label of requests admission did not classify
 

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from headroom.config import ACTIONS
+from headroom.contracts.request import Request, RequestStatus
 from headroom.runtime.loops import Finding, LoopPolicy
 from headroom.runtime.output_processor import OutputProcessor
 from headroom.runtime.outputs import (
@@ -19,7 +20,6 @@ from headroom.runtime.outputs import (
     SequenceSnapshot,
     UnknownSequence,
 )
-from headroom.runtime.request import Request, RequestStatus
 from headroom.runtime.scheduler import Scheduler
 from headroom.runtime.stats import sequence_snapshot
 

@@ -13,7 +13,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from headroom.runtime.request import Request
+from headroom.contracts.request import Request
 
 
 def block_key(parent: bytes | None, token_ids: list[int]) -> bytes:

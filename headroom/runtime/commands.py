@@ -7,8 +7,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from headroom.contracts.request import Request
 from headroom.runtime.outputs import OutputSink, SequenceSnapshot
-from headroom.runtime.request import Request
 
 
 @dataclass(frozen=True)

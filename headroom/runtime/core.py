@@ -19,11 +19,12 @@ from typing import assert_never
 import torch
 
 from headroom.config import Config
+from headroom.contracts.request import Priority, Request, SamplingParams, check_fits
+from headroom.contracts.schedule import SchedulerOutput
 from headroom.executor.executor import Executor
 from headroom.executor.grammar import Grammars
 from headroom.executor.model_runner import ModelOutput
 from headroom.executor.sampler import Sampler, SampleResult, TokenLogprob
-from headroom.executor.warmup import measure_step_cost
 from headroom.models.loader import LoadedModel
 from headroom.runtime import actions
 from headroom.runtime.block_manager import BlockManager
@@ -39,9 +40,9 @@ from headroom.runtime.outputs import (
     UnknownSequence,
 )
 from headroom.runtime.probe import LengthProbe, ProbeRefiner
-from headroom.runtime.request import Priority, Request, SamplingParams, check_fits
-from headroom.runtime.scheduler import Scheduler, SchedulerOutput
+from headroom.runtime.scheduler import Scheduler
 from headroom.runtime.stats import StepAccounting, engine_counters, engine_snapshot, long_lane_state
+from headroom.runtime.warmup import measure_step_cost
 
 log = logging.getLogger(__name__)
 

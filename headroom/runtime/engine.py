@@ -11,12 +11,12 @@ from concurrent.futures import Future
 import torch
 
 from headroom.config import Config
+from headroom.contracts.request import Request, SamplingParams
 from headroom.models.loader import LoadedModel
 from headroom.runtime import actions
 from headroom.runtime.commands import Abort, Add, Command, Control, SetLongLaneFactor
 from headroom.runtime.core import EngineCore
 from headroom.runtime.outputs import OutputSink, SequenceSnapshot
-from headroom.runtime.request import Request, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The server's loop policy, applied on the engine thread right after a step's tokens are
-appended: a sequence whose output ends in a repeated pattern (runtime/repetition.py) is
+appended: a sequence whose output ends in a repeated pattern (contracts/repetition.py) is
 flagged, capped or stopped, once, by its tenant's policy or the server's ([admin]
 loop_policy). A request that brings its own repetition_detection has asked for exactly
 that test (the scheduler applies it) and one that sets ignore_eos asked for every token,
@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from headroom.config import AdminConfig
-from headroom.runtime.repetition import LoopTracker, RepetitionDetection
-from headroom.runtime.request import Request
+from headroom.contracts.repetition import LoopTracker, RepetitionDetection
+from headroom.contracts.request import Request
 
 
 @dataclass(frozen=True)

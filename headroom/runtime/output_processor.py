@@ -11,10 +11,10 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from headroom.contracts.request import Request, RequestStatus
 from headroom.executor.sampler import Sampler, TokenLogprob
 from headroom.runtime.detokenizer import IncrementalDetokenizer
 from headroom.runtime.outputs import EngineStats, OutputSink, RequestOutput
-from headroom.runtime.request import Request, RequestStatus
 from headroom.runtime.scheduler import Scheduler
 
 RECENTLY_FINISHED = 10_000  # finished ids remembered, so a late action gets 409, not 404

@@ -6,8 +6,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from headroom.contracts.request import Priority, Request
 from headroom.executor.sampler import TokenLogprob
-from headroom.runtime.request import Priority, Request
 from headroom.runtime.step_cost import StepCost
 
 

@@ -18,8 +18,8 @@ from collections import Counter
 from collections.abc import Callable
 
 from headroom.config import SchedulerConfig
+from headroom.contracts.request import Request
 from headroom.runtime.block_manager import BlockManager
-from headroom.runtime.request import Request
 from headroom.runtime.step_cost import MIN_PREFILL_TOKENS, StepCostModel
 
 LONG = "long"

@@ -18,9 +18,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from headroom.contracts.request import Request
+from headroom.contracts.schedule import SchedulerOutput
 from headroom.runtime.policy import LONG, SchedulingPolicy
-from headroom.runtime.request import Request
-from headroom.runtime.scheduler import SchedulerOutput
 
 log = logging.getLogger("headroom.probe")
 

@@ -16,29 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from headroom.config import SchedulerConfig
+from headroom.contracts.request import Request, RequestStatus
+from headroom.contracts.schedule import SchedulerOutput
 from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.policy import LONG, MIN_LONG_CHUNK, SchedulingPolicy
-from headroom.runtime.request import Request, RequestStatus
 from headroom.runtime.step_cost import attention_pairs
-
-
-@dataclass
-class SchedulerOutput:
-    # Batch order: decodes first. num_scheduled_tokens[i] belongs to requests[i].
-    requests: list[Request] = field(default_factory=list)
-    num_scheduled_tokens: list[int] = field(default_factory=list)
-    num_decodes: int = 0
-    preempted: list[Request] = field(default_factory=list)
-    attention_pairs: int = 0  # (query, key) pairs the step computes, for the step-cost model
-    decode_pairs: int = 0  # those of them its decode rows compute
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.requests
 
 
 @dataclass

@@ -8,12 +8,13 @@ import time
 from collections import Counter, deque
 
 from headroom.config import SchedulerConfig
+from headroom.contracts.request import Request
+from headroom.contracts.schedule import SchedulerOutput
 from headroom.executor.model_runner import StepTimer
 from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.outputs import EngineSnapshot, EngineStats, LongLaneState, SequenceSnapshot
 from headroom.runtime.probe import ProbeRefiner
-from headroom.runtime.request import Request
-from headroom.runtime.scheduler import Scheduler, SchedulerOutput
+from headroom.runtime.scheduler import Scheduler
 from headroom.runtime.step_cost import StepCostModel
 
 

@@ -13,7 +13,7 @@ from headroom.admission.tenants import MAX_AUTO_TENANTS
 from headroom.app.admission_gate import FAIRNESS_HEADER, OBJECTIVE_HEADER, AdmissionGate
 from headroom.app.errors import BadRequest
 from headroom.config import AdmissionConfig, Config, TenantConfig
-from headroom.runtime.request import Priority, Request, SamplingParams
+from headroom.contracts.request import Priority, Request, SamplingParams
 
 
 def gate(**admission) -> AdmissionGate:

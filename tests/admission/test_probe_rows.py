@@ -12,8 +12,8 @@ import torch
 from headroom.admission.probe_rows import POINTS, ProbeRecorder, evaluate, loop_signals
 from headroom.app.cli import main
 from headroom.config import CacheConfig, Config, SchedulerConfig
+from headroom.contracts.request import SamplingParams
 from headroom.runtime.engine import Engine
-from headroom.runtime.request import SamplingParams
 
 
 def test_loop_signals_of_a_loop_and_of_fresh_text():

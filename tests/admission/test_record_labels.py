@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from headroom.admission.records import label
-from headroom.runtime.request import Request, RequestStatus, SamplingParams
+from headroom.contracts.request import Request, RequestStatus, SamplingParams
 
 
 def finished(

@@ -18,8 +18,8 @@ from headroom.admission.predictor import LengthPredictor, load_predictor
 from headroom.admission.probe_model import load_probe
 from headroom.admission.train import _auc, evaluate, load_records, split_records
 from headroom.config import AdmissionConfig, CacheConfig, Config, SchedulerConfig
+from headroom.contracts.request import SamplingParams
 from headroom.runtime.engine import Engine
-from headroom.runtime.request import SamplingParams
 
 LABELS = Path(__file__).resolve().parents[2] / "data" / "calibration" / "smollm2-135m-labels.jsonl"
 # Prefill is the probe test's cost: prompts up to this long (chat template included) are

@@ -15,8 +15,8 @@ import pytest
 from headroom.app import keys
 from headroom.app.background import BackgroundServer
 from headroom.config import CacheConfig, Config, SchedulerConfig, ServerConfig
+from headroom.contracts.request import Request, RequestStatus
 from headroom.runtime.engine import Engine
-from headroom.runtime.request import Request, RequestStatus
 from tests.admin.conftest import wait_until
 from tests.app.test_openai_api import wait_idle
 from tests.steps import before_each_step

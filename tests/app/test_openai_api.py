@@ -15,8 +15,8 @@ import pytest
 from headroom.app import keys
 from headroom.app.background import BackgroundServer
 from headroom.config import CacheConfig, Config, SchedulerConfig, ServerConfig
+from headroom.contracts.request import SamplingParams
 from headroom.runtime.engine import Engine
-from headroom.runtime.request import SamplingParams
 
 pytestmark = pytest.mark.slow
 

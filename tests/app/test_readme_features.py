@@ -13,11 +13,11 @@ import httpx
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
-from headroom.admission import tool
 from headroom.admission.features import RequestFeatures
 from headroom.admission.predictor import LengthPredictor, load_predictor
 from headroom.admission.train import load_records
 from headroom.app import cli, keys
+from headroom.app import predictor_cli as tool
 from headroom.app.admission_gate import AdmissionGate
 from headroom.app.background import BackgroundServer
 from headroom.app.errors import BadRequest, Unauthorized
@@ -30,8 +30,8 @@ from headroom.config import (
     SchedulerConfig,
     TenantConfig,
 )
+from headroom.contracts.request import Priority, SamplingParams
 from headroom.runtime.engine import Engine
-from headroom.runtime.request import Priority, SamplingParams
 from tests.steps import before_each_step
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

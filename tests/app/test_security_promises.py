@@ -25,9 +25,9 @@ from headroom.config import (
     SchedulerConfig,
     TenantConfig,
 )
+from headroom.contracts.request import Request, SamplingParams
 from headroom.runtime.block_manager import BlockManager, block_key
 from headroom.runtime.engine import Engine
-from headroom.runtime.request import Request, SamplingParams
 from tests.observability.test_tracing_otlp import Collected, HttpReceiver, attributes
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

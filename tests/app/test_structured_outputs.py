@@ -16,9 +16,9 @@ import torch
 
 from headroom.app.background import BackgroundServer
 from headroom.config import CacheConfig, Config, SchedulerConfig
+from headroom.contracts.request import SamplingParams
 from headroom.executor.grammar import GrammarSpec, mask
 from headroom.runtime.engine import Engine
-from headroom.runtime.request import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 
 from headroom.config import CacheConfig, Config, SchedulerConfig
+from headroom.contracts.request import SamplingParams
 from headroom.runtime.engine import Engine
-from headroom.runtime.request import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import sqlite3
 
+from headroom.contracts.request import Request, RequestStatus, SamplingParams
 from headroom.observability.finished import FinishedRequest
 from headroom.observability.ledger import Usage, UsageLedger
-from headroom.runtime.request import Request, RequestStatus, SamplingParams
 
 
 def ran(tenant: str, status: RequestStatus, prompt: int, output: int, **cost) -> Usage:

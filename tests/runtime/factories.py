@@ -7,9 +7,10 @@ import time
 from collections.abc import Callable
 
 from headroom.config import SchedulerConfig
+from headroom.contracts.request import Priority, Request, SamplingParams
+from headroom.contracts.schedule import SchedulerOutput
 from headroom.runtime.block_manager import BlockManager
-from headroom.runtime.request import Priority, Request, SamplingParams
-from headroom.runtime.scheduler import Scheduler, SchedulerOutput
+from headroom.runtime.scheduler import Scheduler
 
 EOS = 2
 _ids = itertools.count()

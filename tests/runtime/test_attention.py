@@ -12,7 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from headroom.executor.attention import AttentionMetadata, available_backends, select_backend
+from headroom.contracts.attention import AttentionMetadata
+from headroom.executor.attention import available_backends, select_backend
 from headroom.executor.attention.torch_ref import TorchAttention
 from headroom.models.kernels import cpu_kernels
 from tests.gpu import gpu_backend_unusable, gpu_package

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from headroom.runtime.request import RequestStatus
+from headroom.contracts.request import RequestStatus
 from tests.runtime.factories import EOS, create_request, create_scheduler, run_step
 
 SHARED_PREFIX = list(range(500, 516))

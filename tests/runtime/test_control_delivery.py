@@ -12,13 +12,13 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from headroom.contracts.request import Priority, Request, RequestStatus, SamplingParams
+from headroom.contracts.schedule import SchedulerOutput
 from headroom.executor.model_runner import StepTimer
 from headroom.executor.sampler import Sampler
 from headroom.runtime import actions
 from headroom.runtime.output_processor import OutputProcessor
 from headroom.runtime.outputs import EngineStats, RequestOutput, SequenceFinished, UnknownSequence
-from headroom.runtime.request import Priority, Request, RequestStatus, SamplingParams
-from headroom.runtime.scheduler import SchedulerOutput
 from headroom.runtime.stats import StepAccounting, engine_counters, engine_snapshot
 from headroom.runtime.step_cost import StepCostModel
 from tests.runtime.factories import EOS, create_request, create_scheduler

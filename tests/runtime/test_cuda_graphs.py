@@ -16,14 +16,12 @@ from headroom.config import Config, ConfigError, ModelConfig
 
 # A plain import: triton is a dev dependency on Linux, so its absence must fail here,
 # not skip the interpreter tests (only CUDA may be missing).
-from headroom.executor.attention import (
-    AttentionMetadata,
-    triton_paged,
-)
+from headroom.contracts.attention import AttentionMetadata
+from headroom.contracts.request import SamplingParams
+from headroom.executor.attention import triton_paged
 from headroom.executor.cuda_graphs import DecodeGraphs, capture_sizes, padded_size, supports_graphs
 from headroom.models.llama import ForwardContext, Llama, ModelArgs
 from headroom.runtime.engine import Engine
-from headroom.runtime.request import SamplingParams
 from tests.gpu import gpu_package
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

@@ -11,12 +11,12 @@ import time
 import pytest
 
 from headroom.config import CacheConfig, Config, ConfigError, ModelConfig, SchedulerConfig
+from headroom.contracts.request import Request, RequestStatus, SamplingParams
 from headroom.executor import executor as executor_module
 from headroom.executor.device import prepare_model
 from headroom.runtime import output_processor
 from headroom.runtime.engine import Engine
 from headroom.runtime.outputs import RequestOutput
-from headroom.runtime.request import Request, RequestStatus, SamplingParams
 
 BLOCK_SIZE = 8
 TEXTS = ["The capital of France is", "Once upon a time", "def fib(n):", "My favourite colour is"]

@@ -13,10 +13,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from headroom.config import CacheConfig, Config, ModelConfig, SchedulerConfig
+from headroom.contracts.request import SamplingParams
 from headroom.models.gguf_loader import load_gguf
 from headroom.models.loader import default_model_path, load_model, save_hf_checkpoint
 from headroom.runtime.engine import Engine
-from headroom.runtime.request import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from headroom.config import CacheConfig, Config, ConfigError, SchedulerConfig
+from headroom.contracts.request import SamplingParams
 from headroom.executor.device import resolve_kv_dtype
 from headroom.runtime.engine import Engine
-from headroom.runtime.request import SamplingParams
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 TEXTS = ["The capital of France is", "Once upon a time", "def fib(n):", "My favourite colour is"]

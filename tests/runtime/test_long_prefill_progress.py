@@ -12,9 +12,9 @@ import random
 import time
 
 from headroom.config import Config
+from headroom.contracts.request import SamplingParams
 from headroom.runtime.engine import Engine
 from headroom.runtime.policy import MIN_LONG_CHUNK
-from headroom.runtime.request import SamplingParams
 from tests.steps import before_each_step
 
 PROMPT = 1500

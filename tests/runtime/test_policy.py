@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from headroom.runtime.request import RequestStatus
+from headroom.contracts.request import RequestStatus
 from tests.runtime.factories import create_request, create_scheduler, run_step
 
 

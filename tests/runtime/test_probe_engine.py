@@ -14,8 +14,8 @@ import torch
 from headroom.admission.probe_model import DEFAULT_PATH, ProbeModel, load_probe
 from headroom.admission.probe_rows import POINTS
 from headroom.config import AdminConfig, CacheConfig, Config, SchedulerConfig
+from headroom.contracts.request import SamplingParams
 from headroom.runtime.engine import Engine
-from headroom.runtime.request import SamplingParams
 
 LAYER = 18
 

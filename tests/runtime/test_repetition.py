@@ -19,10 +19,10 @@ from headroom.config import (
     SchedulerConfig,
     TenantConfig,
 )
+from headroom.contracts.repetition import LoopTracker, RepetitionDetection, first_detection
+from headroom.contracts.request import SamplingParams
 from headroom.executor.grammar import GrammarSpec
 from headroom.runtime.engine import Engine
-from headroom.runtime.repetition import LoopTracker, RepetitionDetection, first_detection
-from headroom.runtime.request import SamplingParams
 
 
 def vllm_check(tokens: list[int], max_size: int, min_size: int, min_count: int) -> bool:

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
+from headroom.contracts.request import Request, SamplingParams
 from headroom.executor.sampler import Sampler
-from headroom.runtime.request import Request, SamplingParams
 
 EOS = 2
 VOCAB = 16

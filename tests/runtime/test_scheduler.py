@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from headroom.config import REQUEST_PRIORITY_BOUND
-from headroom.runtime.request import Priority, RequestStatus
+from headroom.contracts.request import Priority, RequestStatus
 from tests.runtime.factories import EOS, create_request, create_scheduler, run_step
 
 

@@ -163,9 +163,9 @@ def test_triton_refuses_cpu_without_the_interpreter(monkeypatch):
 @pytest.mark.slow
 def test_greedy_tokens_through_the_whole_model_equal_torch(default_model):
     from headroom.config import CacheConfig, Config, ModelConfig
+    from headroom.contracts.request import SamplingParams
     from headroom.models.loader import load_model
     from headroom.runtime.engine import Engine
-    from headroom.runtime.request import SamplingParams
 
     if DEVICE.type == "cuda":
         default_model = load_model(ModelConfig(), DEVICE, torch.float32)

@@ -1,4 +1,3 @@
-from headroom.executor.attention.backend import AttentionBackend, available_backends, select_backend
-from headroom.executor.attention.metadata import AttentionMetadata
+from headroom.executor.attention.backend import available_backends, select_backend
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "available_backends", "select_backend"]
+__all__ = ["available_backends", "select_backend"]

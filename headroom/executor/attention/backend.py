@@ -1,38 +1,16 @@
-"""The attention backend interface and the registry that picks one at start."""
+"""The registry that picks an attention backend at start (the interface is
+contracts/attention.py)."""
 
 from __future__ import annotations
 
 import importlib
 import logging
-from typing import Protocol
 
 import torch
 
-from headroom.executor.attention.metadata import AttentionMetadata
+from headroom.contracts.attention import AttentionBackend
 
 log = logging.getLogger(__name__)
-
-
-class AttentionBackend(Protocol):
-    name: str
-    # Preferred KV block size; upstream flash-attn 2 pages must be a multiple of 256.
-    block_size: int
-    # Whether a pure-decode forward reads only device tensors, so it can be captured in
-    # a CUDA graph (backends that loop over meta's host-side lengths cannot).
-    cuda_graphs: bool
-
-    def forward(
-        self,
-        q: torch.Tensor,  # (N, Hq, D)
-        k: torch.Tensor,  # (N, Hkv, D)
-        v: torch.Tensor,  # (N, Hkv, D)
-        k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
-        v_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:  # (N, Hq, D)
-        """Write k/v into the caches at meta.slot_mapping, then attend causally."""
-        ...
 
 
 # name -> "module:Class"; modules are imported only when chosen, so the CPU path never

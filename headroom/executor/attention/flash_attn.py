@@ -6,7 +6,7 @@ import inspect
 
 import torch
 
-from headroom.executor.attention.metadata import AttentionMetadata
+from headroom.contracts.attention import AttentionMetadata
 from headroom.executor.attention.torch_ref import write_kv
 
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from headroom.executor.attention.metadata import AttentionMetadata
+from headroom.contracts.attention import AttentionMetadata
 from headroom.executor.attention.torch_ref import write_kv
 
 # Triton's interpreter computes tl.dot on bf16/fp16 operands wrongly (it has no numpy

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from headroom.executor.attention.metadata import AttentionMetadata
+from headroom.contracts.attention import AttentionMetadata
 from headroom.executor.attention.torch_ref import write_kv
 
 

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from headroom.runtime.repetition import LoopTracker, RepetitionDetection
+from headroom.contracts.repetition import LoopTracker, RepetitionDetection
 
 
 class Priority(NamedTuple):
@@ -131,7 +131,7 @@ class Request:
     estimated_at_tokens: int | None = None
     runaway_probability: float | None = None  # that it runs to its max_tokens
     runaway_flagged_at: int | None = None  # output tokens when first predicted to run away
-    # Loops (runtime/repetition.py): the tenant's policy (None: the server's), the tracker
+    # Loops (contracts/repetition.py): the tenant's policy (None: the server's), the tracker
     # fed with every output token, and the server detector's finding.
     loop_policy: str | None = None
     ladder: tuple[str, ...] | None = None  # the tenant's remediation ladder (None: the server's)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from headroom.executor.attention.metadata import AttentionMetadata
+from headroom.contracts.attention import AttentionMetadata
 from headroom.executor.attention.torch_ref import TorchAttention
 from headroom.models.llama import ForwardContext
 

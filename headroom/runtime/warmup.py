@@ -10,10 +10,10 @@ import time
 
 import torch
 
+from headroom.contracts.request import Request, SamplingParams
+from headroom.contracts.schedule import SchedulerOutput
 from headroom.executor.model_runner import ModelRunner
 from headroom.runtime.block_manager import BlockManager
-from headroom.runtime.request import Request, SamplingParams
-from headroom.runtime.scheduler import SchedulerOutput
 from headroom.runtime.step_cost import StepSample, attention_pairs
 
 log = logging.getLogger(__name__)

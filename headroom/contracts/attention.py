@@ -1,8 +1,11 @@
-"""What one engine step tells the attention kernels about its flattened batch."""
+"""The attention interface: what one engine step tells the kernels about its flattened
+batch, and what every backend (executor/attention/) does with it. The model calls it; the
+executor chooses and runs the backends."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -31,3 +34,25 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(Protocol):
+    name: str
+    # Preferred KV block size; upstream flash-attn 2 pages must be a multiple of 256.
+    block_size: int
+    # Whether a pure-decode forward reads only device tensors, so it can be captured in
+    # a CUDA graph (backends that loop over meta's host-side lengths cannot).
+    cuda_graphs: bool
+
+    def forward(
+        self,
+        q: torch.Tensor,  # (N, Hq, D)
+        k: torch.Tensor,  # (N, Hkv, D)
+        v: torch.Tensor,  # (N, Hkv, D)
+        k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+        v_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # (N, Hq, D)
+        """Write k/v into the caches at meta.slot_mapping, then attend causally."""
+        ...
