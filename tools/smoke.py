@@ -6,12 +6,12 @@ on the newest Python the project supports."""
 from __future__ import annotations
 
 import json
-import os
 import platform
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -53,23 +53,31 @@ def main() -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     headroom = Path(sys.executable).parent / "headroom"
-    log = open(os.environ.get("SMOKE_LOG", os.devnull), "w")  # noqa: SIM115 - closed below
+    log = tempfile.NamedTemporaryFile("w+", prefix="headroom-smoke-", suffix=".log")  # noqa: SIM115 - closed below
     started = time.monotonic()
     server = subprocess.Popen([str(headroom), "serve", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_healthy(url, server)
         healthy_s = time.monotonic() - started
-        question = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 8}
+        question = {
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 8,
+            "temperature": 0,
+        }
         status, body = get(url + "/v1/chat/completions", question)
         if status != 200:
             raise SystemExit(f"smoke: chat answered {status}: {body}")
         [choice] = body["choices"]
-        if not choice["message"]["content"] or body["usage"]["completion_tokens"] < 1:
+        if not choice["message"]["content"].strip() or body["usage"]["completion_tokens"] < 1:
             raise SystemExit(f"smoke: an empty answer: {body}")
         server.send_signal(signal.SIGTERM)
         code = server.wait(60)
         if code != 0:
             raise SystemExit(f"smoke: the server exited with {code} after SIGTERM")
+    except BaseException:
+        log.seek(0)
+        print("smoke: the server's log, last lines:\n" + "".join(log.readlines()[-40:]), file=sys.stderr)
+        raise
     finally:
         if server.poll() is None:
             server.kill()

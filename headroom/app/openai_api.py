@@ -281,7 +281,7 @@ async def constrain(request: web.Request, engine_requests: list[Request], spec: 
     except GrammarError as exc:
         raise BadRequest(f"{param}: unsupported or invalid: {exc}", param=param, code="invalid_grammar") from None
     for engine_request in engine_requests:
-        engine_request.grammar = grammars.constraint(compiled)
+        engine_request.grammar = grammars.constraint(compiled, spec)
 
 
 def _token_text(tokenizer):

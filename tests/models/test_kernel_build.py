@@ -65,7 +65,8 @@ def test_a_build_killed_part_way_does_not_hold_up_the_next_start(tmp_path):
             second.wait(30)
         reader.join(30)
     cleared = [at for at, line in lines if "removing the build lock of a build that did not finish" in line]
-    assert cleared and cleared[0] - started < 20, lines  # at once, not after torch's endless wait
+    # At once (the bound is the new process's imports on a busy machine), not after torch's endless wait.
+    assert cleared and cleared[0] - started < 60, lines
     assert "headroom CPU kernels: headroom's CPU kernels" in "".join(line for _, line in lines)
     assert not lock.exists()
 

@@ -149,6 +149,7 @@ def test_load_model_default_gguf(monkeypatch, gguf_path, gguf_checkpoint, tokeni
         ("Llama-3.2-1B-Instruct-Q4_K_M", "Llama-3.2-1B-Instruct"),
         ("qwen2.5-0.5b-instruct-q8_0", "qwen2.5-0.5b-instruct"),
         ("Mistral-7B-v0.3.f16", "Mistral-7B-v0.3"),
+        ("qwen2.5-0.5b-instruct-fp16", "qwen2.5-0.5b-instruct"),
         ("model-IQ2_XXS", "model"),
         ("Llama-3.2-1B", "Llama-3.2-1B"),  # no quantisation in the name: nothing taken off
     ],

@@ -219,7 +219,8 @@ def test_a_loop_under_a_grammar_is_closed_into_valid_json_not_cut(default_model,
     engine = make_engine(default_model, loop_policy=loop_policy)
     schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
     request = engine.new_request(prompt, SamplingParams(max_tokens=120, temperature=0.0, logit_bias=((the, 100.0),)))
-    request.grammar = engine.grammars.constraint(engine.grammars.compile(GrammarSpec.json_schema(schema)))
+    spec = GrammarSpec.json_schema(schema)
+    request.grammar = engine.grammars.constraint(engine.grammars.compile(spec), spec)
     engine.submit(request, lambda _: None)
     while not request.is_finished:
         engine.step()
@@ -233,20 +234,24 @@ def test_a_loop_under_a_grammar_is_closed_into_valid_json_not_cut(default_model,
     assert request.output_token_ids[start:fired_at] == [the] * repeats
     # The very next token closed the string, and the grammar the object.
     assert json.loads(text) == {"name": " the" * repeats}
-    assert engine.stats.loops == {"close": 1} and request.loop_detected_at == fired_at
+    # Closed, so neither a violation for the policies nor a loop in the predictor's labels.
+    assert engine.stats.loops == {"close": 1} and request.grammar.closed == 1
+    assert request.loop_detected_at is None
     assert request.admin_actions == [
         f"close the value by loop detector: a 8-token pattern repeated 4 times at {fired_at} output tokens"
     ]
 
 
 def test_a_grammar_that_cannot_close_runs_to_its_length(default_model, prompt, the):
-    """Where the grammar allows no closing token (a regex of " the" repeated), the loop
-    goes on to max_tokens and is reported as length, never cut into a stop."""
+    """A regex grammar is not steered (a quote or a comma means nothing to it), nor cut: the
+    loop goes on to max_tokens and is reported as length, never cut into a stop."""
     engine = make_engine(default_model, loop_policy="stop")
     request = engine.new_request(prompt, SamplingParams(max_tokens=48, temperature=0.0, logit_bias=((the, 100.0),)))
-    request.grammar = engine.grammars.constraint(engine.grammars.compile(GrammarSpec("regex", "( the)+")))
+    spec = GrammarSpec("regex", "( the)+")
+    request.grammar = engine.grammars.constraint(engine.grammars.compile(spec), spec)
     engine.submit(request, lambda _: None)
     while not request.is_finished:
         engine.step()
     assert request.status.finish_reason == "length" and request.num_output_tokens == 48
     assert engine.tokenizer.decode(request.output_token_ids) == " the" * 48
+    assert engine.stats.loops == {} and request.grammar.closed == 0

@@ -85,17 +85,26 @@ def build_lock(build_dir: Path) -> Iterator[None]:
 @contextlib.contextmanager
 def progress(build_dir: Path, total: int) -> Iterator[None]:
     """Say what is being compiled while a build runs (a first start that compiles for a
-    minute in silence looks hung); a load from the cache returns before the first word."""
+    minute in silence looks hung). A load from the cache compiles nothing and says nothing."""
     done = threading.Event()
     started = time.time()
 
+    def compiled() -> int:
+        fresh = 0
+        for o in build_dir.glob("*.o"):
+            with contextlib.suppress(OSError):  # the builder may be replacing it
+                fresh += o.stat().st_mtime >= started
+        return fresh
+
     def report() -> None:
-        if done.wait(2.0):
-            return
-        log.warning("building headroom's CPU kernels for this CPU: %d C++ files into %s", total, build_dir)
-        while not done.wait(PROGRESS_EVERY_S):
-            compiled = sum(1 for o in build_dir.glob("*.o") if o.stat().st_mtime >= started)
-            log.warning("... %d of %d compiled after %.0f s", compiled, total, time.time() - started)
+        announced = False
+        while not done.wait(PROGRESS_EVERY_S if announced else 2.0):
+            count = compiled()
+            if not announced and (count or (build_dir / "lock").exists()):
+                log.warning("building headroom's CPU kernels for this CPU: %d C++ files into %s", total, build_dir)
+                announced = True
+            elif announced:
+                log.warning("... %d of %d compiled after %.0f s", count, total, time.time() - started)
 
     reporter = threading.Thread(target=report, name="headroom-kernel-build-progress", daemon=True)
     reporter.start()
@@ -104,7 +113,7 @@ def progress(build_dir: Path, total: int) -> Iterator[None]:
     finally:
         done.set()
         reporter.join()
-        if time.time() - started > 2.0:
+        if compiled():
             log.warning("headroom's CPU kernels: built in %.0f s", time.time() - started)
 
 

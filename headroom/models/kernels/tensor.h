@@ -1,6 +1,6 @@
 // What the kernels use of ATen. torch/extension.h would bring torch's whole C++ frontend
 // and pybind11 into every file (most of a file's compile time); only bindings.cpp, which
-// makes the Python module, includes it.
+// makes the Python module, includes pybind11 (through torch/python.h).
 #pragma once
 
 #include <ATen/Parallel.h>
