@@ -8,10 +8,12 @@ same buckets in another (PYTHONHASHSEED randomises str hashes per process).
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import zlib
 from dataclasses import dataclass
+from importlib import resources
 
 import numpy as np
 
@@ -75,246 +77,31 @@ def _content(message: dict) -> str:
     return str(content)
 
 
-# Hints are found on the word list, not with regexes over the text: one \w+ pass plus set
+# Hints are found on the word lists, not with regexes over the text: one \w+ pass plus set
 # and dict lookups keeps featurize near 50 us for a 1k-character prompt, where a dozen
-# alternation regexes cost several hundred.
-_NUM_WORDS = {
-    "one": 1,
-    "single": 1,
-    "two": 2,
-    "couple": 2,
-    "three": 3,
-    "four": 4,
-    "five": 5,
-    "six": 6,
-    "seven": 7,
-    "eight": 8,
-    "nine": 9,
-    "ten": 10,
-    "few": 3,
-    "several": 4,
-    "eleven": 11,
-    "twelve": 12,
-    "fifteen": 15,
-    "twenty": 20,
-    "thirty": 30,
-    "fifty": 50,
-    "hundred": 100,
-}
+# alternation regexes cost several hundred. The lists are data (data/words.json).
+_LISTS = json.loads(resources.files("headroom.admission").joinpath("data/words.json").read_text(encoding="utf-8"))
+_NUM_WORDS: dict[str, int] = _LISTS["numbers"]
 # unit word -> (code, rough output tokens per unit)
-_UNITS = {
-    "word": (1, 1.4),
-    "sentence": (2, 25.0),
-    "paragraph": (3, 110.0),
-    "line": (4, 12.0),
-    "bullet": (5, 20.0),
-    "point": (5, 20.0),
-    "item": (6, 20.0),
-    "step": (7, 30.0),
-    "page": (8, 600.0),
-    "character": (9, 0.3),
-    "tweet": (10, 50.0),
-    "verse": (11, 40.0),
-    "stanza": (11, 40.0),
-}
+_UNITS: dict[str, tuple[int, int]] = {w: tuple(v) for w, v in _LISTS["units"].items()}
 _UNIT_WORDS = {w + s: v for w, v in _UNITS.items() for s in ("", "s")}
 # "a"/"an" count as one only before units where "in a sentence" is a real length request.
-_A_UNITS = {"sentence", "paragraph", "tweet", "line"}
+_A_UNITS = frozenset(_LISTS["a_units"])
 # Words that may sit between the number and the unit: "3 short paragraphs", "5 bullet points".
-_FILLERS = {"short", "brief", "long", "detailed", "bullet", "key", "main", "simple", "more", "concise"}
-_LIST_VERBS = {"list", "top", "give", "provide", "suggest", "generate", "name"}
-_LIST_NOUNS = {
-    "ideas",
-    "examples",
-    "tips",
-    "ways",
-    "reasons",
-    "questions",
-    "names",
-    "titles",
-    "suggestions",
-    "options",
-    "headlines",
-    "slogans",
-    "taglines",
-    "facts",
-    "prompts",
-    "things",
-    "benefits",
-    "strategies",
-    "features",
-    "keywords",
-    "topics",
-    "hashtags",
-}
-_SKIP_AFTER_VERB = {"me", "the", "us", "a", "list", "of"}
-
-_BRIEF_WORDS = {
-    "briefly",
-    "brief",
-    "short",
-    "shorter",
-    "concise",
-    "concisely",
-    "tldr",
-    "tl",
-    "summary",
-    "summarize",
-    "summarise",
-    "summarizing",
-    "summarization",
-    "nutshell",
-    "shortly",
-}
-_BRIEF_PHRASES = (
-    "one sentence",
-    "one word",
-    "one line",
-    "only answer",
-    "just answer",
-    "a few words",
-    "single sentence",
-    "single word",
-    "tl;dr",
-)
-_DETAILED_WORDS = {
-    "detailed",
-    "explain",
-    "explaining",
-    "explanation",
-    "essay",
-    "article",
-    "story",
-    "elaborate",
-    "comprehensive",
-    "thorough",
-    "thoroughly",
-    "blog",
-    "long",
-    "lengthy",
-    "guide",
-    "tutorial",
-    "report",
-    "novel",
-    "chapter",
-    "script",
-    "plan",
-    "outline",
-}
-_DETAILED_PHRASES = ("step by step", "step-by-step", "in detail", "in depth", "in-depth")
-_YES_NO_PHRASES = (
-    "yes or no",
-    "true or false",
-    "yes/no",
-    "true/false",
-    "answer with yes",
-    "answer with a number",
-    "just say",
-    "reply with",
-    "respond with only",
-    "only say",
-    "only output",
-    "only reply",
-    "answer only",
-)
-_CODE_WORDS = {
-    "code",
-    "function",
-    "python",
-    "javascript",
-    "typescript",
-    "sql",
-    "implement",
-    "script",
-    "regex",
-    "java",
-    "html",
-    "css",
-    "react",
-    "class",
-    "bash",
-    "api",
-    "program",
-    "debug",
-    "error",
-    "def",
-    "return",
-    "import",
-    "const",
-    "var",
-    "int",
-    "void",
-    "json",
-    "node",
-    "golang",
-    "rust",
-    "kotlin",
-    "swift",
-    "php",
-    "query",
-    "algorithm",
-}
-_WRITE_WORDS = {
-    "write",
-    "create",
-    "generate",
-    "draft",
-    "compose",
-    "make",
-    "design",
-    "develop",
-    "build",
-    "plan",
-    "outline",
-    "describe",
-    "tell",
-    "give",
-    "provide",
-}
-_REWRITE_WORDS = {
-    "rewrite",
-    "rephrase",
-    "paraphrase",
-    "translate",
-    "correct",
-    "proofread",
-    "improve",
-    "fix",
-    "edit",
-    "convert",
-    "continue",
-    "shorten",
-    "expand",
-}
-_ROLEPLAY_PHRASES = (
-    "act as",
-    "pretend",
-    "you are",
-    "i want you to",
-    "roleplay",
-    "role-play",
-    "let's play",
-    "lets play",
-    "game",
-)
-_WH_WORDS = {
-    "what",
-    "who",
-    "when",
-    "where",
-    "which",
-    "why",
-    "how",
-    "is",
-    "are",
-    "can",
-    "could",
-    "does",
-    "do",
-    "should",
-    "will",
-    "would",
-}
+_FILLERS = frozenset(_LISTS["fillers"])
+_LIST_VERBS = frozenset(_LISTS["list_verbs"])
+_LIST_NOUNS = frozenset(_LISTS["list_nouns"])
+_SKIP_AFTER_VERB = frozenset(_LISTS["skip_after_verb"])
+_BRIEF_WORDS = frozenset(_LISTS["brief_words"])
+_BRIEF_PHRASES = tuple(_LISTS["brief_phrases"])
+_DETAILED_WORDS = frozenset(_LISTS["detailed_words"])
+_DETAILED_PHRASES = tuple(_LISTS["detailed_phrases"])
+_YES_NO_PHRASES = tuple(_LISTS["yes_no_phrases"])
+_CODE_WORDS = frozenset(_LISTS["code_words"])
+_WRITE_WORDS = frozenset(_LISTS["write_words"])
+_REWRITE_WORDS = frozenset(_LISTS["rewrite_words"])
+_ROLEPLAY_PHRASES = tuple(_LISTS["roleplay_phrases"])
+_WH_WORDS = frozenset(_LISTS["wh_words"])
 _PHRASE_WORDS = {
     p: frozenset(re.findall(r"\w+", p))
     for p in _BRIEF_PHRASES + _DETAILED_PHRASES + _YES_NO_PHRASES + _ROLEPLAY_PHRASES
