@@ -54,24 +54,44 @@ def fail_step(request_id: str, nth: int):
     return fault
 
 
+def fail_step_beside(engine, request_id: str, waiting: str):
+    """A fault in the first step of request_id taken while `waiting` is in the engine's
+    scheduler (queued behind it: max_num_seqs=1), so a fault path that failed every
+    sequence the engine holds would fail that one too."""
+    fired = False
+
+    def fault(out) -> None:
+        nonlocal fired
+        if not fired and any(r.request_id == request_id for r in out.requests) and waiting in engine.scheduler.requests:
+            fired = True
+            raise RuntimeError("injected device fault")
+
+    return fault
+
+
 def test_a_failing_step_fails_only_its_sequences(server):
     engine = server.engine
-    with before_each_step(engine, fail_step("cmpl-victim", 3)):
+    with before_each_step(engine, fail_step_beside(engine, "cmpl-victim", "cmpl-bystander")):
         body = {"prompt": "Once upon a time", "max_tokens": 20, "ignore_eos": True, "stream": True}
 
         async def both() -> tuple[str, str]:
             async with aiohttp.ClientSession() as session:
 
-                async def one(rid: str) -> str:
+                async def one(rid: str, max_tokens: int) -> str:
                     async with session.post(
-                        server.url + "/v1/completions", json=body, headers={"X-Request-Id": rid}
+                        server.url + "/v1/completions",
+                        json={**body, "max_tokens": max_tokens},
+                        headers={"X-Request-Id": rid},
                     ) as r:
                         assert r.status == 200
                         return await r.text()
 
-                victim = asyncio.create_task(one("victim"))
-                await asyncio.sleep(0.2)  # max_num_seqs=1: the bystander waits, outside the victim's steps
-                return await victim, await one("bystander")
+                # The victim runs until the fault: long enough that the bystander is queued
+                # in the scheduler beside it (max_num_seqs=1 keeps it out of the victim's steps).
+                victim = asyncio.create_task(one("victim", 4000))
+                await asyncio.sleep(0.2)
+                bystander = asyncio.create_task(one("bystander", 20))
+                return await victim, await bystander
 
         victim, bystander = server.call(both())
         [error] = [e for e in events(victim) if "error" in e]
