@@ -200,9 +200,10 @@ async def usage(request: web.Request) -> web.Response:
 
 async def stats(request: web.Request) -> web.Response:
     observability = request.config_dict[keys.OBSERVABILITY]
-    snapshot = request.config_dict[keys.ENGINE].engine.snapshot()
+    engine = request.config_dict[keys.ENGINE].engine
+    snapshot = engine.snapshot()
     hol = observability.hol.state
-    lane = request.config_dict[keys.ENGINE].engine.long_lane()
+    lane = engine.long_lane()
     store = request.config_dict[keys.GATE].store
     return web.json_response(
         {
@@ -239,8 +240,8 @@ async def stats(request: web.Request) -> web.Response:
                 "steps_observed": lane.steps_observed,
                 "chunk_tokens": {str(context): n for context, n in lane.chunk_tokens.items()},
                 "actions": {
-                    "tighten": observability.hol_feedback.actions["tighten"],
-                    "relax": observability.hol_feedback.actions["relax"],
+                    "tighten": engine.hol.actions["tighten"],
+                    "relax": engine.hol.actions["relax"],
                 },
             },
             "admission_store": {"kind": "embedded"} if store is None else dataclasses.asdict(store.stats()),

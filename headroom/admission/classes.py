@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 from headroom.config import ConfigError
+from headroom.contracts.request import SizeClass
 
-
-class SizeClass(enum.Enum):
-    SHORT = "short"
-    MEDIUM = "medium"
-    LONG = "long"
+__all__ = ["ClassThresholds", "SizeClass", "classify"]
 
 
 @dataclass(frozen=True)

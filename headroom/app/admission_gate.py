@@ -127,7 +127,7 @@ class AdmissionGate:
         self._record_decision_time(admitted.decision_s)
         admitted.prediction, admitted.features = prediction, features
         for r in engine_requests:
-            r.size_class = r.admitted_class = size_class.value
+            r.size_class = r.admitted_class = size_class
             r.predicted_output_tokens = prediction.p50
             r.predicted_output_tokens_p90 = prediction.p90
         if size_class is SizeClass.LONG and self.long_pool_url:

@@ -159,9 +159,23 @@ def _log_death(task: asyncio.Task) -> None:
         log.error("admission store: lease renewal stopped; leases will expire", exc_info=task.exception())
 
 
+async def hol_loop(observability: Observability, engine: Engine) -> None:
+    """The head-of-line control loop, every interval until cancelled: observability
+    measures the signal, the runtime's long lane acts on it."""
+    while True:
+        await asyncio.sleep(observability.config.monitor_interval_s)
+        try:
+            state = observability.refresh()
+            action = engine.hol.update(state.coupled, state.short_ttft_p99_s, state.long_device_share)
+            observability.note_hol(action, engine.hol.factor)
+        except Exception:  # a monitor bug must never take the server down
+            log.exception("head-of-line monitor failed")
+
+
 async def _observability(app: web.Application):
     observability = app[keys.OBSERVABILITY]
-    monitor = asyncio.create_task(observability.monitor(), name="headroom-hol-monitor")
+    loop = hol_loop(observability, app[keys.ENGINE].engine)
+    monitor = asyncio.create_task(loop, name="headroom-hol-monitor")
     yield
     monitor.cancel()
     with contextlib.suppress(asyncio.CancelledError):

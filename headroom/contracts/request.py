@@ -25,6 +25,15 @@ class Priority(NamedTuple):
         return (-self.kept, -self.tier, -self.value)
 
 
+class SizeClass(enum.StrEnum):
+    """What admission protects (short) from what it throttles (long); a string, so that
+    labels, JSON and logs carry its name."""
+
+    SHORT = "short"
+    MEDIUM = "medium"
+    LONG = "long"
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
@@ -118,8 +127,8 @@ class Request:
 
     # Set by admission (None when admission is off): they steer order, lanes and victims.
     tenant: str | None = None
-    size_class: str | None = None  # the lane it runs in: may become long in flight
-    admitted_class: str | None = None  # the class admission gave it, which its latencies are reported under
+    size_class: SizeClass | None = None  # the lane it runs in: may become long in flight
+    admitted_class: SizeClass | None = None  # the class admission gave it, which its latencies are reported under
     predicted_output_tokens: float | None = None
     deadline: float | None = None  # time.monotonic() by which it must finish (wall-clock budget)
     tier: str | None = None

@@ -6,7 +6,7 @@ short class's p99 TTFT is above its threshold while long-class sequences took at
 `hol_long_share` of the engine's time in the last interval or hold that share of the KV
 pool. When it rises, a warning names the sequences that took the most engine time.
 
-The scheduler's policy closes the loop with it (HolFeedback in runtime/policy.py).
+The runtime closes the loop with it (HolFeedback in runtime/lane.py), wired by the server.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass, field
 
 from headroom.config import ObservabilityConfig
+from headroom.contracts.request import SizeClass
 from headroom.observability.windows import LatencyWindows
 from headroom.runtime.outputs import EngineSnapshot, EngineStats
 
@@ -53,12 +54,12 @@ class HolMonitor:
 
     def update(self, snapshot: EngineSnapshot, stats: EngineStats) -> HolState:
         busy = stats.step_time_s - self._busy
-        long_busy = stats.device_time_by_class.get("long", 0.0) - self._long_busy
-        self._busy, self._long_busy = stats.step_time_s, stats.device_time_by_class.get("long", 0.0)
+        long_busy = stats.device_time_by_class.get(SizeClass.LONG, 0.0) - self._long_busy
+        self._busy, self._long_busy = stats.step_time_s, stats.device_time_by_class.get(SizeClass.LONG, 0.0)
         # No step finished in this interval (one long prefill step can outlast it): the
         # last interval's share still describes what the engine is doing.
         long_device_share = long_busy / busy if busy > 0 else self.state.long_device_share
-        long_blocks = sum(s.blocks_held for s in snapshot.sequences if s.size_class == "long")
+        long_blocks = sum(s.blocks_held for s in snapshot.sequences if s.size_class == SizeClass.LONG)
         long_kv_share = long_blocks / snapshot.num_blocks
 
         # Offenders by the snapshot's live numbers (which count the step running now).
@@ -73,7 +74,7 @@ class HolMonitor:
         offenders.sort(key=lambda o: (o.device_share, o.kv_share), reverse=True)
 
         quantiles = self.windows.ttft_quantiles(self.config.ttft_window_s)
-        short_p99 = quantiles["short"][1] if "short" in quantiles else None
+        short_p99 = quantiles[SizeClass.SHORT][1] if SizeClass.SHORT in quantiles else None
         dominated = max(long_device_share, long_kv_share) >= self.config.hol_long_share
         coupled = short_p99 is not None and short_p99 > self.config.hol_short_ttft_p99_s and dominated
         state = HolState(coupled, short_p99, long_device_share, long_kv_share, quantiles, tuple(offenders[:5]))

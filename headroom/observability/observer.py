@@ -3,7 +3,6 @@ the log line and the head-of-line monitor from the same facts."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -23,7 +22,6 @@ from headroom.observability.split import SplitSignal, SplitState
 from headroom.observability.tracing import Tracing, exporter_from_env
 from headroom.observability.windows import LatencyWindows
 from headroom.runtime.engine import Engine
-from headroom.runtime.policy import HolFeedback
 
 log = logging.getLogger("headroom.observability")
 
@@ -71,7 +69,6 @@ class Observability:
         self.split = SplitSignal()
         self.split_state: SplitState | None = None
         self.hol = HolMonitor(config, self.windows)
-        self.hol_feedback = HolFeedback(engine.set_long_lane_factor, engine.config.scheduler.long_lane)
         if self.tracing.enabled:
             log.info("tracing: exporting spans over OTLP")
 
@@ -137,24 +134,12 @@ class Observability:
         failed = done.http_status >= 500 or done.abort_cause == "engine_error"
         self.tracing.end(span, end, span_attributes(done), error=(done.error or "engine error") if failed else None)
 
-    async def monitor(self) -> None:
-        """Refresh the head-of-line signal every interval until cancelled."""
-        while True:
-            await asyncio.sleep(self.config.monitor_interval_s)
-            try:
-                self.refresh()
-            except Exception:  # a monitor bug must never take the server down
-                log.exception("head-of-line monitor failed")
-
     def refresh(self) -> HolState:
+        """The head-of-line signal as of now (the server's control loop acts on it)."""
         state = self.hol.update(self.engine.snapshot(), self.engine.counters())
         metrics = self.metrics
         metrics.hol_coupling.set(1 if state.coupled else 0)
         metrics.long_device_share.set(state.long_device_share)
-        action = self.hol_feedback.update(state.coupled, state.short_ttft_p99_s, state.long_device_share)
-        if action is not None:
-            metrics.hol_actions.labels(action).inc()
-        metrics.long_lane_factor.set(self.hol_feedback.factor)
         for size_class, (p50, p99) in state.ttft_s.items():
             metrics.rolling_ttft.labels(size_class, "0.5").set(p50)
             metrics.rolling_ttft.labels(size_class, "0.99").set(p99)
@@ -163,6 +148,12 @@ class Observability:
             metrics.split_ratio.labels("tokens").set(split.tokens_ratio)
             metrics.split_ratio.labels("device_seconds").set(split.device_ratio)
         return state
+
+    def note_hol(self, action: str | None, factor: float) -> None:
+        """What the head-of-line loop did with the last signal."""
+        if action is not None:
+            self.metrics.hol_actions.labels(action).inc()
+        self.metrics.long_lane_factor.set(factor)
 
     def charge(self, request: Request) -> None:
         """The engine has finished with a request it ran: charge its tenant (AsyncEngine.on_closed)."""

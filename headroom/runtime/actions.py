@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from headroom.config import ACTIONS
-from headroom.contracts.request import Request, RequestStatus
+from headroom.contracts.request import Request, RequestStatus, SizeClass
 from headroom.runtime.loops import Finding, LoopPolicy
 from headroom.runtime.output_processor import OutputProcessor
 from headroom.runtime.outputs import (
@@ -36,7 +36,7 @@ def abort(request: Request, by: str, reason: str | None) -> None:
 def deprioritize(request: Request, by: str, reason: str | None = None, long_lane: bool = False) -> None:
     request.priority = request.priority._replace(kept=0)  # below every tier: runs last, preempted first
     if long_lane:
-        request.size_class = "long"
+        request.size_class = SizeClass.LONG
     lane = " to the long lane" if long_lane else ""
     request.admin_actions.append(f"deprioritize by {by}{lane}{f': {reason}' if reason else ''}")
 

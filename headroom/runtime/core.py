@@ -63,12 +63,12 @@ class EngineCore:
         self.sampler = Sampler(eos, seed=config.seed, device=self.executor.device)
         self.loops = LoopPolicy.of(config.admin)
         if config.scheduler.long_lane:
-            self.scheduler.policy.cost.prime(measure_step_cost(self.runner, self.block_manager))
+            self.scheduler.cost.prime(measure_step_cost(self.runner, self.block_manager))
         self.stats = EngineStats()
         log.info("engine ready: %s", self.executor.describe())
 
         self.output_processor = OutputProcessor(self.tokenizer.hf, self.scheduler, self.sampler)
-        self.accounting = StepAccounting(self.scheduler.policy.cost)
+        self.accounting = StepAccounting(self.scheduler.cost)
         self._inbox: list[Command] = []
         self._wakeup = threading.Condition()
         self._state_lock = threading.Lock()
@@ -122,7 +122,7 @@ class EngineCore:
                     except (UnknownSequence, SequenceFinished) as exc:
                         future.set_exception(exc)
                 case SetLongLaneFactor(factor):
-                    self.scheduler.policy.long_lane_factor = factor
+                    self.scheduler.lane.factor = factor
                 case _:
                     assert_never(command)
 

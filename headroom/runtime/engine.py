@@ -16,6 +16,7 @@ from headroom.models.loader import LoadedModel
 from headroom.runtime import actions
 from headroom.runtime.commands import Abort, Add, Command, Control, SetLongLaneFactor
 from headroom.runtime.core import EngineCore
+from headroom.runtime.lane import HolFeedback
 from headroom.runtime.outputs import OutputSink, SequenceSnapshot
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,9 @@ log = logging.getLogger(__name__)
 class Engine(EngineCore):
     def __init__(self, config: Config, loaded: LoadedModel | None = None):
         super().__init__(config, loaded)
+        # The head-of-line loop's controller: fed the signal by the server, it moves the
+        # long lane's factor through the inbox.
+        self.hol = HolFeedback(self.set_long_lane_factor, config.scheduler.long_lane)
         self._thread: threading.Thread | None = None
         self._stopping = False
 

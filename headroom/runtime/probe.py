@@ -18,9 +18,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from headroom.contracts.request import Request
+from headroom.contracts.request import Request, SizeClass
 from headroom.contracts.schedule import SchedulerOutput
-from headroom.runtime.policy import LONG, SchedulingPolicy
+from headroom.runtime.policy import SchedulingPolicy
 
 log = logging.getLogger("headroom.probe")
 
@@ -83,8 +83,8 @@ class ProbeRefiner:
     def _flag(self, request: Request, p: float) -> None:
         request.runaway_flagged_at = request.num_output_tokens
         moved = ""
-        if request.max_tokens >= self.long_min_output and request.size_class != LONG:
-            request.size_class = LONG
+        if request.max_tokens >= self.long_min_output and request.size_class != SizeClass.LONG:
+            request.size_class = SizeClass.LONG
             self.policy.probe_decisions["long_lane"] += 1
             moved = "; moved to the long lane"
         log.info(

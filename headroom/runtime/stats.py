@@ -98,19 +98,19 @@ def engine_counters(stats: EngineStats, scheduler: Scheduler, refiner: ProbeRefi
 
 
 def long_lane_state(config: SchedulerConfig, scheduler: Scheduler, now: float) -> LongLaneState:
-    policy = scheduler.policy
-    allowance = scheduler.long_prefill_allowance(now)
+    lane = scheduler.lane
+    allowance = lane.allowance(scheduler.running, scheduler.waiting, now)
     # The chunk a long prompt would get with shorter requests running and none waiting; while
     # they decode, a chunk under MIN_LONG_CHUNK takes turns instead, at MIN_LONG_CHUNK or more.
-    sized = allowance if allowance is not None else config.short_ttft_target_s / 4 * policy.long_lane_factor
+    sized = allowance if allowance is not None else config.short_ttft_target_s / 4 * lane.factor
     return LongLaneState(
         enabled=config.long_lane,
-        factor=policy.long_lane_factor,
+        factor=lane.factor,
         short_ttft_target_s=config.short_ttft_target_s,
         allowance_s=allowance,
-        step_cost=policy.cost.cost(),
-        steps_observed=policy.cost.num_steps,
+        step_cost=lane.cost.cost(),
+        steps_observed=lane.cost.num_steps,
         chunk_tokens={
-            context: policy.long_chunk(context, sized, config.max_num_batched_tokens) for context in (0, 1024, 4096)
+            context: lane.chunk_tokens(context, sized, config.max_num_batched_tokens) for context in (0, 1024, 4096)
         },
     )

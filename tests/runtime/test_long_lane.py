@@ -12,8 +12,8 @@ import pytest
 from headroom.config import ObservabilityConfig
 from headroom.observability.hol import HolMonitor
 from headroom.observability.windows import LatencyWindows
+from headroom.runtime.lane import MIN_LONG_CHUNK, TIGHTEST, UNTRAINED_LONG_CHUNK, HolFeedback
 from headroom.runtime.outputs import EngineSnapshot, EngineStats
-from headroom.runtime.policy import MIN_LONG_CHUNK, TIGHTEST, UNTRAINED_LONG_CHUNK, HolFeedback
 from headroom.runtime.step_cost import StepCostModel, attention_pairs
 from tests.runtime.factories import create_request, create_scheduler, run_step
 
@@ -88,29 +88,29 @@ def test_allowance_is_a_quarter_of_the_short_target_and_the_floor_grows_with_the
         short_ttft_target_s=0.5,
         long_ttft_target_s=10.0,
     )
-    policy = s.policy
+    lane = s.lane
     long = create_request(prompt=3000, size_class="long", arrival=clock.t)
     short_running = create_request(prompt=10, size_class="short", arrival=clock.t)
     short_waiting = create_request(prompt=10, size_class="short", arrival=clock.t)
     # Nobody to protect, and nobody shorter has arrived: nothing to bound.
-    assert policy.long_prefill_allowance([long], [], clock.t) is None
+    assert lane.prefill_allowance([long], [], clock.t) is None
     # Nobody to protect now, but one arrived lately and another may arrive during the
     # step: bounded all the same, until long_lane_quiet_s has passed without one.
-    policy.note_arrival(short_running, clock.t - 1.0)
-    assert policy.long_prefill_allowance([long], [], clock.t) == 0.125
-    assert policy.long_prefill_allowance([long], [], clock.t - 1.0 + s.config.long_lane_quiet_s) is None
-    assert policy.long_prefill_allowance([long, short_running], [], clock.t) == 0.125
+    lane.note_arrival(short_running, clock.t - 1.0)
+    assert lane.prefill_allowance([long], [], clock.t) == 0.125
+    assert lane.prefill_allowance([long], [], clock.t - 1.0 + s.config.long_lane_quiet_s) is None
+    assert lane.prefill_allowance([long, short_running], [], clock.t) == 0.125
     # A step that starts a shorter request carries nothing until the long one has waited
     # long_ttft_target_s, then the whole allowance ...
-    assert policy.long_prefill_allowance([long], [short_waiting], clock.t) == 0.0
-    assert policy.long_prefill_allowance([long], [short_waiting], clock.t + 9.9) == 0.0
-    assert policy.long_prefill_allowance([long], [short_waiting], clock.t + 10.0) == 0.125
-    policy.long_lane_factor = 0.25  # tightened by the head-of-line loop ...
-    assert policy.long_prefill_allowance([long, short_running], [], clock.t) == 0.03125
+    assert lane.prefill_allowance([long], [short_waiting], clock.t) == 0.0
+    assert lane.prefill_allowance([long], [short_waiting], clock.t + 9.9) == 0.0
+    assert lane.prefill_allowance([long], [short_waiting], clock.t + 10.0) == 0.125
+    lane.factor = 0.25  # tightened by the head-of-line loop ...
+    assert lane.prefill_allowance([long, short_running], [], clock.t) == 0.03125
     # ... but not below the floor, which grows with the long request's wait.
-    assert policy.long_prefill_allowance([long, short_running], [], clock.t + 5.0) == 0.0625
-    assert policy.long_prefill_allowance([long], [short_waiting], clock.t + 5.0) == 0.0
-    assert policy.long_prefill_allowance([long], [short_waiting], clock.t + 60.0) == 0.125
+    assert lane.prefill_allowance([long, short_running], [], clock.t + 5.0) == 0.0625
+    assert lane.prefill_allowance([long], [short_waiting], clock.t + 5.0) == 0.0
+    assert lane.prefill_allowance([long], [short_waiting], clock.t + 60.0) == 0.125
 
 
 def test_where_a_step_is_slower_than_the_target_a_long_chunk_may_stretch_it_by_a_quarter():
@@ -118,7 +118,7 @@ def test_where_a_step_is_slower_than_the_target_a_long_chunk_may_stretch_it_by_a
     s = create_scheduler(
         max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock, short_ttft_target_s=0.5
     )
-    model = s.policy.cost
+    model = s.cost
     for tokens in (1, 2, 4, 8, 16, 64, 256):  # a slow machine: 1.2 s a step before any token
         for context in (0, 500, 2000):
             model.observe(tokens, attention_pairs(tokens, context), 1.2 + PER_TOKEN * tokens)
@@ -129,7 +129,7 @@ def test_where_a_step_is_slower_than_the_target_a_long_chunk_may_stretch_it_by_a
     run_step(s)  # the shorts' prefill, and a first long chunk sized before anything decodes
     base = model.predict(4, sum(attention_pairs(1, r.num_computed_tokens) for r in shorts))
     assert base == pytest.approx(1.2 + 4 * PER_TOKEN, rel=1e-6)
-    assert s.long_prefill_allowance(clock.t) == pytest.approx(0.25 * base)  # 0.3 s > 0.125 s
+    assert s.lane.allowance(s.running, s.waiting, clock.t) == pytest.approx(0.25 * base)  # 0.3 s > 0.125 s
     assert chunks(s, long.request_id, 1) == [model.tokens_within(0.25 * base, 0, 512 - 4)]
 
 
@@ -151,7 +151,7 @@ def test_chunks_follow_the_learned_cost_as_the_context_grows():
         short_ttft_target_s=0.5,
         short_tpot_stretch=NO_TPOT_BOUND,
     )
-    teach(s.policy.cost)
+    teach(s.cost)
     long = create_request(prompt=1500, size_class="long", max_tokens=2, arrival=clock.t)
     short = create_request(prompt=10, size_class="short", max_tokens=500, arrival=clock.t)
     s.add_request(long)
@@ -172,15 +172,15 @@ def test_a_long_chunk_takes_its_minimum_even_where_one_token_costs_more_than_the
     # Deep enough in a context, one token costs more than the allowance (1e-6 s a pair:
     # 0.2 s at 200,000 keys against 0.125 s). MIN_LONG_CHUNK all the same, or it crawls.
     s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, short_ttft_target_s=0.5)
-    teach(s.policy.cost)
-    policy = s.policy
-    assert policy.cost.tokens_within(0.125, 200_000, 512) == 0
-    assert policy.long_chunk(200_000, 0.125, 512) == MIN_LONG_CHUNK
-    assert policy.long_chunk(200_000, 0.0, 512) == 0  # no allowance at all: nothing
-    assert policy.long_chunk(200_000, 0.125, 512, floor=False) == 0  # taking turns: it sits out
-    assert policy.long_chunk(200_000, 0.125, 9, floor=False) == 0
-    assert policy.long_chunk(0, 0.125, 512, floor=False) == 60
-    assert policy.long_chunk(0, 0.125, 512) == largest_chunk(0.125, 0, 512) == 60
+    teach(s.cost)
+    lane = s.lane
+    assert lane.cost.tokens_within(0.125, 200_000, 512) == 0
+    assert lane.chunk_tokens(200_000, 0.125, 512) == MIN_LONG_CHUNK
+    assert lane.chunk_tokens(200_000, 0.0, 512) == 0  # no allowance at all: nothing
+    assert lane.chunk_tokens(200_000, 0.125, 512, floor=False) == 0  # taking turns: it sits out
+    assert lane.chunk_tokens(200_000, 0.125, 9, floor=False) == 0
+    assert lane.chunk_tokens(0, 0.125, 512, floor=False) == 60
+    assert lane.chunk_tokens(0, 0.125, 512) == largest_chunk(0.125, 0, 512) == 60
 
 
 @pytest.mark.parametrize("max_skip", [3, 1])
@@ -196,7 +196,7 @@ def test_while_a_short_decodes_a_chunk_spends_its_time_per_token_budget_and_take
     s = create_scheduler(
         max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock, long_prefill_max_skip=max_skip
     )
-    teach(s.policy.cost)
+    teach(s.cost)
     long = create_request(prompt=4000, size_class="long", max_tokens=2, arrival=clock.t)
     s.add_request(long)
     assert chunks(s, long.request_id, 6) == [512] * 6  # nobody to protect: the whole budget
@@ -235,7 +235,7 @@ def test_a_long_decode_row_and_a_long_chunk_share_the_time_per_token_budget():
     s = create_scheduler(
         max_num_seqs=8, max_num_batched_tokens=512, num_blocks=4000, clock=clock, long_prefill_max_skip=20
     )
-    teach(s.policy.cost)
+    teach(s.cost)
     decoding = create_request(prompt=2000, size_class="long", max_tokens=100, arrival=clock.t)
     s.add_request(decoding)
     assert chunks(s, decoding.request_id, 4) == [512, 512, 512, 464]  # nobody to protect
@@ -267,7 +267,7 @@ def test_with_no_time_per_token_stretch_long_prefill_still_moves_by_the_floor():
     s = create_scheduler(
         max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock, short_tpot_stretch=0.0
     )
-    teach(s.policy.cost)
+    teach(s.cost)
     long = create_request(prompt=4000, size_class="long", max_tokens=2, arrival=clock.t)
     s.add_request(long)
     assert chunks(s, long.request_id, 2) == [512, 512]
@@ -290,7 +290,7 @@ def test_a_second_long_chunk_in_a_step_gets_only_what_the_first_left():
         short_ttft_target_s=2.0,
         short_tpot_stretch=5.0,
     )
-    teach(s.policy.cost)
+    teach(s.cost)
     a = create_request(prompt=10_010, size_class="long", max_tokens=2, arrival=clock.t)
     s.add_request(a)
     assert chunks(s, a.request_id, 20) == [500] * 20  # nobody to protect
@@ -312,7 +312,7 @@ def test_a_deep_chunk_that_sits_out_holds_the_turn_against_a_shallow_one():
     s = create_scheduler(
         max_num_seqs=8, max_num_batched_tokens=512, num_blocks=4000, clock=clock, short_tpot_stretch=NO_TPOT_BOUND
     )
-    teach(s.policy.cost)
+    teach(s.cost)
     deep = create_request(prompt=4000, size_class="long", max_tokens=2, arrival=clock.t)
     s.add_request(deep)
     assert chunks(s, deep.request_id, 6) == [512] * 6
@@ -321,7 +321,7 @@ def test_a_deep_chunk_that_sits_out_holds_the_turn_against_a_shallow_one():
     short = create_request(prompt=10, size_class="short", max_tokens=200, arrival=clock.t)
     s.add_request(shallow)
     s.add_request(short)
-    assert s.policy.lane_admits(shallow, s.running, s.block_manager)
+    assert s.lane.admits(shallow, s.running, s.block_manager)
     assert largest_chunk(0.0375, 3072, 512) == 7 and largest_chunk(0.0375, 0, 512) == 18
     sizes = [scheduled(run_step(s)[0]) for _ in range(10)]
     assert [step.get(deep.request_id, 0) for step in sizes] == [0, 0, 0, 22, 0, 0, 21, 0, 0, 21]
@@ -353,8 +353,8 @@ def test_the_tightest_loop_cannot_starve_a_long_prefill():
         long_ttft_target_s=10.0,
         short_tpot_stretch=NO_TPOT_BOUND,
     )
-    teach(s.policy.cost)
-    s.policy.long_lane_factor = TIGHTEST
+    teach(s.cost)
+    s.lane.factor = TIGHTEST
     long = create_request(prompt=1000, size_class="long", max_tokens=2, arrival=clock.t)
     s.add_request(long)
     sizes = []
@@ -497,16 +497,16 @@ def test_the_head_of_line_loop_tightens_the_scheduler_and_relaxes_it():
         short_ttft_target_s=0.5,
         short_tpot_stretch=NO_TPOT_BOUND,
     )
-    teach(s.policy.cost)
+    teach(s.cost)
 
     def set_factor(factor: float) -> None:
-        s.policy.long_lane_factor = factor
+        s.lane.factor = factor
 
     feedback = HolFeedback(set_factor)
     coupled, clear = (True, 3.0, 0.8), (False, 0.4, 0.8)  # (coupled, short p99 TTFT, long share)
     actions = [feedback.update(*signal) for signal in [coupled] * 5 + [clear] * 5]
     assert actions == ["tighten"] * 4 + [None] + ["relax"] * 4 + [None]
-    assert feedback.actions == {"tighten": 4, "relax": 4} and s.policy.long_lane_factor == 1.0
+    assert feedback.actions == {"tighten": 4, "relax": 4} and s.lane.factor == 1.0
 
     long = create_request(prompt=1500, size_class="long", max_tokens=2, arrival=clock.t)
     short = create_request(prompt=10, size_class="short", max_tokens=500, arrival=clock.t)
@@ -517,7 +517,7 @@ def test_the_head_of_line_loop_tightens_the_scheduler_and_relaxes_it():
     assert chunks(s, long.request_id, 1) == [largest_chunk(0.125, context, 511)]
     feedback.update(*coupled)
     feedback.update(*coupled)
-    assert s.policy.long_lane_factor == 0.25
+    assert s.lane.factor == 0.25
     context = long.num_computed_tokens
     # A quarter of the allowance covers fewer than MIN_LONG_CHUNK tokens here, and the short
     # one decodes: the chunk sits a step out and takes two steps' allowance in the next.
@@ -525,7 +525,7 @@ def test_the_head_of_line_loop_tightens_the_scheduler_and_relaxes_it():
     assert chunks(s, long.request_id, 2) == [0, largest_chunk(2 * 0.125 * 0.25, context, 511)]
     for _ in range(10):
         feedback.update(*coupled)
-    assert s.policy.long_lane_factor == TIGHTEST
+    assert s.lane.factor == TIGHTEST
 
 
 def test_the_loop_does_nothing_when_the_long_lane_is_off():

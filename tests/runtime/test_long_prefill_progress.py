@@ -14,7 +14,7 @@ import time
 from headroom.config import Config
 from headroom.contracts.request import SamplingParams
 from headroom.runtime.engine import Engine
-from headroom.runtime.policy import MIN_LONG_CHUNK
+from headroom.runtime.lane import MIN_LONG_CHUNK
 from tests.steps import before_each_step
 
 PROMPT = 1500
@@ -25,7 +25,7 @@ SHORT_EVERY = 4  # steps between short arrivals
 
 def test_a_long_prefill_finishes_within_its_stated_steps_after_slow_first_chunks(default_model):
     engine = Engine(Config(), loaded=default_model)
-    assert engine.scheduler.policy.cost.ready, "the engine times a few steps at start-up"
+    assert engine.scheduler.cost.ready, "the engine times a few steps at start-up"
     rng = random.Random(7)
     long = engine.new_request(
         [rng.randrange(300, 20000) for _ in range(PROMPT)], SamplingParams(max_tokens=2, ignore_eos=True)
@@ -52,7 +52,7 @@ def test_a_long_prefill_finishes_within_its_stated_steps_after_slow_first_chunks
             bound = turn * math.ceil(PROMPT / MIN_LONG_CHUNK) + len(shorts)
             assert steps <= bound, (
                 f"{long.num_computed_tokens} of {PROMPT} prompt tokens after {steps} steps (bound {bound}); "
-                f"step cost {engine.scheduler.policy.cost.cost()}"
+                f"step cost {engine.scheduler.cost.cost()}"
             )
             if steps % SHORT_EVERY == 0:
                 short = engine.new_request(

@@ -75,7 +75,7 @@ def turns_scheduler(long_decode_max_skip: int):
         long_lane_quiet_s=1e9,
         long_decode_max_skip=long_decode_max_skip,
     )
-    teach(s.policy.cost)
+    teach(s.cost)
     return s
 
 
@@ -112,7 +112,7 @@ def test_long_decodes_take_turns_within_the_shorter_requests_time_per_token():
 def test_long_decodes_run_every_step_where_nothing_shorter_decodes():
     clock = Clock()
     s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=4000, clock=clock)
-    teach(s.policy.cost)
+    teach(s.cost)
     longs = [create_request(prompt=3000, size_class="long", max_tokens=500) for _ in range(3)]
     for r in longs:
         s.add_request(r)
@@ -155,7 +155,7 @@ def priced_as_decodes(s) -> None:
     that two short decodes leave."""
     for context in (100, 1000, 3000):
         pairs = attention_pairs(1, context)
-        s.policy.cost.observe(1, pairs, scripted_cost(1, pairs) + DECODE_EXTRA * pairs, decode_pairs=pairs)
+        s.cost.observe(1, pairs, scripted_cost(1, pairs) + DECODE_EXTRA * pairs, decode_pairs=pairs)
 
 
 def long_rows_beside_shorts(s, steps: int, num_long: int = 3) -> tuple[list, list[list[str]]]:
