@@ -4,6 +4,7 @@ the tenant is resolved and the request goes straight to the engine (plain FCFS).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import os
@@ -22,7 +23,7 @@ from headroom.admission.redis_store import RedisStore
 from headroom.admission.tenants import Tenant, TenantRegistry
 from headroom.app.errors import APIError, BadRequest, QueueFull, Unauthorized, Unavailable
 from headroom.config import Config, check_store_url
-from headroom.contracts.request import Request
+from headroom.contracts.request import AdmissionRecord, Request
 from headroom.openmp import in_passing_thread
 
 # The Gateway API Inference Extension's flow control names who a request belongs to and
@@ -101,17 +102,18 @@ class AdmissionGate:
     async def admit(
         self, tenant: Tenant, engine_requests: list[Request], messages: list[dict], tier: str | None = None
     ) -> Admitted:
-        """Predict, classify and wait for admission; sets the requests' admission fields.
+        """Predict, classify and wait for admission; writes each request's admission record,
+        once, however it ends.
         The n choices of one request share a prompt and parameters: one prediction, and
         one admission of n sequences at n times the cost (all or none, so that two
         requests can never each hold part of what both need). tier: the tier they run in
         (None: the tenant's).
         Raises an APIError (429 with Retry-After, 400, 503) when they may not run."""
         admitted = Admitted(tenant)
-        tier = tier or tenant.config.tier
-        for r in engine_requests:
-            r.tenant, r.tier = tenant.name, tier
+        config = tenant.config
+        record = AdmissionRecord(tenant.name, tier or config.tier, loop_policy=config.loop_policy, ladder=config.ladder)
         if self.admission is None or self.predictor is None:
+            _write(engine_requests, record)
             return admitted
         engine_request = engine_requests[0]
         started = time.perf_counter()
@@ -126,14 +128,15 @@ class AdmissionGate:
         admitted.decision_s = time.perf_counter() - started
         self._record_decision_time(admitted.decision_s)
         admitted.prediction, admitted.features = prediction, features
-        for r in engine_requests:
-            r.size_class = r.admitted_class = size_class
-            r.predicted_output_tokens = prediction.p50
-            r.predicted_output_tokens_p90 = prediction.p90
+        record = dataclasses.replace(
+            record,
+            size_class=size_class,
+            predicted_output_tokens=prediction.p50,
+            predicted_output_tokens_p90=prediction.p90,
+        )
         if size_class is SizeClass.LONG and self.long_pool_url:
             admitted.route = self.long_pool_url  # the long pool admits it by its own rules
-            for r in engine_requests:
-                r.admission_decision = "route"
+            _write(engine_requests, dataclasses.replace(record, decision="route"))
             return admitted
         cost = engine_request.num_prompt_tokens + min(sampling.max_tokens, math.ceil(prediction.p90))
         n = len(engine_requests)
@@ -142,16 +145,14 @@ class AdmissionGate:
                 tenant, cost * n, prompt_tokens=engine_request.num_prompt_tokens * n, seqs=n
             )
         except Rejected as exc:
-            for r in engine_requests:
-                r.admission_decision = "reject"
+            _write(engine_requests, dataclasses.replace(record, decision="reject"))
             raise _rejection_error(exc) from None
         admitted.ticket = ticket
-        priority = self.config.priority(tier)
+        priority = self.config.priority(record.tier)
         for r in engine_requests:
-            r.admission_decision = ticket.decision
             r.priority = r.priority._replace(tier=priority)  # outranks the request's own (contracts/request.py)
-            if self.config.deadline_s is not None:
-                r.deadline = r.arrival_time + self.config.deadline_s
+            deadline = None if self.config.deadline_s is None else r.arrival_time + self.config.deadline_s
+            r.admission = dataclasses.replace(record, decision=ticket.decision, deadline=deadline)
         return admitted
 
     def settle(self, admitted: Admitted, engine_requests: list[Request], finish_reason: str | None) -> None:
@@ -161,7 +162,7 @@ class AdmissionGate:
         for r in engine_requests:
             if r.first_scheduled_time is not None:  # ran
                 prompt, output = prompt + r.num_prompt_tokens, output + r.num_output_tokens
-                device_s += r.device_time_s
+                device_s += r.resources.device_time_s
         if admitted.ticket is not None and self.admission is not None:
             self.admission.settle(admitted.ticket, prompt, output, device_s)
         if self.records is not None and admitted.features is not None and finish_reason is not None:
@@ -199,3 +200,8 @@ def _rejection_error(exc: Rejected) -> APIError:
         return Unavailable(exc.reason, code="draining", headers={"Retry-After": "5"})
     retry = max(1, math.ceil(min(exc.retry_after_s or 1, 3600)))  # never inf: it is a header
     return QueueFull(exc.reason, code=f"tenant_{exc.code}", headers={"Retry-After": str(retry)})
+
+
+def _write(engine_requests: list[Request], record: AdmissionRecord) -> None:
+    for r in engine_requests:
+        r.admission = record

@@ -194,7 +194,6 @@ def build_request(
         built = engine.new_request(prompt_ids, sampling, request_id=rid, priority=priority)
     except ValueError as exc:
         raise BadRequest(str(exc), code="invalid_value") from None
-    built.loop_policy, built.ladder = tenant.config.loop_policy, tenant.config.ladder
     return built
 
 

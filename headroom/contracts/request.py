@@ -117,33 +117,65 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
+@dataclass(frozen=True)
+class AdmissionRecord:
+    """What admission decided about a request, written once at the boundary
+    (app/admission_gate.py) before the engine sees it; all None where admission is off."""
+
+    tenant: str | None = None
+    tier: str | None = None
+    size_class: SizeClass | None = None  # the class its latencies are reported under
+    predicted_output_tokens: float | None = None
+    predicted_output_tokens_p90: float | None = None
+    decision: str | None = None  # admit | wait | reject | route
+    deadline: float | None = None  # time.monotonic() by which it must finish (wall-clock budget)
+    # Loops (contracts/repetition.py): the tenant's policy and remediation ladder (None: the server's).
+    loop_policy: str | None = None
+    ladder: tuple[str, ...] | None = None
+
+
+@dataclass
+class Estimate:
+    """The length probe's (runtime/probe.py) as the sequence runs, every few generated tokens."""
+
+    remaining_tokens: float | None = None  # as of at_tokens
+    at_tokens: int | None = None
+    runaway_probability: float | None = None  # that it runs to its max_tokens
+    runaway_flagged_at: int | None = None  # output tokens when first predicted to run away
+
+
+@dataclass
+class Resources:
+    """What a request has used, updated by the engine's accounting (runtime/stats.py) every
+    step it is in."""
+
+    num_blocks_held: int = 0
+    peak_blocks: int = 0
+    device_time_s: float = 0.0  # its token share of every step's wall time
+    kv_block_seconds: float = 0.0
+    num_processed_tokens: int = 0  # including recomputation after preemption
+    busy_at_arrival: float = 0.0  # the engine's busy seconds when it arrived: its share's denominator
+
+
 @dataclass
 class Request:
+    """One sequence. Each part has one writer: the admission record the admission gate,
+    the estimate the length probe, the resources the accounting, the counters and status
+    the scheduler, the outcome (stop_reason, abort_cause, operator actions) the runtime's
+    output and control paths."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     priority: Priority = field(default_factory=Priority)
     arrival_time: float = field(default_factory=time.monotonic)
-
-    # Set by admission (None when admission is off): they steer order, lanes and victims.
-    tenant: str | None = None
-    size_class: SizeClass | None = None  # the lane it runs in: may become long in flight
-    admitted_class: SizeClass | None = None  # the class admission gave it, which its latencies are reported under
-    predicted_output_tokens: float | None = None
-    deadline: float | None = None  # time.monotonic() by which it must finish (wall-clock budget)
-    tier: str | None = None
-    predicted_output_tokens_p90: float | None = None
-    admission_decision: str | None = None  # admit | wait | reject | route
+    admission: AdmissionRecord = field(default_factory=AdmissionRecord)
+    estimate: Estimate = field(default_factory=Estimate)
+    resources: Resources = field(default_factory=Resources)
+    moved_to: SizeClass | None = None  # the class the runtime moved it to in flight (probe, operator)
     admitted_time: float | None = None  # when admission let it through to the engine
-    # Set by the length probe (runtime/probe.py) as the sequence runs, every few generated tokens.
-    predicted_remaining_tokens: float | None = None  # as of estimated_at_tokens
-    estimated_at_tokens: int | None = None
-    runaway_probability: float | None = None  # that it runs to its max_tokens
-    runaway_flagged_at: int | None = None  # output tokens when first predicted to run away
-    # Loops (contracts/repetition.py): the tenant's policy (None: the server's), the tracker
-    # fed with every output token, and the server detector's finding.
-    loop_policy: str | None = None
-    ladder: tuple[str, ...] | None = None  # the tenant's remediation ladder (None: the server's)
+    # The loop tracker fed with every output token (contracts/repetition.py), and the
+    # server detector's finding.
     loop: LoopTracker | None = None
     loop_period: int | None = None  # the repeated pattern's size, in tokens
     loop_detected_at: int | None = None  # output tokens when the server's detector fired
@@ -169,14 +201,6 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
 
-    # Resource accounting, updated by the engine every step this request is in.
-    num_blocks_held: int = 0
-    peak_blocks: int = 0
-    device_time_s: float = 0.0  # its token share of every step's wall time
-    kv_block_seconds: float = 0.0
-    num_processed_tokens: int = 0  # including recomputation after preemption
-    busy_at_arrival: float = 0.0  # the engine's busy seconds when it arrived: its share's denominator
-
     # prompt + output in one list, so slicing a block's tokens never copies the whole.
     all_token_ids: list[int] = field(init=False)
 
@@ -184,6 +208,40 @@ class Request:
         if not self.prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
         self.all_token_ids = list(self.prompt_token_ids)
+
+    # The admission record's, read where the request is at hand (written only as a whole).
+    @property
+    def tenant(self) -> str | None:
+        return self.admission.tenant
+
+    @property
+    def tier(self) -> str | None:
+        return self.admission.tier
+
+    @property
+    def admitted_class(self) -> SizeClass | None:
+        return self.admission.size_class
+
+    @property
+    def size_class(self) -> SizeClass | None:
+        """The lane it runs in: admission's class, unless the runtime moved it since."""
+        return self.moved_to or self.admission.size_class
+
+    @property
+    def predicted_output_tokens(self) -> float | None:
+        return self.admission.predicted_output_tokens
+
+    @property
+    def deadline(self) -> float | None:
+        return self.admission.deadline
+
+    @property
+    def loop_policy(self) -> str | None:
+        return self.admission.loop_policy
+
+    @property
+    def ladder(self) -> tuple[str, ...] | None:
+        return self.admission.ladder
 
     @property
     def deprioritized(self) -> bool:
@@ -210,9 +268,10 @@ class Request:
         since it, else (or with probed False) the admission-time prediction less the
         output so far; never more than max_tokens (an operator's cap included) leaves."""
         left = self.max_tokens - self.num_output_tokens
-        if probed and self.predicted_remaining_tokens is not None:
-            since = self.num_output_tokens - (self.estimated_at_tokens or 0)
-            return min(max(self.predicted_remaining_tokens - since, 0.0), left)
+        estimate = self.estimate
+        if probed and estimate.remaining_tokens is not None:
+            since = self.num_output_tokens - (estimate.at_tokens or 0)
+            return min(max(estimate.remaining_tokens - since, 0.0), left)
         if self.predicted_output_tokens is not None:
             return min(max(self.predicted_output_tokens - self.num_output_tokens, 0.0), left)
         return None

@@ -68,8 +68,8 @@ class Usage:
             request.num_prompt_tokens,
             request.num_cached_tokens,
             request.num_output_tokens,
-            request.device_time_s,
-            request.kv_block_seconds,
+            request.resources.device_time_s,
+            request.resources.kv_block_seconds,
             0.0 if admitted is None else admitted - request.arrival_time,
         )
 

@@ -47,5 +47,5 @@ class RequestMetrics:
             queue_wait_s=since_arrival(request.first_scheduled_time if ran else None),
             ttft_s=since_arrival(first),
             tpot_s=tpot,
-            device_time_s=request.device_time_s,
+            device_time_s=request.resources.device_time_s,
         )

@@ -36,7 +36,7 @@ def abort(request: Request, by: str, reason: str | None) -> None:
 def deprioritize(request: Request, by: str, reason: str | None = None, long_lane: bool = False) -> None:
     request.priority = request.priority._replace(kept=0)  # below every tier: runs last, preempted first
     if long_lane:
-        request.size_class = SizeClass.LONG
+        request.moved_to = SizeClass.LONG
     lane = " to the long lane" if long_lane else ""
     request.admin_actions.append(f"deprioritize by {by}{lane}{f': {reason}' if reason else ''}")
 

@@ -139,7 +139,7 @@ class EngineCore:
             self.output_processor.reject(request, sink, f"engine error: {exc}")
             return
         self.output_processor.add(request, sink)
-        request.busy_at_arrival = self.stats.step_time_s
+        request.resources.busy_at_arrival = self.stats.step_time_s
         self.loops.attach(request)
         self.scheduler.add_request(request)
         self.stats.prompt_tokens += request.num_prompt_tokens

@@ -118,8 +118,8 @@ class SequenceSnapshot:
     ) -> SequenceSnapshot:
         """request at `now`, with the engine busy busy_s in all (the step running now counted
         as far as it has got, in_step_s of it this request's)."""
-        lifetime_busy = busy_s - request.busy_at_arrival
-        device_time = request.device_time_s + in_step_s
+        lifetime_busy = busy_s - request.resources.busy_at_arrival
+        device_time = request.resources.device_time_s + in_step_s
         first = request.first_token_time
         return cls(
             request_id=request.request_id,
@@ -137,18 +137,18 @@ class SequenceSnapshot:
             kv_share=blocks_held / num_blocks,
             device_time_s=device_time,
             device_share=device_time / lifetime_busy if lifetime_busy > 0 else 0.0,
-            kv_block_seconds=request.kv_block_seconds,
-            tokens_processed=request.num_processed_tokens,
+            kv_block_seconds=request.resources.kv_block_seconds,
+            tokens_processed=request.resources.num_processed_tokens,
             preemptions=request.num_preemptions,
             ttft_s=None if first is None else first - request.arrival_time,
             budget_left_s=None if request.deadline is None else request.deadline - now,
             deprioritized=request.deprioritized,
             admin_actions=tuple(request.admin_actions),
             predicted_remaining_tokens=request.estimated_remaining_tokens()
-            if request.estimated_at_tokens is not None
+            if request.estimate.at_tokens is not None
             else None,
-            runaway_probability=request.runaway_probability,
-            runaway_flagged_at=request.runaway_flagged_at,
+            runaway_probability=request.estimate.runaway_probability,
+            runaway_flagged_at=request.estimate.runaway_flagged_at,
             loop_period=request.loop_period,
             loop_detected_at=request.loop_detected_at,
             loop_policy=request.loop_policy,

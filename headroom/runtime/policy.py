@@ -39,7 +39,7 @@ class SchedulingPolicy:
         """The victim; counts the choices the probe's estimate changed."""
         victim = min(victims, key=self.victim_key)
         if (
-            any(r.predicted_remaining_tokens is not None for r in victims)
+            any(r.estimate.remaining_tokens is not None for r in victims)
             and min(victims, key=lambda r: self.victim_key(r, probed=False)) is not victim
         ):
             self.probe_decisions["victim"] += 1
@@ -51,7 +51,7 @@ class SchedulingPolicy:
         and the head without it was another. A head the lane held back counts nothing."""
         if (
             first is waiting[0]
-            and any(r.predicted_remaining_tokens is not None for r in waiting)
+            and any(r.estimate.remaining_tokens is not None for r in waiting)
             and min(waiting, key=lambda r: self.order_key(r, now, probed=False)) is not first
         ):
             self.probe_decisions["order"] += 1

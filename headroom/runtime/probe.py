@@ -74,17 +74,18 @@ class ProbeRefiner:
             if _runs_to_cap(request):  # nothing but max_tokens can end it: no need to guess
                 left, p = float(request.max_tokens), 1.0
             generated = request.num_output_tokens
-            request.predicted_remaining_tokens = min(left, request.max_tokens - generated)
-            request.estimated_at_tokens = generated
-            request.runaway_probability = p
-            if p >= self.runaway_threshold and request.runaway_flagged_at is None:
+            estimate = request.estimate
+            estimate.remaining_tokens = min(left, request.max_tokens - generated)
+            estimate.at_tokens = generated
+            estimate.runaway_probability = p
+            if p >= self.runaway_threshold and estimate.runaway_flagged_at is None:
                 self._flag(request, p)
 
     def _flag(self, request: Request, p: float) -> None:
-        request.runaway_flagged_at = request.num_output_tokens
+        request.estimate.runaway_flagged_at = request.num_output_tokens
         moved = ""
         if request.max_tokens >= self.long_min_output and request.size_class != SizeClass.LONG:
-            request.size_class = SizeClass.LONG
+            request.moved_to = SizeClass.LONG
             self.policy.probe_decisions["long_lane"] += 1
             moved = "; moved to the long lane"
         log.info(

@@ -39,17 +39,18 @@ class StepAccounting:
         while self._timers and self._timers[0].ready():
             stats.forward_time_s += self._timers.popleft().elapsed_s()
         for request, n, blocks in zip(out.requests, out.num_scheduled_tokens, held, strict=True):
-            if request.num_processed_tokens == 0:
+            used = request.resources
+            if used.num_processed_tokens == 0:
                 stats.requests_started += 1
                 stats.prefix_cache_queries += request.num_prompt_tokens
                 stats.prefix_cache_hits += request.num_cached_tokens
-            request.num_blocks_held = blocks
-            request.peak_blocks = max(request.peak_blocks, blocks)
+            used.num_blocks_held = blocks
+            used.peak_blocks = max(used.peak_blocks, blocks)
             share = elapsed * n / total
-            request.device_time_s += share
+            used.device_time_s += share
             stats.device_time_by_class[request.size_class or "none"] += share
-            request.kv_block_seconds += blocks * elapsed
-            request.num_processed_tokens += n
+            used.kv_block_seconds += blocks * elapsed
+            used.num_processed_tokens += n
 
 
 def sequence_snapshot(

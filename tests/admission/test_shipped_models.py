@@ -88,12 +88,12 @@ def test_the_shipped_probe_after_prefill_on_held_out_prompts(default_model, spli
     engine.step()
     assert not engine.scheduler.has_work() and engine.block_manager.num_used_blocks == 0
 
-    assert {requests[r["id"]].estimated_at_tokens for r in rows} == {0}
-    p_cap = np.array([requests[r["id"]].runaway_probability for r in rows])
-    remaining = np.array([requests[r["id"]].predicted_remaining_tokens for r in rows])
+    assert {requests[r["id"]].estimate.at_tokens for r in rows} == {0}
+    p_cap = np.array([requests[r["id"]].estimate.runaway_probability for r in rows])
+    remaining = np.array([requests[r["id"]].estimate.remaining_tokens for r in rows])
     capped = np.array([r["finish_reason"] == "length" for r in rows])
     output = np.array([r["output_tokens"] for r in rows])
-    flagged = np.array([requests[r["id"]].runaway_flagged_at == 0 for r in rows])
+    flagged = np.array([requests[r["id"]].estimate.runaway_flagged_at == 0 for r in rows])
     assert len(rows) == 182 and round(capped.mean(), 3) == 0.659
     assert np.array_equal(flagged, p_cap >= admission.runaway_threshold)
     assert _auc(p_cap, capped) >= 0.73  # 0.772 (on all 250 held-out prompts: 0.791)

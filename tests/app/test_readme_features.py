@@ -233,7 +233,7 @@ def test_admission_off_serves_in_arrival_order_whatever_the_tier(fcfs_server):
     assert a.finished_time <= b.first_scheduled_time and b.finished_time <= c.first_scheduled_time
     # Tenants are still resolved; nothing else from admission is set.
     assert [(r.tenant, r.tier) for r in (a, b, c)] == [("bulk", "batch"), ("bulk", "batch"), ("vip", "premium")]
-    assert {(r.priority, r.size_class, r.predicted_output_tokens, r.admission_decision) for r in (a, b, c)} == {
+    assert {(r.priority, r.size_class, r.predicted_output_tokens, r.admission.decision) for r in (a, b, c)} == {
         (Priority(), None, None, None)
     }
 

@@ -68,7 +68,7 @@ def test_snapshot_adds_up_to_the_engine_and_the_block_manager(default_model):
     final = token_shares(len(steps), engine.stats.step_time_s)
     assert set(final) == {r.request_id for r in requests}
     for request in requests:
-        assert request.device_time_s == pytest.approx(final[request.request_id], rel=1e-9)
+        assert request.resources.device_time_s == pytest.approx(final[request.request_id], rel=1e-9)
     # Snapshots of all four running: every busy second so far went to one of them, by tokens.
     full = [s for s in snapshots if len(s.sequences) == 4 and s.steps > 0]
     assert len(full) >= 5

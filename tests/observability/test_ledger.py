@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from headroom.contracts.request import Request, RequestStatus, SamplingParams
+from headroom.contracts.request import AdmissionRecord, Request, RequestStatus, Resources, SamplingParams
 from headroom.observability.finished import FinishedRequest
 from headroom.observability.ledger import Usage, UsageLedger
 
@@ -13,11 +13,18 @@ from headroom.observability.ledger import Usage, UsageLedger
 def ran(tenant: str, status: RequestStatus, prompt: int, output: int, **cost) -> Usage:
     """The Usage of an engine request that ended with `status`."""
     request = Request(
-        "r", list(range(1, prompt + 1)), SamplingParams(max_tokens=100), tenant=tenant, arrival_time=10.0, status=status
+        "r",
+        list(range(1, prompt + 1)),
+        SamplingParams(max_tokens=100),
+        arrival_time=10.0,
+        admission=AdmissionRecord(tenant),
+        resources=Resources(
+            device_time_s=cost.pop("device_time_s", 0.0), kv_block_seconds=cost.pop("kv_block_seconds", 0.0)
+        ),
+        status=status,
+        **cost,
     )
     request.output_token_ids.extend([5] * output)
-    for name, value in cost.items():
-        setattr(request, name, value)
     return Usage.of_request(request)
 
 

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 
 from headroom.config import SchedulerConfig
-from headroom.contracts.request import Priority, Request, SamplingParams
+from headroom.contracts.request import AdmissionRecord, Priority, Request, SamplingParams, SizeClass
 from headroom.contracts.schedule import SchedulerOutput
 from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.scheduler import Scheduler
@@ -55,8 +55,9 @@ def create_request(
         SamplingParams(max_tokens=max_tokens, **sampling),
         Priority(value=priority),
         arrival_time=float(n) if arrival is None else arrival,
-        predicted_output_tokens=predicted,
-        size_class=size_class,
+        admission=AdmissionRecord(
+            size_class=None if size_class is None else SizeClass(size_class), predicted_output_tokens=predicted
+        ),
     )
 
 

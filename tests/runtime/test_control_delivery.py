@@ -12,7 +12,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from headroom.contracts.request import Priority, Request, RequestStatus, SamplingParams
+from headroom.contracts.request import AdmissionRecord, Priority, Request, RequestStatus, SamplingParams, SizeClass
 from headroom.contracts.schedule import SchedulerOutput
 from headroom.executor.model_runner import StepTimer
 from headroom.executor.sampler import Sampler
@@ -237,21 +237,23 @@ def test_step_done_charges_steps_tokens_and_time(hf):
     s = rig.stats
     assert (s.steps, s.step_time_s, s.forward_time_s) == (1, 0.5, timer.elapsed_s())
     assert (s.requests_started, s.prefix_cache_queries, s.prefix_cache_hits) == (2, 16, 0)
-    assert (a.device_time_s, b.device_time_s, s.device_time_by_class) == (0.1875, 0.3125, Counter(none=0.5))
-    assert (a.kv_block_seconds, b.kv_block_seconds, a.num_processed_tokens, b.num_processed_tokens) == (1, 1.5, 6, 10)
-    assert (a.num_blocks_held, a.peak_blocks) == (2, 2) and accounting.cost.num_steps == 1
+    ua, ub = a.resources, b.resources
+    assert (ua.device_time_s, ub.device_time_s, s.device_time_by_class) == (0.1875, 0.3125, Counter(none=0.5))
+    processed = (ua.num_processed_tokens, ub.num_processed_tokens)
+    assert (ua.kv_block_seconds, ub.kv_block_seconds, *processed) == (1, 1.5, 6, 10)
+    assert (ua.num_blocks_held, ua.peak_blocks) == (2, 2) and accounting.cost.num_steps == 1
     rig.scheduler.update_from_output(out, [7, 8])
     c = rig.add("abcdef", output="q")  # a's first block is in the prefix cache
     out = rig.scheduler.schedule()
-    c.size_class = "long"  # moved to the long lane by the probe: charged there
+    c.moved_to = SizeClass.LONG  # moved to the long lane by the probe: charged there
     assert out.requests == [a, b, c] and out.num_scheduled_tokens == [1, 1, 2]
     second = StepTimer(CPU).stop()
     accounting.step_done(rig.stats, out, [2, 3, 2], 0.25, second)
     assert (s.steps, s.step_time_s, s.forward_time_s) == (2, 0.75, timer.elapsed_s() + second.elapsed_s())
     assert (s.requests_started, s.prefix_cache_queries, s.prefix_cache_hits) == (3, 22, 4)
-    assert (a.device_time_s, c.device_time_s) == (0.25, 0.125)
+    assert (ua.device_time_s, c.resources.device_time_s) == (0.25, 0.125)
     assert s.device_time_by_class == Counter(none=0.625, long=0.125)
-    assert (a.num_processed_tokens, c.num_processed_tokens, b.kv_block_seconds) == (7, 2, 2.25)
+    assert (ua.num_processed_tokens, c.resources.num_processed_tokens, ub.kv_block_seconds) == (7, 2, 2.25)
     snapshot = engine_snapshot(s, rig.scheduler, rig.block_manager, None, time.monotonic())
     assert (snapshot.steps, snapshot.busy_s, snapshot.running, snapshot.used_blocks) == (2, 0.75, 3, 6)
     assert [q.tokens_processed for q in snapshot.sequences] == [7, 11, 2]
@@ -261,8 +263,8 @@ def test_enforce_deadlines_finishes_late_requests_as_length(hf):
     rig = Rig(hf)
     late, on_time = rig.add("Late", output="aaaa"), rig.add("Fine", output="bbbb")
     rig.step()
-    late.deadline = time.monotonic() - 1.0
-    on_time.deadline = time.monotonic() + 3600.0
+    late.admission = AdmissionRecord(deadline=time.monotonic() - 1.0)
+    on_time.admission = AdmissionRecord(deadline=time.monotonic() + 3600.0)
     actions.enforce_deadlines(rig.scheduler, rig.processor, rig.stats)
     last = rig.outputs[late.request_id][-1]
     assert len(rig.outputs[late.request_id]) == 2 and last.finished

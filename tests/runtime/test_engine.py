@@ -11,7 +11,7 @@ import time
 import pytest
 
 from headroom.config import CacheConfig, Config, ConfigError, ModelConfig, SchedulerConfig
-from headroom.contracts.request import Request, RequestStatus, SamplingParams
+from headroom.contracts.request import AdmissionRecord, Request, RequestStatus, SamplingParams
 from headroom.executor import executor as executor_module
 from headroom.executor.device import prepare_model
 from headroom.runtime import output_processor
@@ -382,13 +382,13 @@ def test_resource_accounting(loaded, prompts):
     for r in requests:
         assert r.num_cached_tokens == 0 and r.num_preemptions == 0
         # The K/V of every token but the last sampled one was held at the end.
-        assert r.peak_blocks == r.num_blocks_held == blocks_needed(r.num_tokens - 1)
-        assert r.device_time_s > 0
-        assert r.kv_block_seconds > 0
-        assert r.num_processed_tokens == r.num_prompt_tokens + r.num_output_tokens - 1
+        assert r.resources.peak_blocks == r.resources.num_blocks_held == blocks_needed(r.num_tokens - 1)
+        assert r.resources.device_time_s > 0
+        assert r.resources.kv_block_seconds > 0
+        assert r.resources.num_processed_tokens == r.num_prompt_tokens + r.num_output_tokens - 1
         assert r.arrival_time <= r.first_scheduled_time <= r.first_token_time <= r.finished_time
     # Each step's time is split among its requests by their share of its tokens.
-    device_time = sum(r.device_time_s for r in requests)
+    device_time = sum(r.resources.device_time_s for r in requests)
     assert device_time == pytest.approx(engine.stats.step_time_s, rel=1e-9)
     assert engine.stats.generated_tokens == sum(r.num_output_tokens for r in requests)
     assert engine.stats.prompt_tokens == sum(r.num_prompt_tokens for r in requests)
@@ -403,8 +403,8 @@ def test_resource_accounting_counts_recomputation(loaded, prompts):
     requests = engine.generate(prompts, params)
     assert engine.stats.preemptions == sum(r.num_preemptions for r in requests) > 0
     for r in requests:
-        assert r.num_processed_tokens >= r.num_prompt_tokens + r.num_output_tokens - 1
-        assert r.peak_blocks >= engine.block_manager.blocks_needed(r.num_tokens - 1)
+        assert r.resources.num_processed_tokens >= r.num_prompt_tokens + r.num_output_tokens - 1
+        assert r.resources.peak_blocks >= engine.block_manager.blocks_needed(r.num_tokens - 1)
         assert r.first_scheduled_time <= r.first_token_time <= r.finished_time
     assert engine.stats.generated_tokens == 16 * len(requests)
 
@@ -525,7 +525,7 @@ def test_wall_clock_budget_finishes_as_length_and_frees_blocks(loaded, prompts):
     engine.submit(on_time, sink_on_time)
     engine.step()
     engine.step()
-    late.deadline = time.monotonic() - 0.001  # its budget has just run out
+    late.admission = AdmissionRecord(deadline=time.monotonic() - 0.001)  # its budget has just run out
     while not on_time.is_finished:
         engine.step()
     final = sink_late.wait_finished()[-1]

@@ -12,7 +12,7 @@ import random
 import time
 
 from headroom.config import Config
-from headroom.contracts.request import SamplingParams
+from headroom.contracts.request import AdmissionRecord, SamplingParams, SizeClass
 from headroom.runtime.engine import Engine
 from headroom.runtime.lane import MIN_LONG_CHUNK
 from tests.steps import before_each_step
@@ -30,7 +30,7 @@ def test_a_long_prefill_finishes_within_its_stated_steps_after_slow_first_chunks
     long = engine.new_request(
         [rng.randrange(300, 20000) for _ in range(PROMPT)], SamplingParams(max_tokens=2, ignore_eos=True)
     )
-    long.size_class = "long"
+    long.admission = AdmissionRecord(size_class=SizeClass.LONG)
     slow = []
 
     def slow_first_long_chunks(out) -> None:
@@ -58,7 +58,7 @@ def test_a_long_prefill_finishes_within_its_stated_steps_after_slow_first_chunks
                 short = engine.new_request(
                     [rng.randrange(300, 20000) for _ in range(20)], SamplingParams(max_tokens=8, ignore_eos=True)
                 )
-                short.size_class = "short"
+                short.admission = AdmissionRecord(size_class=SizeClass.SHORT)
                 engine.submit(short, lambda _: None)
                 shorts.append(short)
             engine.step()

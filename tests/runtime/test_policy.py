@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from headroom.contracts.request import RequestStatus
+from headroom.contracts.request import Estimate, RequestStatus
 from tests.runtime.factories import create_request, create_scheduler, run_step
 
 
@@ -103,7 +103,7 @@ def test_the_probe_estimate_reorders_the_waiting_queue_and_counts_it():
         second.request_id,
     ]
     # The probe has seen `first` run (a preempted request keeps its estimate): 400 to go.
-    first.predicted_remaining_tokens, first.estimated_at_tokens = 400.0, 0
+    first.estimate = Estimate(400.0, 0)
     out, _ = run_step(s)
     assert out.requests == [second]
     assert s.policy.probe_decisions == {"order": 1}
@@ -119,7 +119,7 @@ def test_the_reordered_admission_counts_when_it_preempts_a_lower_tier():
     second = create_request(predicted=30, max_tokens=500, priority=1, arrival=now)
     s.add_request(first)
     s.add_request(second)
-    first.predicted_remaining_tokens, first.estimated_at_tokens = 400.0, 0
+    first.estimate = Estimate(400.0, 0)
     out, _ = run_step(s)
     assert out.requests == [second] and out.preempted == [low]
     assert s.policy.probe_decisions == {"order": 1}
@@ -130,7 +130,7 @@ def test_the_probe_estimate_counts_down_as_tokens_come():
     assert request.estimated_remaining_tokens() == 100.0
     request.output_token_ids.extend([5] * 10)
     assert request.estimated_remaining_tokens() == 90.0
-    request.predicted_remaining_tokens, request.estimated_at_tokens = 25.0, 8
+    request.estimate = Estimate(25.0, 8)
     assert request.estimated_remaining_tokens() == 23.0  # 2 tokens since the estimate
     assert request.estimated_remaining_tokens(probed=False) == 90.0
     # An operator's cap bounds both: 15 tokens are all that can still come.
@@ -142,8 +142,8 @@ def test_the_probe_estimate_counts_down_as_tokens_come():
 def test_the_probe_estimate_changes_the_victim_and_counts_it():
     s, (a, b, _) = three_prefilled()
     # Once probed, b turns out nearly done and a is the one with most to go.
-    b.predicted_remaining_tokens, b.estimated_at_tokens = 2.0, 1
-    a.predicted_remaining_tokens, a.estimated_at_tokens = 500.0, 1
+    b.estimate = Estimate(2.0, 1)
+    a.estimate = Estimate(500.0, 1)
     out, _ = run_step(s)
     assert out.preempted[0] is a
     assert s.policy.probe_decisions == {"victim": 1}

@@ -81,15 +81,15 @@ def test_a_planted_loop_is_flagged_at_its_first_estimate_and_moved_to_the_long_l
     )
     assert looping.output_token_ids == [the] * 600
     # After prefill nothing has been generated, so nothing loops yet; at 16 tokens it does.
-    assert looping.runaway_flagged_at == 16
+    assert looping.estimate.runaway_flagged_at == 16
     assert looping.size_class == "long"
-    assert normal.runaway_flagged_at is None and normal.size_class is None
-    assert normal.runaway_probability < 0.2
+    assert normal.estimate.runaway_flagged_at is None and normal.size_class is None
+    assert normal.estimate.runaway_probability < 0.2
     # Estimates at 0, 16, ..., 128 (the last point the probe was trained at) for the loop,
     # and at every 16th token the other reached; from 128 on the loop's estimate counts down.
     points = range(0, normal.num_output_tokens, 16)
     assert engine.refiner.estimates == 9 + len(points)
-    assert looping.estimated_at_tokens == 128 and normal.estimated_at_tokens == points[-1]
+    assert looping.estimate.at_tokens == 128 and normal.estimate.at_tokens == points[-1]
     assert engine.counters().probe_decisions == {"long_lane": 1}
     flagged = [r.getMessage() for r in caplog.records if r.name == "headroom.probe"]
     assert len(flagged) == 1
@@ -150,9 +150,13 @@ def test_ignore_eos_makes_the_estimate_exact(engine, probe):
             SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=(7,)),
         ],
     )
-    assert (certain.runaway_probability, certain.predicted_remaining_tokens, certain.runaway_flagged_at) == (1.0, 4, 0)
+    assert (
+        certain.estimate.runaway_probability,
+        certain.estimate.remaining_tokens,
+        certain.estimate.runaway_flagged_at,
+    ) == (1.0, 4, 0)
     assert certain.size_class is None  # 20 tokens are not long work
-    assert stoppable.runaway_probability < 0.2 and stoppable.runaway_flagged_at is None
+    assert stoppable.estimate.runaway_probability < 0.2 and stoppable.estimate.runaway_flagged_at is None
 
 
 def test_a_failing_probe_costs_no_tokens(engine, probe, caplog):
@@ -165,7 +169,7 @@ def test_a_failing_probe_costs_no_tokens(engine, probe, caplog):
     engine.use_probe(Broken(), every=4, runaway_threshold=0.8, long_min_output=512)
     ids = engine.tokenizer.encode("Hello")
     request = engine.generate([ids], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))[0]
-    assert request.num_output_tokens == 9 and request.runaway_probability is None
+    assert request.num_output_tokens == 9 and request.estimate.runaway_probability is None
     assert sum("length probe failed" in r.getMessage() for r in caplog.records) == 3  # at 0, 4, 8
     assert engine.block_manager.num_used_blocks == 0
 

@@ -20,7 +20,7 @@ from headroom.config import (
     TenantConfig,
 )
 from headroom.contracts.repetition import LoopTracker, RepetitionDetection, first_detection
-from headroom.contracts.request import SamplingParams
+from headroom.contracts.request import AdmissionRecord, SamplingParams
 from headroom.executor.grammar import GrammarSpec
 from headroom.runtime.engine import Engine
 
@@ -201,7 +201,7 @@ def test_a_tenants_policy_overrides_the_servers(default_model, prompt, the):
         default_model, loop_policy="flag", loop_max_pattern_size=8, loop_min_pattern_size=1, loop_min_count=4
     )
     request = engine.new_request(prompt, SamplingParams(max_tokens=40, temperature=0.0, logit_bias=((the, 100.0),)))
-    request.loop_policy = "stop"  # what build_request copies from the tenant's config
+    request.admission = AdmissionRecord(loop_policy="stop")  # what the admission gate copies from the tenant's config
     outputs = []
     engine.submit(request, outputs.append)
     while not request.is_finished:
