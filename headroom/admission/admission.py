@@ -121,35 +121,9 @@ class Admission:
         Raises Rejected; on cancellation the request leaves no trace."""
         if cost < 0 or not 0 <= prompt_tokens <= cost:
             raise ValueError(f"need 0 <= prompt_tokens <= cost, got {prompt_tokens} and {cost}")
-        if self._closed:
-            raise self._reject(Rejected("server is shutting down", None, "shutting_down"))
-        if cost > tenant.max_in_flight_tokens:
-            raise self._reject(
-                Rejected(
-                    f"request needs {cost} tokens but tenant {tenant.name!r} may have at most "
-                    f"{tenant.max_in_flight_tokens} in flight; it can never be admitted",
-                    None,
-                    "too_large",
-                )
-            )
-        if self.max_in_flight_seqs is not None and seqs > self.max_in_flight_seqs:
-            raise self._reject(
-                Rejected(
-                    f"request needs {seqs} sequences but at most {self.max_in_flight_seqs} "
-                    "may run at once; it can never be admitted",
-                    None,
-                    "too_large",
-                )
-            )
-        if self.store is not None and not self.store.available and cost > tenant.bucket.max_in_flight_tokens:
-            raise self._reject(
-                Rejected(
-                    f"request needs {cost} tokens; while the shared admission store is unreachable tenant "
-                    f"{tenant.name!r} may have at most {tenant.bucket.max_in_flight_tokens} in flight on this replica",
-                    5.0,
-                    "fallback_share",
-                )
-            )
+        refused = self._never(tenant, cost, seqs)
+        if refused is not None:
+            raise self._reject(refused)
         self.pump()  # refill may already have let waiters in; they go first
         direct = False
         if not tenant.queue:
@@ -162,40 +136,77 @@ class Admission:
                 return self._grant(tenant, cost, prompt_tokens, "admit", 0.0, seqs)
             direct = True  # admitted here; the fleet's answer is one round trip away
         max_wait = tenant.config.max_wait_s if deadline_s is None else min(deadline_s, tenant.config.max_wait_s)
-        if max_wait <= 0 and not direct:
-            raise self._reject(
-                Rejected(
-                    f"tenant {tenant.name!r}: cannot admit now and the request may not wait",
-                    self._retry_after(tenant, cost),
-                    "timeout",
-                )
-            )
-        if len(tenant.queue) >= tenant.config.max_queue and not direct:
-            raise self._reject(
-                Rejected(
-                    f"tenant {tenant.name!r}: wait queue is full ({tenant.config.max_queue})",
-                    self._retry_after(tenant, cost),
-                    "queue_full",
-                )
-            )
+        refused = None if direct else self._cannot_wait(tenant, cost, max_wait)
+        if refused is not None:
+            raise self._reject(refused)
 
+        waiter = self._enqueue(tenant, cost, prompt_tokens, max_wait, direct, seqs)
+        try:
+            return await waiter.future
+        except asyncio.CancelledError:
+            self._abandon(tenant, waiter)
+            raise
+
+    def _enqueue(
+        self, tenant: Tenant, cost: int, prompt_tokens: int, max_wait: float, direct: bool, seqs: int
+    ) -> Waiter:
+        """Queues a waiter from now, for at most max_wait; a direct one is picked at once
+        where the fleet's answer allows, else it waits like any other."""
         now = self._now()
-        waiter = Waiter(
-            cost, prompt_tokens, now, now + max(max_wait, 0.0), asyncio.get_running_loop().create_future(), direct, seqs
-        )
+        future = asyncio.get_running_loop().create_future()
+        waiter = Waiter(cost, prompt_tokens, now, now + max(max_wait, 0.0), future, direct, seqs)
         tenant.queue.append(waiter)
-        if direct:
+        if waiter.direct:
             self.pump()
             if waiter in tenant.queue:  # not picked after all: it waits like any other
                 waiter.direct = False
         if not waiter.direct:
             self.decisions["wait"] += 1
         self._wake.set()
-        try:
-            return await waiter.future
-        except asyncio.CancelledError:
-            self._abandon(tenant, waiter)
-            raise
+        return waiter
+
+    def _never(self, tenant: Tenant, cost: int, seqs: int) -> Rejected | None:
+        """Why a request can never be admitted (or not while the store is away), if it cannot."""
+        if self._closed:
+            return Rejected("server is shutting down", None, "shutting_down")
+        if cost > tenant.max_in_flight_tokens:
+            return Rejected(
+                f"request needs {cost} tokens but tenant {tenant.name!r} may have at most "
+                f"{tenant.max_in_flight_tokens} in flight; it can never be admitted",
+                None,
+                "too_large",
+            )
+        if self.max_in_flight_seqs is not None and seqs > self.max_in_flight_seqs:
+            return Rejected(
+                f"request needs {seqs} sequences but at most {self.max_in_flight_seqs} "
+                "may run at once; it can never be admitted",
+                None,
+                "too_large",
+            )
+        if self.store is not None and not self.store.available and cost > tenant.bucket.max_in_flight_tokens:
+            return Rejected(
+                f"request needs {cost} tokens; while the shared admission store is unreachable tenant "
+                f"{tenant.name!r} may have at most {tenant.bucket.max_in_flight_tokens} in flight on this replica",
+                5.0,
+                "fallback_share",
+            )
+        return None
+
+    def _cannot_wait(self, tenant: Tenant, cost: int, max_wait: float) -> Rejected | None:
+        """Why a request that is not admitted at once may not wait, if it may not."""
+        if max_wait <= 0:
+            return Rejected(
+                f"tenant {tenant.name!r}: cannot admit now and the request may not wait",
+                self._retry_after(tenant, cost),
+                "timeout",
+            )
+        if len(tenant.queue) >= tenant.config.max_queue:
+            return Rejected(
+                f"tenant {tenant.name!r}: wait queue is full ({tenant.config.max_queue})",
+                self._retry_after(tenant, cost),
+                "queue_full",
+            )
+        return None
 
     def settle(self, ticket: Ticket, prompt_tokens: int, output_tokens: int, device_s: float = 0.0) -> None:
         """Return the reservation, charge what was really used, free the slot, admit

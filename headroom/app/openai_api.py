@@ -376,43 +376,55 @@ async def outputs_of(client, requests: list[Request]):
 async def _run(
     request: web.Request, engine_requests: list[Request], fmt: ResponseFormat, stream: bool
 ) -> web.StreamResponse:
-    client = request.app[keys.ENGINE]
     headers = {"X-Request-Id": engine_requests[0].request_id}
+    outputs = outputs_of(request.app[keys.ENGINE], engine_requests)
+    if stream:
+        return await _stream(request, outputs, engine_requests, fmt, headers)
+    return await _answer(outputs, engine_requests, fmt, headers)
+
+
+def _closing(fmt: ResponseFormat, engine_requests: list[Request], payload: dict) -> dict:
+    """The response, or the last chunk of its stream, with its metrics where reported."""
+    if fmt.report_metrics:
+        payload["metrics"] = metrics_of(engine_requests)
+    return payload
+
+
+async def _answer(outputs, engine_requests: list[Request], fmt: ResponseFormat, headers: dict) -> web.Response:
+    """The whole response at once, when every choice has finished."""
     n = len(engine_requests)
-    outputs = outputs_of(client, engine_requests)
+    text: list[list[str]] = [[] for _ in range(n)]
+    wants_logprobs = engine_requests[0].sampling.logprobs is not None
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
+    last = [None] * n
+    async with contextlib.aclosing(outputs):
+        async for index, out in outputs:
+            text[index].append(out.text)
+            if wants_logprobs and out.logprobs:
+                logprobs[index].extend(out.logprobs)
+            last[index] = out
+    for out in last:
+        if out.error:
+            raise APIError(out.error, code="engine_error")
+    choices = [
+        fmt.choice(
+            "".join(text[i]), logprobs[i] if wants_logprobs else None, last[i].finish_reason, last[i].stop_reason, i
+        )
+        for i in range(n)
+    ]
+    body = _closing(fmt, engine_requests, fmt.full(choices, usage_of(engine_requests)))
+    return web.json_response(body, headers=headers)
 
-    def closing(payload: dict) -> dict:
-        """The response, or the last chunk of its stream, with its metrics where reported."""
-        if fmt.report_metrics:
-            payload["metrics"] = metrics_of(engine_requests)
-        return payload
 
-    if not stream:
-        text: list[list[str]] = [[] for _ in range(n)]
-        wants_logprobs = engine_requests[0].sampling.logprobs is not None
-        logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
-        last = [None] * n
-        async with contextlib.aclosing(outputs):
-            async for index, out in outputs:
-                text[index].append(out.text)
-                if wants_logprobs and out.logprobs:
-                    logprobs[index].extend(out.logprobs)
-                last[index] = out
-        for out in last:
-            if out.error:
-                raise APIError(out.error, code="engine_error")
-        choices = [
-            fmt.choice(
-                "".join(text[i]), logprobs[i] if wants_logprobs else None, last[i].finish_reason, last[i].stop_reason, i
-            )
-            for i in range(n)
-        ]
-        body = closing(fmt.full(choices, usage_of(engine_requests)))
-        return web.json_response(body, headers=headers)
-
+async def _stream(
+    request: web.Request, outputs, engine_requests: list[Request], fmt: ResponseFormat, headers: dict
+) -> web.StreamResponse:
+    """Server-sent events as the choices run; the last choice's final chunk ends the
+    stream, or the usage chunk where asked for."""
     response = await open_stream(request, headers)
+    n = len(engine_requests)
     held: list[list[str]] = [[] for _ in range(n)]
-    running = n  # choices still running: the last one's final chunk ends the stream (or usage does)
+    running = n
     try:
         async with contextlib.aclosing(outputs):
             for index in range(n):
@@ -422,32 +434,35 @@ async def _run(
                 if out.error:  # headers are sent: the error travels as an event
                     await response.write(encode_event(error_body(out.error, APIError.type, code="engine_error")))
                     break
-                if out.finished:
-                    running -= 1
-                last = running == 0 and not fmt.include_usage
-                if fmt.holds_text:  # tool calls are known only once the whole text is
-                    held[index].append(out.text)
-                    if out.finished:
-                        chunks = fmt.tool_chunks("".join(held[index]), out.finish_reason, out.stop_reason, index)
-                        for chunk in chunks[:-1] + [closing(chunks[-1]) if last else chunks[-1]]:
-                            await response.write(encode_event(chunk))
-                    continue
-                if out.text or out.finished or out.logprobs:
-                    chunk = fmt.delta_chunk(
-                        out.text,
-                        out.logprobs,
-                        out.finish_reason if out.finished else None,
-                        out.stop_reason if out.finished else None,
-                        index,
-                    )
-                    await response.write(encode_event(closing(chunk) if last else chunk))
+                running -= out.finished
+                chunks = _chunks(fmt, held[index], out, index)
+                if chunks and running == 0 and not fmt.include_usage:
+                    chunks = [*chunks[:-1], _closing(fmt, engine_requests, chunks[-1])]
+                for chunk in chunks:
+                    await response.write(encode_event(chunk))
         if fmt.include_usage:
-            await response.write(encode_event(closing(fmt.usage_chunk(usage_of(engine_requests)))))
+            await response.write(
+                encode_event(_closing(fmt, engine_requests, fmt.usage_chunk(usage_of(engine_requests))))
+            )
         await response.write(DONE)
         await response.write_eof()
     except ConnectionResetError:  # the client left; aclosing has already aborted the sequences
         log.info("client disconnected mid-stream: %s", engine_requests[0].request_id)
     return response
+
+
+def _chunks(fmt: ResponseFormat, held: list[str], out, index: int) -> list[dict]:
+    """The stream chunks one output of choice `index` makes: none where the text is held."""
+    if fmt.holds_text:  # tool calls are known only once the whole text is
+        held.append(out.text)
+        if not out.finished:
+            return []
+        return fmt.tool_chunks("".join(held), out.finish_reason, out.stop_reason, index)
+    if not (out.text or out.finished or out.logprobs):
+        return []
+    end = out.finished
+    reason, stop = (out.finish_reason, out.stop_reason) if end else (None, None)
+    return [fmt.delta_chunk(out.text, out.logprobs, reason, stop, index)]
 
 
 async def list_models(request: web.Request) -> web.Response:

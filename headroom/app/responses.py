@@ -56,25 +56,9 @@ async def responses(request: web.Request) -> web.StreamResponse:
 
 
 def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
-    messages: list[dict] = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
-    for item in body.input:
-        if item.type == "message":
-            messages.append({"role": item.role, "content": item.text()})
-        elif item.type == "function_call":
-            call = {
-                "id": item.call_id,
-                "type": "function",
-                "function": {"name": item.name, "arguments": item.arguments},
-            }
-            if messages and messages[-1]["role"] == "assistant":  # calls of one turn are one assistant message
-                messages[-1].setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        else:
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
     fields: dict = {
         "model": body.model,
-        "messages": messages,
+        "messages": chat_messages(body),
         "max_completion_tokens": body.max_output_tokens,
         "stream": body.stream,
         "parallel_tool_calls": body.parallel_tool_calls,
@@ -102,6 +86,27 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate(fields)
     except ValidationError as exc:
         raise renamed(validation_error(exc)) from None
+
+
+def chat_messages(body: ResponsesRequest) -> list[dict]:
+    """The input items as chat messages: a function call joins its turn's assistant message."""
+    messages: list[dict] = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
+    for item in body.input:
+        if item.type == "message":
+            messages.append({"role": item.role, "content": item.text()})
+        elif item.type == "function_call":
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
+            if messages and messages[-1]["role"] == "assistant":  # calls of one turn are one assistant message
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        else:
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+    return messages
 
 
 def renamed(err: BadRequest) -> BadRequest:

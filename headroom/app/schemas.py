@@ -289,7 +289,7 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
     @model_validator(mode="after")
-    def _top_logprobs_needs_logprobs(self):
+    def _only_what_is_supported(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
         for name in CHAT_NOT_IMPLEMENTED:
@@ -301,8 +301,11 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError('modalities: only ["text"] is supported')
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             raise ValueError("tool_choice: needs tools")
-        forced = self.tools and self.tool_choice not in (None, "none", "auto")
-        if forced:
+        return self
+
+    @model_validator(mode="after")
+    def _forced_tool_call_alone(self):
+        if self.tools and self.tool_choice not in (None, "none", "auto"):
             for name in ("response_format", "guided_json", "guided_regex", "guided_choice"):
                 value = getattr(self, name)
                 if value is not None and not (name == "response_format" and value.type == "text"):

@@ -38,22 +38,23 @@ def grammar_spec(body) -> GrammarSpec | None:
     if not asked:
         return None
     if asked[0] == "response_format":
-        if fmt.type == "json_object":
-            return GrammarSpec("json")
-        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        if fmt.type == "json_object" or fmt.json_schema is None or fmt.json_schema.schema_ is None:
             return GrammarSpec("json")  # OpenAI allows a json_schema without a schema: any JSON
         return GrammarSpec.json_schema(fmt.json_schema.schema_)
     if asked[0] == "guided_json":
-        schema = body.guided_json
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as exc:
-                raise BadRequest(f"guided_json: not valid JSON: {exc}", param="guided_json") from None
-        return GrammarSpec.json_schema(schema)
+        return GrammarSpec.json_schema(_guided_json(body.guided_json))
     if asked[0] == "guided_regex":
         return GrammarSpec("regex", body.guided_regex)
     return GrammarSpec.choice(body.guided_choice)
+
+
+def _guided_json(schema: dict | str) -> dict:
+    if not isinstance(schema, str):
+        return schema
+    try:
+        return json.loads(schema)
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"guided_json: not valid JSON: {exc}", param="guided_json") from None
 
 
 def constraint_param(body) -> str:
