@@ -93,7 +93,7 @@ async def list_sequences(request: web.Request) -> web.Response:
         limit = 0
     if not 1 <= limit <= 10_000:
         raise BadRequest("limit must be an integer in [1, 10000]", param="limit", code="invalid_value")
-    snapshot = request.config_dict[keys.ENGINE].engine.snapshot()
+    snapshot = request.config_dict[keys.ENGINE].snapshot()
     ordered = sorted(snapshot.sequences, key=SORT_KEYS[sort], reverse=True)[:limit]
     return web.json_response(
         {
@@ -111,7 +111,7 @@ async def list_sequences(request: web.Request) -> web.Response:
 
 async def get_sequence(request: web.Request) -> web.Response:
     rid = request.match_info["id"]
-    for s in request.config_dict[keys.ENGINE].engine.snapshot().sequences:
+    for s in request.config_dict[keys.ENGINE].snapshot().sequences:
         if s.request_id == rid:
             return web.json_response(sequence_json(s))
     raise NotFound(f"no live sequence {rid!r}", param="id", code="sequence_not_found")
@@ -119,9 +119,8 @@ async def get_sequence(request: web.Request) -> web.Response:
 
 async def act(request: web.Request, action: str, **args) -> web.Response:
     rid = request.match_info["id"]
-    engine = request.config_dict[keys.ENGINE].engine
     try:
-        before = await asyncio.wrap_future(engine.control(rid, action, by="admin", **args))
+        before = await request.config_dict[keys.ENGINE].control(rid, action, by="admin", **args)
     except UnknownSequence:
         raise NotFound(f"no live sequence {rid!r}", param="id", code="sequence_not_found") from None
     except SequenceFinished as exc:
@@ -200,7 +199,7 @@ async def usage(request: web.Request) -> web.Response:
 
 async def stats(request: web.Request) -> web.Response:
     observability = request.config_dict[keys.OBSERVABILITY]
-    engine = request.config_dict[keys.ENGINE].engine
+    engine = request.config_dict[keys.ENGINE]
     snapshot = engine.snapshot()
     hol = observability.hol.state
     lane = engine.long_lane()
@@ -239,10 +238,7 @@ async def stats(request: web.Request) -> web.Response:
                 "step_cost": None if lane.step_cost is None else dataclasses.asdict(lane.step_cost),
                 "steps_observed": lane.steps_observed,
                 "chunk_tokens": {str(context): n for context, n in lane.chunk_tokens.items()},
-                "actions": {
-                    "tighten": engine.hol.actions["tighten"],
-                    "relax": engine.hol.actions["relax"],
-                },
+                "actions": engine.hol_actions(),
             },
             "admission_store": {"kind": "embedded"} if store is None else dataclasses.asdict(store.stats()),
             "predictor_health": dataclasses.asdict(observability.predictor_health.report()),

@@ -15,15 +15,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from headroom.config import AdminConfig, TenantConfig
-from headroom.runtime.engine import Engine
 from headroom.runtime.outputs import (
     EngineSnapshot,
     SequenceFinished,
     SequenceSnapshot,
     UnknownSequence,
 )
+
+if TYPE_CHECKING:
+    from headroom.app.engine_client import AsyncEngine
 
 log = logging.getLogger("headroom.admin")
 
@@ -129,7 +132,7 @@ class Ladder:
             del self.taken[request_id]
 
 
-async def enforce(config: AdminConfig, engine: Engine) -> None:
+async def enforce(config: AdminConfig, engine: AsyncEngine) -> None:
     """Check every policy_interval_s until cancelled."""
     ladder = Ladder(config)
     while True:
@@ -151,7 +154,7 @@ async def enforce(config: AdminConfig, engine: Engine) -> None:
             elif action == "cap":
                 args["max_tokens"] = s.output_tokens + config.cap_tokens
             try:
-                await asyncio.wrap_future(engine.control(v.request_id, action, **args))
+                await engine.control(v.request_id, action, **args)
             except (UnknownSequence, SequenceFinished):
                 continue  # it finished on its own meanwhile
             ladder.took(v.request_id, snapshot.taken_at)

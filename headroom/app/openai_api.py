@@ -33,7 +33,7 @@ from headroom.app.response_metrics import metrics_of, reports_metrics
 from headroom.app.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from headroom.app.sse import DONE, encode_event, open_stream
 from headroom.app.structured import constraint_param, grammar_spec, template_messages, tool_use
-from headroom.contracts.request import Priority, Request, SamplingParams
+from headroom.contracts.request import ContextOverflow, Priority, Request, SamplingParams, completion_limit
 from headroom.executor.grammar import GrammarError, GrammarSpec
 from headroom.executor.sampler import TokenLogprob
 
@@ -74,7 +74,7 @@ def check_accepting(request: web.Request) -> None:
 
 def check_model(request: web.Request, name: str | None) -> str:
     """The name the response reports: the one the client asked by (as vLLM), else the id."""
-    names = request.app[keys.ENGINE].engine.loaded.names
+    names = request.app[keys.ENGINE].model.names
     if name is None:
         return names[0]
     if name not in names:
@@ -137,7 +137,6 @@ def build_request(
     seed: int | None,
 ) -> Request:
     client = request.app[keys.ENGINE]
-    engine = client.engine
     if client.is_submitted(rid):
         raise Conflict(f"request id {rid!r} is already in flight", param="X-Request-Id", code="duplicate_request_id")
     # The tenant's own limits, where set, are hard caps below the server's: a request that
@@ -150,23 +149,18 @@ def build_request(
             param="max_tokens",
             code="exceeds_tenant_limit",
         )
-    max_len = min(engine.max_model_len, tenant.config.max_model_len or engine.max_model_len)
-    room = max_len - len(prompt_ids)
-    if max_tokens is None:
-        if room < 1:
-            raise BadRequest(
-                f"This model's maximum context length is {max_len} tokens. However, your "
-                f"prompt has {len(prompt_ids)} tokens, leaving no room for completion tokens.",
-                param="messages",
-                code="context_length_exceeded",
-            )
-        max_tokens = room if cap is None else min(room, cap)
+    max_len = min(client.model.max_model_len, tenant.config.max_model_len or client.model.max_model_len)
+    try:
+        limit = completion_limit(len(prompt_ids), max_tokens, max_len)
+    except ContextOverflow as exc:
+        raise BadRequest(str(exc), param=exc.param, code="context_length_exceeded") from None
+    max_tokens = limit if max_tokens is not None or cap is None else min(limit, cap)
     try:
         sampling = SamplingParams(
             max_tokens=max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
-            top_k=body.top_k if 0 < body.top_k < engine.loaded.args.vocab_size else 0,  # as many as the vocabulary: off
+            top_k=body.top_k if 0 < body.top_k < client.model.vocab_size else 0,  # as many as the vocabulary: off
             seed=seed,
             stop=body.stop_strings,
             ignore_eos=body.ignore_eos,
@@ -180,18 +174,10 @@ def build_request(
         )
     except ValueError as exc:
         raise BadRequest(str(exc)) from None
-    if len(prompt_ids) + max_tokens > max_len:
-        raise BadRequest(
-            f"This model's maximum context length is {max_len} tokens. However, you requested "
-            f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the "
-            "completion). Please reduce the prompt or max_tokens.",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
     try:
         # vLLM's convention: a lower `priority` value is served earlier.
         priority = Priority(value=-request_priority(body.priority, tenant))
-        built = engine.new_request(prompt_ids, sampling, request_id=rid, priority=priority)
+        built = client.new_request(prompt_ids, sampling, request_id=rid, priority=priority)
     except ValueError as exc:
         raise BadRequest(str(exc), code="invalid_value") from None
     return built
@@ -202,7 +188,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     check_accepting(request)
     body = await parse_body(request, CompletionRequest, UNRECOGNIZED)
     model = check_model(request, body.model)
-    tokenizer = request.app[keys.ENGINE].engine.tokenizer
+    tokenizer = request.app[keys.ENGINE].tokenizer
     prompt_ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
     rid = request_id(request, "cmpl-", tenant)
     note(request, request_id=rid)
@@ -234,7 +220,7 @@ async def prepare_chat(
     """A chat request up to admission: its engine requests (tokenised through the chat
     template, constrained by its grammar), its format and its messages."""
     model = check_model(request, body.model)
-    tokenizer = request.app[keys.ENGINE].engine.tokenizer
+    tokenizer = request.app[keys.ENGINE].tokenizer
     messages = [
         {
             "role": "system" if m.role == "developer" else m.role,
@@ -272,9 +258,8 @@ async def constrain(request: web.Request, engine_requests: list[Request], spec: 
     comes from xgrammar's cache."""
     if spec is None:
         return
-    engine = request.app[keys.ENGINE].engine
+    grammars = await request.app[keys.ENGINE].grammars()
     loop = asyncio.get_running_loop()
-    grammars = await loop.run_in_executor(None, lambda: engine.grammars)  # the first builds the vocabulary's table
     try:
         compiled = await loop.run_in_executor(None, grammars.compile, spec)
     except GrammarError as exc:
@@ -467,16 +452,16 @@ def _chunks(fmt: ResponseFormat, held: list[str], out, index: int) -> list[dict]
 
 async def list_models(request: web.Request) -> web.Response:
     """One card per served name, as vLLM lists them; `root` is the model they all name."""
-    engine = request.app[keys.ENGINE].engine
+    model = request.app[keys.ENGINE].model
     cards = [
         {
             "id": name,
             "object": "model",
             "created": request.app[keys.LIFECYCLE].started_at,
             "owned_by": "headroom",
-            "root": engine.loaded.name,
-            "max_model_len": engine.max_model_len,
+            "root": model.root,
+            "max_model_len": model.max_model_len,
         }
-        for name in engine.loaded.names
+        for name in model.names
     ]
     return web.json_response({"object": "list", "data": cards})

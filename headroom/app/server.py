@@ -34,16 +34,7 @@ log = logging.getLogger("headroom.server")
 async def health(request: web.Request) -> web.Response:
     if request.app[keys.LIFECYCLE].draining:
         return web.json_response(error_body("draining", "service_unavailable", code="draining"), status=503)
-    engine = request.app[keys.ENGINE].engine
-    ex = engine.executor
-    backend = {"name": ex.backend.name, "reason": getattr(ex.backend, "reason", None), "block_size": ex.block_size}
-    weights = {
-        "dtype": str(ex.dtype).removeprefix("torch."),
-        "quantization": ex.loaded.quantization,
-        "reason": ex.quantization_reason,
-        "kv_cache": {"dtype": str(ex.kv_dtype).removeprefix("torch."), "reason": ex.kv_dtype_reason},
-    }
-    body = {"status": "ok", "attention_backend": backend, "cuda_graphs": ex.cuda_graphs, "weights": weights}
+    body = {"status": "ok", **request.app[keys.ENGINE].health()}
     store = request.app[keys.GATE].store
     if store is not None:
         # Still ready without Redis (it admits on its share), so still 200, but degraded.
@@ -124,12 +115,10 @@ def _use_probe(config: Config, engine: Engine) -> None:
 
 
 async def _engine_thread(app: web.Application):
-    engine = app[keys.ENGINE].engine
-    if not engine.running:  # `headroom serve` hands over an engine already stepping (Engine.started)
-        engine.start()
+    app[keys.ENGINE].start()
     yield
     # Anything still in flight is aborted here; its stream ends with finish_reason "abort".
-    await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+    await app[keys.ENGINE].stop()
 
 
 async def _admission_timer(app: web.Application):
@@ -159,23 +148,23 @@ def _log_death(task: asyncio.Task) -> None:
         log.error("admission store: lease renewal stopped; leases will expire", exc_info=task.exception())
 
 
-async def hol_loop(observability: Observability, engine: Engine) -> None:
+async def hol_control(observability: Observability, client: AsyncEngine) -> None:
     """The head-of-line control loop, every interval until cancelled: observability
     measures the signal, the runtime's long lane acts on it."""
     while True:
         await asyncio.sleep(observability.config.monitor_interval_s)
         try:
             state = observability.refresh()
-            action = engine.hol.update(state.coupled, state.short_ttft_p99_s, state.long_device_share)
-            observability.note_hol(action, engine.hol.factor)
+            action, factor = client.hol_update(state.coupled, state.short_ttft_p99_s, state.long_device_share)
+            observability.note_hol(action, factor)
         except Exception:  # a monitor bug must never take the server down
             log.exception("head-of-line monitor failed")
 
 
 async def _observability(app: web.Application):
     observability = app[keys.OBSERVABILITY]
-    loop = hol_loop(observability, app[keys.ENGINE].engine)
-    monitor = asyncio.create_task(loop, name="headroom-hol-monitor")
+    control = hol_control(observability, app[keys.ENGINE])
+    monitor = asyncio.create_task(control, name="headroom-hol-monitor")
     yield
     monitor.cancel()
     with contextlib.suppress(asyncio.CancelledError):
@@ -185,9 +174,7 @@ async def _observability(app: web.Application):
 
 
 async def _policies(app: web.Application):
-    task = asyncio.create_task(
-        policies.enforce(app[keys.CONFIG].admin, app[keys.ENGINE].engine), name="headroom-policies"
-    )
+    task = asyncio.create_task(policies.enforce(app[keys.CONFIG].admin, app[keys.ENGINE]), name="headroom-policies")
     yield
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):

@@ -176,7 +176,7 @@ class Request:
     admitted_time: float | None = None  # when admission let it through to the engine
     # The loop tracker fed with every output token (contracts/repetition.py), and the
     # server detector's finding.
-    loop: LoopTracker | None = None
+    loop_tracker: LoopTracker | None = None
     loop_period: int | None = None  # the repeated pattern's size, in tokens
     loop_detected_at: int | None = None  # output tokens when the server's detector fired
 
@@ -287,15 +287,41 @@ class Request:
         return self.status.is_finished
 
 
+class ContextOverflow(ValueError):
+    """A prompt and completion that do not fit the context; `param` is the field to change."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def completion_limit(prompt_tokens: int, max_tokens: int | None, max_len: int) -> int:
+    """The one context-length check (the API's, with a tenant's limit, and the engine's):
+    max_tokens where the prompt and it fit in max_len tokens, all the room left where
+    max_tokens is None; else ContextOverflow in OpenAI's words."""
+    if max_tokens is None:
+        if prompt_tokens >= max_len:
+            raise ContextOverflow(
+                f"This model's maximum context length is {max_len} tokens. However, your "
+                f"prompt has {prompt_tokens} tokens, leaving no room for completion tokens.",
+                "messages",
+            )
+        return max_len - prompt_tokens
+    if prompt_tokens + max_tokens > max_len:
+        raise ContextOverflow(
+            f"This model's maximum context length is {max_len} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for the "
+            "completion). Please reduce the prompt or max_tokens.",
+            "max_tokens",
+        )
+    return max_tokens
+
+
 def check_fits(request: Request, max_model_len: int, cache_tokens: int, vocab: int) -> None:
     """Raise ValueError where a request can never run: longer than the model's context or
     the whole KV cache, or naming a token the vocabulary lacks."""
+    completion_limit(request.num_prompt_tokens, request.sampling.max_tokens, max_model_len)
     total = request.num_prompt_tokens + request.sampling.max_tokens
-    if total > max_model_len:
-        raise ValueError(
-            f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.sampling.max_tokens}) = {total} "
-            f"exceeds the model's context length of {max_model_len} tokens"
-        )
     if total > cache_tokens:
         raise ValueError(f"prompt + max_tokens = {total} tokens exceeds the KV cache of {cache_tokens} tokens")
     if any(not 0 <= t < vocab for t in request.prompt_token_ids):

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from headroom.app.background import BackgroundServer
-from headroom.config import AdminConfig, Config
+from headroom.config import AdminConfig, Config, ObservabilityConfig
 from headroom.runtime.engine import Engine
 from tests.app.test_openai_api import wait_idle
 
@@ -114,3 +114,41 @@ def test_a_short_request_starts_during_a_long_prefill_with_default_settings(serv
     assert stats["step_cost"]["per_token_s"] > 0, stats
     assert stats["chunk_tokens"]["0"] >= stats["chunk_tokens"]["4096"] > 0, stats
     assert stats["actions"] == {"tighten": 0, "relax": 0}
+
+
+@pytest.fixture(scope="module")
+def sensitive(default_model):
+    """A server whose head-of-line monitor calls any short first token beside a long
+    prompt a coupling, every 50 ms: the real signal, thresholds low enough to trip."""
+    config = Config(
+        admin=AdminConfig(token=ADMIN_TOKEN),
+        observability=ObservabilityConfig(monitor_interval_s=0.05, hol_short_ttft_p99_s=0.001, hol_long_share=0.01),
+    )
+    srv = BackgroundServer(config, Engine(config, loaded=default_model)).start()
+    yield srv
+    srv.stop()
+
+
+def test_the_head_of_line_signal_reaches_the_long_lane_through_the_server(sensitive):
+    # The wiring end to end: observability measures coupling, the server's control task
+    # hands it to the engine, the scheduler's long lane narrows, /admin/stats and
+    # /metrics say so. Any break in that chain leaves the factor at 1.0.
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    long = Stream(sensitive, {"prompt": LONG_PROMPT * 2, "max_tokens": 64, "ignore_eos": True})
+    lane, deadline = None, time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            short = Stream(sensitive, {"prompt": "Say hi.", "max_tokens": 2, "ignore_eos": True}).join()
+            assert short.finish_reason == "length"
+            lane = httpx.get(sensitive.url + "/admin/stats", headers=admin, timeout=30).json()["long_lane"]
+            if lane["actions"]["tighten"] > 0:
+                break
+        assert lane is not None and lane["actions"]["tighten"] > 0, lane
+        assert lane["factor"] < 1.0, lane
+    finally:
+        long.join()
+    metrics = httpx.get(sensitive.url + "/metrics", headers=admin, timeout=30).text
+    tightened = [
+        line for line in metrics.splitlines() if line.startswith('headroom:hol_actions_total{action="tighten"}')
+    ]
+    assert tightened and float(tightened[0].split()[-1]) >= 1, tightened

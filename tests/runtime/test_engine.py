@@ -119,8 +119,9 @@ def test_new_request_rejects_too_long_for_the_model(loaded, prompts):
     with pytest.raises(ValueError) as info:
         engine.new_request(prompt, SamplingParams(max_tokens=13))
     message = str(info.value)
-    assert "prompt (20 tokens)" in message and "max_tokens (13)" in message
-    assert "context length of 32 tokens" in message
+    # The API's words (contracts.completion_limit): one check, one message, wherever it runs.
+    assert "you requested 33 tokens (20 in the prompt, 13 for the completion)" in message
+    assert "maximum context length is 32 tokens" in message
     assert engine.new_request(prompt, SamplingParams(max_tokens=12)).num_prompt_tokens == 20
 
 
