@@ -12,7 +12,7 @@ from typing import Any
 
 from headroom.config import ACTIONS
 from headroom.contracts.request import Request, RequestStatus, SizeClass
-from headroom.runtime.loops import Finding, LoopPolicy
+from headroom.runtime.loops import Finding, LoopWatch
 from headroom.runtime.output_processor import OutputProcessor
 from headroom.runtime.outputs import (
     EngineStats,
@@ -107,7 +107,7 @@ def apply(
     return snapshot
 
 
-def check_loops(loops: LoopPolicy, requests: list[Request], scheduler: Scheduler, stats: EngineStats) -> None:
+def check_loops(loops: LoopWatch, requests: list[Request], scheduler: Scheduler, stats: EngineStats) -> None:
     """Run the loop detector on the requests that just got a token; a finding that stops
     one finishes it in the scheduler before its token goes out."""
     for request in requests:

@@ -29,7 +29,7 @@ from headroom.models.loader import LoadedModel
 from headroom.runtime import actions
 from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.commands import Abort, Add, Command, Control, SetLongLaneFactor
-from headroom.runtime.loops import LoopPolicy
+from headroom.runtime.loops import LoopWatch
 from headroom.runtime.output_processor import OutputProcessor
 from headroom.runtime.outputs import (
     EngineSnapshot,
@@ -61,7 +61,7 @@ class EngineCore:
         eos = self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos)
         self.sampler = Sampler(eos, seed=config.seed, device=self.executor.device)
-        self.loops = LoopPolicy.of(config.admin)
+        self.loops = LoopWatch.of(config.admin)
         if config.scheduler.long_lane:
             self.scheduler.cost.prime(measure_step_cost(self.runner, self.block_manager))
         self.stats = EngineStats()

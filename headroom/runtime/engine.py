@@ -80,7 +80,7 @@ class Engine(EngineCore):
                 built.set_exception(exc)
                 return
             built.set_result(engine)
-            engine._loop()
+            engine._steps()
 
         thread = threading.Thread(target=home, name="headroom-engine", daemon=True)
         thread.start()
@@ -95,7 +95,7 @@ class Engine(EngineCore):
     def start(self) -> None:
         assert self._thread is None, "engine already started"
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="headroom-engine", daemon=True)
+        self._thread = threading.Thread(target=self._steps, name="headroom-engine", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -113,7 +113,7 @@ class Engine(EngineCore):
 
     # ---- engine thread ----------------------------------------------------------------
 
-    def _loop(self) -> None:
+    def _steps(self) -> None:
         if self.executor.device.type == "cuda":
             torch.cuda.set_device(self.executor.device)  # the current device is per thread
         while True:

@@ -25,13 +25,16 @@ class Finding:
 
 
 @dataclass(frozen=True)
-class LoopPolicy:
+class LoopWatch:
+    """The server's loop policy as the engine applies it: which sequences it watches, what
+    it does on a loop it finds."""
+
     policy: str
     detection: RepetitionDetection
     cap_tokens: int
 
     @classmethod
-    def of(cls, config: AdminConfig) -> LoopPolicy:
+    def of(cls, config: AdminConfig) -> LoopWatch:
         return cls(config.loop_policy, config.loop_detection, config.cap_tokens)
 
     def watches(self, request: Request) -> bool:
@@ -51,7 +54,7 @@ class LoopPolicy:
         ):
             sizes.append(self.detection.max_pattern_size)
         if sizes:
-            request.loop = LoopTracker(max(sizes))
+            request.loop_tracker = LoopTracker(max(sizes))
 
     def check(self, request: Request) -> Finding | None:
         """What to do about request now: the first time its output is found looping, or
@@ -59,14 +62,14 @@ class LoopPolicy:
         constraint = request.grammar
         steered = constraint is not None and constraint.steerable and self.watches(request)
         if (
-            request.loop is None
+            request.loop_tracker is None
             or not (steered or self.acts_on(request))
             or request.loop_detected_at is not None
             or (steered and constraint.closing)
             or request.num_output_tokens < request.sampling.min_tokens
         ):
             return None
-        period = request.loop.period(self.detection)
+        period = request.loop_tracker.period(self.detection)
         if period is None:
             return None
         what = (

@@ -215,8 +215,8 @@ class Scheduler:
             if token is None:
                 continue
             request.append_output(token)
-            if request.loop is not None:
-                request.loop.push(request.output_token_ids)
+            if request.loop_tracker is not None:
+                request.loop_tracker.push(request.output_token_ids)
             status = self._check_stop(request, token)
             if status is not None:
                 self.finish_request(request.request_id, status)
@@ -235,7 +235,7 @@ class Scheduler:
         if (
             detection is not None
             and request.num_output_tokens >= params.min_tokens
-            and request.loop.period(detection) is not None
+            and request.loop_tracker.period(detection) is not None
         ):
             request.stop_reason = "repetition_detected"
             return RequestStatus.FINISHED_REPETITION
