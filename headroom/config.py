@@ -153,46 +153,74 @@ CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 16
 @config_errors("model.")
 @dataclass(frozen=True, config=STRICT)
 class ModelConfig:
-    # A GGUF file, a Hugging Face checkpoint directory, or None for the default model.
-    model: str | None = None
-    # The names clients may use in the API, as vLLM's --served-model-name: the first is the
-    # id /v1/models lists first. None: the file or directory name, and that name without a
-    # GGUF quantisation suffix (SmolLM2-135M-Instruct for SmolLM2-135M-Instruct.Q4_1).
-    served_model_name: Annotated[tuple[str, ...] | None, BeforeValidator(_served_names)] = None
-    dtype: Dtype = "auto"
-    device: str = "auto"
-    # Weight-only quantised linears on the CPU: int4 (the GGUF's own Q4_1 groups), int8,
-    # none (the float reference), or auto (see executor/device.py: resolve_quantization).
-    quantization: Quantization = "auto"
-    # Caps the checkpoint's own context length (None: use the checkpoint's).
-    max_model_len: ModelLen | None = None
+    model: str | None = Field(
+        None, description="a GGUF file or a Hugging Face checkpoint directory (default: SmolLM2-135M-Instruct)"
+    )
+    # As vLLM's --served-model-name. The name without its suffix: SmolLM2-135M-Instruct for
+    # SmolLM2-135M-Instruct.Q4_1.
+    served_model_name: Annotated[tuple[str, ...] | None, BeforeValidator(_served_names)] = Field(
+        None,
+        description="the names clients may use in `model`, the first being its id, the one /v1/models lists "
+        "first (default: the file or directory name, with and without its GGUF quantisation suffix)",
+    )
+    # bfloat16 matmuls are ~2x faster than float32 where the CPU has AMX tiles, and emulated
+    # (much slower) where it has not (executor/device.py: resolve_dtype).
+    dtype: Dtype = Field(
+        "auto", description="the weights' dtype (auto: bfloat16 on CUDA or on a CPU with AMX tiles, else float32)"
+    )
+    device: str = Field("auto", description="auto, cpu, cuda, cuda:N (auto: cuda where there is one)")
+    # auto: see executor/device.py: resolve_quantization.
+    quantization: Quantization = Field(
+        "auto",
+        description="weight-only quantised linears on the CPU: int4 (the GGUF's own Q4_1 groups), int8, none "
+        "(the float reference), or auto (for a float32 model on the CPU, whichever kernel measures fastest)",
+    )
+    max_model_len: ModelLen | None = Field(
+        None, description="caps the checkpoint's own context length (default: the checkpoint's)"
+    )
     # On CUDA, decode steps replay CUDA graphs captured for these batch sizes (cut at
     # max_num_seqs, which is always captured); enforce_eager turns graphs off.
-    enforce_eager: bool = False
+    enforce_eager: bool = Field(
+        False, description="on CUDA, run decode eagerly instead of replaying captured CUDA graphs"
+    )
     cuda_graph_sizes: Annotated[tuple[int, ...], BeforeValidator(_graph_sizes)] = CUDA_GRAPH_SIZES
 
 
 @config_errors("cache.")
 @dataclass(frozen=True, config=STRICT)
 class CacheConfig:
-    # None: the attention backend's preferred block size (16 for torch, 256 for flash-attn).
-    block_size: Annotated[int, Field(gt=0, multiple_of=8)] | None = None
-    # Size of the KV pool; num_gpu_blocks wins over kv_cache_memory_gib when both are set.
-    num_blocks: AtLeast1 | None = None
-    kv_cache_memory_gib: Positive = 1.0
-    enable_prefix_caching: bool = True
-    # The KV cache's element type; auto is the model's dtype, except float16 where the
-    # weights are already quantised on the CPU (see executor/device.py: resolve_kv_dtype).
-    kv_cache_dtype: Dtype = "auto"
+    block_size: Annotated[int, Field(gt=0, multiple_of=8)] | None = Field(
+        None,
+        description="tokens per KV cache block, a multiple of 8 (default: the attention backend's, "
+        "16 for torch, 256 for flash-attn)",
+    )
+    num_blocks: AtLeast1 | None = Field(
+        None, description="the KV pool's size in blocks; wins over kv_cache_memory_gib when both are set"
+    )
+    kv_cache_memory_gib: Positive = Field(1.0, description="the KV pool's size in GiB, where num_blocks is not set")
+    enable_prefix_caching: bool = Field(
+        True, description="reuse the KV blocks of a prompt prefix already computed instead of computing it again"
+    )
+    # executor/device.py: resolve_kv_dtype says why float16 beside quantised weights.
+    kv_cache_dtype: Dtype = Field(
+        "auto", description="the KV cache's dtype (auto: float16 beside quantised CPU weights, else the model's)"
+    )
 
 
 @config_errors("scheduler.")
 @dataclass(frozen=True, config=STRICT)
 class SchedulerConfig:
-    max_num_seqs: AtLeast1 = 64
-    # Tokens one engine step may process across all sequences (decodes + prefill chunks).
-    max_num_batched_tokens: int = 512
-    enable_chunked_prefill: bool = True
+    max_num_seqs: AtLeast1 = Field(64, description="the most sequences running at once")
+    max_num_batched_tokens: int = Field(
+        512,
+        description="tokens one engine step may process across all sequences (decodes + prefill chunks), "
+        "at least max_num_seqs",
+    )
+    enable_chunked_prefill: bool = Field(
+        True,
+        description="prefill a prompt in chunks that fit beside the running decodes in a step's token budget "
+        "(off: a prompt is prefilled whole)",
+    )
     # Preemption victim order: "priority" (lowest priority, then longest predicted
     # remaining, then newest) or "newest".
     preemption_order: Literal["priority", "newest"] = "priority"
@@ -247,20 +275,27 @@ class SchedulerConfig:
 @config_errors("server.")
 @dataclass(frozen=True, config=STRICT)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: Annotated[int, Field(ge=0, le=65535)] = 8000
-    max_body_bytes: Annotated[int, Field(ge=1024)] = 2 * 2**20
-    # Requests allowed to wait beyond max_num_seqs before new ones get 429.
-    max_queue_len: NonNegativeInt = 256
-    # On SIGTERM: how long running streams may take to finish before they are aborted.
-    drain_timeout_s: NonNegative = 30.0
-    # A request field no schema knows (a typo such as max_token): "reject" answers 400
-    # naming it, as OpenAI does; "accept" ignores it and logs a warning, as vLLM does,
-    # for clients that send another server's extras.
-    unknown_fields: Literal["reject", "accept"] = "reject"
-    # A `metrics` object (waits, TTFT, engine seconds ...) on every final response; a
-    # tenant's own request_metrics, where set, decides for its requests.
-    request_metrics: bool = False
+    host: str = Field("127.0.0.1", description="the address to listen on")
+    port: Annotated[int, Field(ge=0, le=65535)] = Field(8000, description="the port to listen on")
+    max_body_bytes: Annotated[int, Field(ge=1024)] = Field(
+        2 * 2**20, description="the largest request body accepted, in bytes (a larger one gets 413)"
+    )
+    max_queue_len: NonNegativeInt = Field(
+        256, description="requests allowed to wait beyond max_num_seqs before new ones get 429"
+    )
+    drain_timeout_s: NonNegative = Field(
+        30.0, description="seconds running streams may take to finish after SIGTERM before they are aborted"
+    )
+    unknown_fields: Literal["reject", "accept"] = Field(
+        "reject",
+        description="a request field no schema knows (a typo such as max_token): 400 naming it (reject, as "
+        "OpenAI) or ignored with a warning (accept, as vLLM, for clients that send another server's extras)",
+    )
+    request_metrics: bool = Field(
+        False,
+        description="a metrics object (waits, TTFT, engine seconds ...) on every final response; a tenant's "
+        "own request_metrics, where set, decides for its requests",
+    )
 
 
 ACTIONS = get_args(Action)
@@ -419,7 +454,7 @@ def _fleet_size(size: int) -> int:
 @config_errors("admission.")
 @dataclass(frozen=True, config=STRICT)
 class AdmissionConfig:
-    enabled: bool = True
+    enabled: bool = Field(True, description="per-tenant admission control")
     # Tier name -> priority (higher is more important), as pairs so the config stays hashable.
     tiers: Annotated[tuple[tuple[str, int], ...], BeforeValidator(_tiers)] = DEFAULT_TIERS
     tenants: Annotated[tuple[TenantConfig, ...], BeforeValidator(_tenants)] = (TenantConfig("default"),)
@@ -562,9 +597,12 @@ def _secret(what: str) -> Callable[[str | None], str | None]:
 class ObservabilityConfig:
     """Tracing itself is configured by the standard OTEL_* environment variables."""
 
-    log_format: Literal["auto", "json", "console"] = "auto"  # json, console, or auto (console on a TTY, else json)
-    # Put prompt text into the per-request log line. Off: prompts can hold secrets.
-    log_prompts: bool = False
+    log_format: Literal["auto", "json", "console"] = Field(
+        "auto", description="log lines as JSON or for a human (console); auto: console on a terminal, else json"
+    )
+    log_prompts: bool = Field(
+        False, description="put prompt text into the per-request log line (off: prompts can hold secrets)"
+    )
     metrics: bool = True  # serve /metrics
     # The bearer token a scraper sends for /metrics (else HEADROOM_METRICS_TOKEN; the admin
     # token also works). With a token or with [admission] auth on, /metrics needs one.
@@ -654,6 +692,8 @@ class Config:
     pools: PoolsConfig = field(default_factory=PoolsConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
-    # "auto" picks by what is installed and the device present; or torch/flash_attn/xformers.
-    attention_backend: str = "auto"
-    seed: int = 0
+    attention_backend: str = Field(
+        "auto",
+        description="auto, torch, triton, flash_attn, xformers (auto: by what is installed and the device present)",
+    )
+    seed: int = Field(0, description="seeds the sampling of requests that bring no seed of their own")
