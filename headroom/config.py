@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import field
 from typing import Annotated, Any, Literal, TypeVar, get_args, get_origin
 
-from pydantic import ConfigDict, Field, SkipValidation, ValidationError
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo
 from pydantic.dataclasses import dataclass
 from pydantic.fields import FieldInfo
 
@@ -21,11 +21,11 @@ class ConfigError(ValueError):
     """A configuration value that cannot work; the message says which and why."""
 
 
-# A field's single-value rules are its type (Field constraints, Literal choices), checked by
-# pydantic before __post_init__, which keeps the rules that span fields or need custom code.
+# A field's own rules are its type, checked by pydantic: Field constraints, Literal choices,
+# and for what TOML and JSON give in another shape (lists for tuples, tables for pairs) a
+# BeforeValidator that converts and checks it. __post_init__ keeps the rules that span fields.
 # Strict: a TOML file's values are typed already, so "5" is refused rather than read as 5 (an
-# int for a float is still taken). Tuples that TOML gives as lists (and tables of pairs) are
-# SkipValidation: __post_init__ converts and checks them.
+# int for a float is still taken).
 STRICT = ConfigDict(strict=True, extra="forbid")
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -42,6 +42,7 @@ ModelLen = Annotated[int, Field(ge=16)]
 
 _KINDS = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false", "string_type": "a string"}
 _SYMBOLS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+_BOUNDS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
 C = TypeVar("C")
 
 
@@ -57,12 +58,8 @@ def config_errors(where: str):
             try:
                 init(self, *args, **kwargs)
             except ValidationError as exc:
-                errors = exc.errors()
-                raised = errors[0].get("ctx", {}).get("error")
-                if isinstance(raised, ConfigError):  # from __post_init__, already worded
-                    raise raised from None
                 prefix = where.format(name=kwargs.get("name", args[0] if args else None))
-                raise ConfigError("; ".join(_message(cls, e, prefix) for e in errors)) from None
+                raise ConfigError("; ".join(_message(cls, e, prefix) for e in exc.errors())) from None
 
         cls.__init__ = __init__
         return cls
@@ -71,7 +68,10 @@ def config_errors(where: str):
 
 
 def _message(cls: Any, error: Any, prefix: str) -> str:
-    kind, value, loc = error["type"], error["input"], list(error["loc"])
+    raised = error.get("ctx", {}).get("error")
+    if isinstance(raised, ConfigError):  # from a validator or __post_init__, already worded
+        return str(raised)
+    kind, loc = error["type"], list(error["loc"])
     if loc and isinstance(loc[0], int) and loc[0] < len(cls.__pydantic_fields__):  # a positional argument
         loc[0] = list(cls.__pydantic_fields__)[loc[0]]
     name = ".".join(map(str, loc))
@@ -79,30 +79,39 @@ def _message(cls: Any, error: Any, prefix: str) -> str:
         return f"{cls.__name__}() got an unexpected keyword argument {name!r}"
     if kind in ("missing", "missing_argument"):
         return f"{cls.__name__}() missing required argument {name!r}"
-    if not loc or loc[0] not in cls.__pydantic_fields__:
+    info = cls.__pydantic_fields__.get(loc[0]) if loc else None
+    if info is not None and kind in _KINDS:  # the type, not the value: a secret may be in the wrong place
+        return f"{prefix}{name} must be {_KINDS[kind]}, got {type(error['input']).__name__}"
+    rule = _rule(info, error) if info is not None else None
+    if rule is None:
         return f"{prefix}{name}: {error['msg']}"
-    info = cls.__pydantic_fields__[loc[0]]
+    return f"{prefix}{name} must be {rule}, got {error['input']!r}"
+
+
+def _rule(info: FieldInfo, error: Any) -> str | None:
+    """What the field's value must be, for the kinds of error that have words of ours."""
+    kind = error["type"]
+    if kind == "literal_error":
+        return f"one of {', '.join(map(str, _choices(info.annotation)))}"
+    if kind in _BOUNDS:
+        return _bounds(info)
+    if kind == "multiple_of":
+        return f"a multiple of {error['ctx']['multiple_of']}"
+    if kind == "finite_number":
+        return "a finite number"
+    if kind == "string_too_short" and error["ctx"]["min_length"] == 1:
+        return "a non-empty string"
+    return None
+
+
+def _bounds(info: FieldInfo) -> str:
+    """What the field's bounds allow: ">= 1", or "in (0, 1]" for gt=0, le=1."""
     rules = _rules(info.annotation, list(info.metadata))
     bounds = {k: getattr(r, k) for r in rules for k in _SYMBOLS if getattr(r, k, None) is not None}
-    if kind == "literal_error":
-        rule = f"one of {', '.join(map(str, _choices(info.annotation)))}"
-    elif kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
-        if len(bounds) == 2:  # gt=0, le=1: "in (0, 1]"
-            (low, lo), (high, hi) = sorted(bounds.items(), key=lambda kv: kv[0].startswith("l"))
-            rule = f"in {'(' if low == 'gt' else '['}{lo}, {hi}{']' if high == 'le' else ')'}"
-        else:
-            rule = " ".join(f"{_SYMBOLS[k]} {v}" for k, v in bounds.items())
-    elif kind == "multiple_of":
-        rule = f"a multiple of {error['ctx']['multiple_of']}"
-    elif kind == "finite_number":
-        rule = "a finite number"
-    elif kind == "string_too_short" and error["ctx"]["min_length"] == 1:
-        rule = "a non-empty string"
-    elif kind in _KINDS:  # the type, not the value: a secret may be in the wrong place
-        return f"{prefix}{name} must be {_KINDS[kind]}, got {type(value).__name__}"
-    else:
-        return f"{prefix}{name}: {error['msg']}"
-    return f"{prefix}{name} must be {rule}, got {value!r}"
+    if len(bounds) == 2:
+        (low, lo), (high, hi) = sorted(bounds.items(), key=lambda kv: kv[0].startswith("l"))
+        return f"in {'(' if low == 'gt' else '['}{lo}, {hi}{']' if high == 'le' else ')'}"
+    return " ".join(f"{_SYMBOLS[k]} {v}" for k, v in bounds.items())
 
 
 def _rules(annotation: Any, found: list) -> list:
@@ -121,64 +130,97 @@ def _choices(annotation: Any) -> tuple:
     return tuple(c for arg in get_args(annotation) for c in _choices(arg))
 
 
+def _served_names(names: Any) -> tuple[str, ...] | None:
+    """One name or a list of them (TOML and the CLI give a list) as a tuple, each name once."""
+    if names is None:
+        return None
+    names = (names,) if isinstance(names, str) else names
+    if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(f"served_model_name must be a name or a list of names, got {names!r}")
+    return tuple(dict.fromkeys(names))
+
+
+def _graph_sizes(sizes: Any) -> tuple[int, ...]:
+    """A list of batch sizes (TOML gives a list) as a sorted tuple, each size once."""
+    if isinstance(sizes, (str, bytes)) or not all(type(s) is int and s > 0 for s in sizes):
+        raise ConfigError(f"cuda_graph_sizes must be a list of positive integers, got {sizes!r}")
+    return tuple(sorted(set(sizes)))
+
+
 CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
 
 @config_errors("model.")
 @dataclass(frozen=True, config=STRICT)
 class ModelConfig:
-    # A GGUF file, a Hugging Face checkpoint directory, or None for the default model.
-    model: str | None = None
-    # The names clients may use in the API, as vLLM's --served-model-name: the first is the
-    # id /v1/models lists first. None: the file or directory name, and that name without a
-    # GGUF quantisation suffix (SmolLM2-135M-Instruct for SmolLM2-135M-Instruct.Q4_1).
-    served_model_name: SkipValidation[str | tuple[str, ...] | None] = None
-    dtype: Dtype = "auto"
-    device: str = "auto"
-    # Weight-only quantised linears on the CPU: int4 (the GGUF's own Q4_1 groups), int8,
-    # none (the float reference), or auto (see executor/device.py: resolve_quantization).
-    quantization: Quantization = "auto"
-    # Caps the checkpoint's own context length (None: use the checkpoint's).
-    max_model_len: ModelLen | None = None
+    model: str | None = Field(
+        None, description="a GGUF file or a Hugging Face checkpoint directory (default: SmolLM2-135M-Instruct)"
+    )
+    # As vLLM's --served-model-name. The name without its suffix: SmolLM2-135M-Instruct for
+    # SmolLM2-135M-Instruct.Q4_1.
+    served_model_name: Annotated[tuple[str, ...] | None, BeforeValidator(_served_names)] = Field(
+        None,
+        description="the names clients may use in `model`, the first being its id, the one /v1/models lists "
+        "first (default: the file or directory name, with and without its GGUF quantisation suffix)",
+    )
+    # bfloat16 matmuls are ~2x faster than float32 where the CPU has AMX tiles, and emulated
+    # (much slower) where it has not (executor/device.py: resolve_dtype).
+    dtype: Dtype = Field(
+        "auto", description="the weights' dtype (auto: bfloat16 on CUDA or on a CPU with AMX tiles, else float32)"
+    )
+    device: str = Field("auto", description="auto, cpu, cuda, cuda:N (auto: cuda where there is one)")
+    # auto: see executor/device.py: resolve_quantization.
+    quantization: Quantization = Field(
+        "auto",
+        description="weight-only quantised linears on the CPU: int4 (the GGUF's own Q4_1 groups), int8, none "
+        "(the float reference), or auto (for a float32 model on the CPU, whichever kernel measures fastest)",
+    )
+    max_model_len: ModelLen | None = Field(
+        None, description="caps the checkpoint's own context length (default: the checkpoint's)"
+    )
     # On CUDA, decode steps replay CUDA graphs captured for these batch sizes (cut at
     # max_num_seqs, which is always captured); enforce_eager turns graphs off.
-    enforce_eager: bool = False
-    cuda_graph_sizes: SkipValidation[tuple[int, ...]] = CUDA_GRAPH_SIZES
-
-    def __post_init__(self) -> None:
-        names = self.served_model_name
-        if names is not None:
-            names = (names,) if isinstance(names, str) else names
-            if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) and n for n in names):
-                raise ConfigError(f"served_model_name must be a name or a list of names, got {names!r}")
-            object.__setattr__(self, "served_model_name", tuple(dict.fromkeys(names)))  # TOML gives a list
-        sizes = self.cuda_graph_sizes
-        if isinstance(sizes, (str, bytes)) or not all(isinstance(s, int) and s > 0 for s in sizes):
-            raise ConfigError(f"cuda_graph_sizes must be a list of positive integers, got {sizes!r}")
-        object.__setattr__(self, "cuda_graph_sizes", tuple(sorted(set(sizes))))  # TOML gives a list
+    enforce_eager: bool = Field(
+        False, description="on CUDA, run decode eagerly instead of replaying captured CUDA graphs"
+    )
+    cuda_graph_sizes: Annotated[tuple[int, ...], BeforeValidator(_graph_sizes)] = CUDA_GRAPH_SIZES
 
 
 @config_errors("cache.")
 @dataclass(frozen=True, config=STRICT)
 class CacheConfig:
-    # None: the attention backend's preferred block size (16 for torch, 256 for flash-attn).
-    block_size: Annotated[int, Field(gt=0, multiple_of=8)] | None = None
-    # Size of the KV pool; num_gpu_blocks wins over kv_cache_memory_gib when both are set.
-    num_blocks: AtLeast1 | None = None
-    kv_cache_memory_gib: Positive = 1.0
-    enable_prefix_caching: bool = True
-    # The KV cache's element type; auto is the model's dtype, except float16 where the
-    # weights are already quantised on the CPU (see executor/device.py: resolve_kv_dtype).
-    kv_cache_dtype: Dtype = "auto"
+    block_size: Annotated[int, Field(gt=0, multiple_of=8)] | None = Field(
+        None,
+        description="tokens per KV cache block, a multiple of 8 (default: the attention backend's, "
+        "16 for torch, 256 for flash-attn)",
+    )
+    num_blocks: AtLeast1 | None = Field(
+        None, description="the KV pool's size in blocks; wins over kv_cache_memory_gib when both are set"
+    )
+    kv_cache_memory_gib: Positive = Field(1.0, description="the KV pool's size in GiB, where num_blocks is not set")
+    enable_prefix_caching: bool = Field(
+        True, description="reuse the KV blocks of a prompt prefix already computed instead of computing it again"
+    )
+    # executor/device.py: resolve_kv_dtype says why float16 beside quantised weights.
+    kv_cache_dtype: Dtype = Field(
+        "auto", description="the KV cache's dtype (auto: float16 beside quantised CPU weights, else the model's)"
+    )
 
 
 @config_errors("scheduler.")
 @dataclass(frozen=True, config=STRICT)
 class SchedulerConfig:
-    max_num_seqs: AtLeast1 = 64
-    # Tokens one engine step may process across all sequences (decodes + prefill chunks).
-    max_num_batched_tokens: int = 512
-    enable_chunked_prefill: bool = True
+    max_num_seqs: AtLeast1 = Field(64, description="the most sequences running at once")
+    max_num_batched_tokens: int = Field(
+        512,
+        description="tokens one engine step may process across all sequences (decodes + prefill chunks), "
+        "at least max_num_seqs",
+    )
+    enable_chunked_prefill: bool = Field(
+        True,
+        description="prefill a prompt in chunks that fit beside the running decodes in a step's token budget "
+        "(off: a prompt is prefilled whole)",
+    )
     # Preemption victim order: "priority" (lowest priority, then longest predicted
     # remaining, then newest) or "newest".
     preemption_order: Literal["priority", "newest"] = "priority"
@@ -233,31 +275,76 @@ class SchedulerConfig:
 @config_errors("server.")
 @dataclass(frozen=True, config=STRICT)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: Annotated[int, Field(ge=0, le=65535)] = 8000
-    max_body_bytes: Annotated[int, Field(ge=1024)] = 2 * 2**20
-    # Requests allowed to wait beyond max_num_seqs before new ones get 429.
-    max_queue_len: NonNegativeInt = 256
-    # On SIGTERM: how long running streams may take to finish before they are aborted.
-    drain_timeout_s: NonNegative = 30.0
-    # A request field no schema knows (a typo such as max_token): "reject" answers 400
-    # naming it, as OpenAI does; "accept" ignores it and logs a warning, as vLLM does,
-    # for clients that send another server's extras.
-    unknown_fields: Literal["reject", "accept"] = "reject"
-    # A `metrics` object (waits, TTFT, engine seconds ...) on every final response; a
-    # tenant's own request_metrics, where set, decides for its requests.
-    request_metrics: bool = False
+    host: str = Field("127.0.0.1", description="the address to listen on")
+    port: Annotated[int, Field(ge=0, le=65535)] = Field(8000, description="the port to listen on")
+    max_body_bytes: Annotated[int, Field(ge=1024)] = Field(
+        2 * 2**20, description="the largest request body accepted, in bytes (a larger one gets 413)"
+    )
+    max_queue_len: NonNegativeInt = Field(
+        256, description="requests allowed to wait beyond max_num_seqs before new ones get 429"
+    )
+    drain_timeout_s: NonNegative = Field(
+        30.0, description="seconds running streams may take to finish after SIGTERM before they are aborted"
+    )
+    unknown_fields: Literal["reject", "accept"] = Field(
+        "reject",
+        description="a request field no schema knows (a typo such as max_token): 400 naming it (reject, as "
+        "OpenAI) or ignored with a warning (accept, as vLLM, for clients that send another server's extras)",
+    )
+    request_metrics: bool = Field(
+        False,
+        description="a metrics object (waits, TTFT, engine seconds ...) on every final response; a tenant's "
+        "own request_metrics, where set, decides for its requests",
+    )
 
 
 ACTIONS = get_args(Action)
 
 
-def check_ladder(ladder: tuple[str, ...], where: str) -> None:
-    if any(step not in ACTIONS for step in ladder):
-        raise ConfigError(f"{where}: every step must be one of {', '.join(ACTIONS)}, got {list(ladder)}")
+def _ladder(steps: Any, where: str) -> tuple[str, ...]:
+    steps = tuple(steps)  # TOML and JSON give a list
+    if any(step not in ACTIONS for step in steps):
+        raise ConfigError(f"{where}: every step must be one of {', '.join(ACTIONS)}, got {list(steps)}")
+    return steps
 
 
 DEFAULT_TIERS: tuple[tuple[str, int], ...] = (("premium", 2), ("standard", 1), ("batch", 0))
+
+
+def _tenant(info: ValidationInfo) -> str:
+    """How a tenant's errors begin: "tenant 'name'" (its name is validated first, if valid)."""
+    return f"tenant {info.data['name']!r}" if "name" in info.data else "tenant"
+
+
+def _api_keys(keys: Any, info: ValidationInfo) -> tuple[str, ...]:
+    if isinstance(keys, str):
+        raise ConfigError(f"{_tenant(info)}: api_keys must be a list of strings, not one string")
+    keys = tuple(keys)  # TOML gives a list
+    if not all(isinstance(k, str) and k for k in keys):
+        raise ConfigError(f"{_tenant(info)}: every api key must be a non-empty string")
+    if len(set(keys)) != len(keys):
+        raise ConfigError(f"{_tenant(info)}: an api key is listed twice")
+    return keys
+
+
+def _priority_range(bounds: Any, info: ValidationInfo) -> tuple[int, int] | None:
+    if bounds is None:
+        return None
+    if (
+        not isinstance(bounds, (list, tuple))
+        or len(bounds) != 2
+        or not all(type(b) is int for b in bounds)
+        or not -REQUEST_PRIORITY_BOUND <= bounds[0] <= bounds[1] <= REQUEST_PRIORITY_BOUND
+    ):
+        raise ConfigError(
+            f"{_tenant(info)}: priority_range must be [low, high] integers with "
+            f"-{REQUEST_PRIORITY_BOUND} <= low <= high <= {REQUEST_PRIORITY_BOUND}, got {bounds!r}"
+        )
+    return tuple(bounds)  # TOML gives a list
+
+
+def _tenant_ladder(steps: Any, info: ValidationInfo) -> tuple[str, ...] | None:
+    return None if steps is None else _ladder(steps, f"{_tenant(info)}: ladder")
 
 
 @config_errors("tenant {name!r}: ")
@@ -265,7 +352,7 @@ DEFAULT_TIERS: tuple[tuple[str, int], ...] = (("premium", 2), ("standard", 1), (
 class TenantConfig:
     name: Annotated[str, Field(min_length=1)]
     tier: str = "standard"
-    api_keys: SkipValidation[tuple[str, ...]] = ()
+    api_keys: Annotated[tuple[str, ...], BeforeValidator(_api_keys)] = ()
     # Token bucket: sustained rate and burst, in (prompt + output) tokens.
     rate_tokens_per_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 2000.0
     burst_tokens: AtLeast1 = 16000
@@ -280,39 +367,13 @@ class TenantConfig:
     max_model_len: ModelLen | None = None
     # The request `priority` values it may send (None: any the API takes, [-1000, 1000]);
     # one outside is a 400, or with priority_clamp the nearest allowed. [0, 0] forbids them.
-    priority_range: SkipValidation[tuple[int, int] | None] = None
+    priority_range: Annotated[tuple[int, int] | None, BeforeValidator(_priority_range)] = None
     priority_clamp: bool = False
     # Its own loop policy and remediation ladder (None: the server's, in [admin]).
     loop_policy: LoopPolicy | None = None
-    ladder: SkipValidation[tuple[str, ...] | None] = None
+    ladder: Annotated[tuple[Action, ...] | None, BeforeValidator(_tenant_ladder)] = None
     # The `metrics` object on its responses (None: [server] request_metrics decides).
     request_metrics: bool | None = None
-
-    def __post_init__(self) -> None:
-        where = f"tenant {self.name!r}"
-        if isinstance(self.api_keys, str):
-            raise ConfigError(f"{where}: api_keys must be a list of strings, not one string")
-        object.__setattr__(self, "api_keys", tuple(self.api_keys))  # TOML gives a list
-        if not all(isinstance(k, str) and k for k in self.api_keys):
-            raise ConfigError(f"{where}: every api key must be a non-empty string")
-        if len(set(self.api_keys)) != len(self.api_keys):
-            raise ConfigError(f"{where}: an api key is listed twice")
-        if self.ladder is not None:
-            object.__setattr__(self, "ladder", tuple(self.ladder))
-            check_ladder(self.ladder, f"{where}: ladder")
-        if self.priority_range is not None:
-            bounds = self.priority_range
-            if (
-                not isinstance(bounds, (list, tuple))
-                or len(bounds) != 2
-                or not all(type(b) is int for b in bounds)
-                or not -REQUEST_PRIORITY_BOUND <= bounds[0] <= bounds[1] <= REQUEST_PRIORITY_BOUND
-            ):
-                raise ConfigError(
-                    f"{where}: priority_range must be [low, high] integers with "
-                    f"-{REQUEST_PRIORITY_BOUND} <= low <= high <= {REQUEST_PRIORITY_BOUND}, got {bounds!r}"
-                )
-            object.__setattr__(self, "priority_range", tuple(bounds))
 
 
 def check_store_url(url: str, where: str) -> None:
@@ -322,13 +383,81 @@ def check_store_url(url: str, where: str) -> None:
         )  # never echo a password
 
 
+def _tiers(tiers: Any) -> tuple[tuple[str, int], ...]:
+    """A TOML table of tier name -> priority, or (name, priority) pairs, as pairs."""
+    tiers = tuple(tuple(pair) for pair in (tiers.items() if isinstance(tiers, Mapping) else tiers))
+    if not all(len(pair) == 2 for pair in tiers):
+        raise ConfigError(f"admission.tiers must be (name, priority) pairs, got {tiers!r}")
+    names = [name for name, _ in tiers]
+    if not names:
+        raise ConfigError("admission.tiers must name at least one tier")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"admission.tiers: a tier is named twice in {names}")
+    for name, prio in tiers:
+        if not isinstance(name, str) or not name or not isinstance(prio, int) or isinstance(prio, bool):
+            raise ConfigError(f"admission.tiers: {name!r} = {prio!r} must map a name to an integer priority")
+    return tiers
+
+
+def _tenants(items: Any) -> tuple[TenantConfig, ...]:
+    """A TOML list of tables (or TenantConfigs), at least one; no name or api key used twice."""
+    tenants = tuple(_as_tenant(item) for item in items)
+    if not tenants:
+        raise ConfigError("admission.tenants must list at least one tenant")
+    seen: set[str] = set()
+    key_owner: dict[str, str] = {}
+    for tenant in tenants:
+        if tenant.name in seen:
+            raise ConfigError(f"admission.tenants: tenant {tenant.name!r} is defined twice")
+        seen.add(tenant.name)
+        for key in tenant.api_keys:
+            if key in key_owner:  # never echo the key itself
+                raise ConfigError(f"tenant {tenant.name!r}: an api key is already used by tenant {key_owner[key]!r}")
+            key_owner[key] = tenant.name
+    return tenants
+
+
+def _as_tenant(item: TenantConfig | Mapping) -> TenantConfig:
+    if isinstance(item, TenantConfig):
+        return item
+    if isinstance(item, Mapping):
+        return TenantConfig(**item)
+    raise ConfigError(f"admission.tenants: each tenant must be a table, got {item!r}")
+
+
+def _objectives(objectives: Any, info: ValidationInfo) -> tuple[tuple[str, str], ...]:
+    """A TOML table of objective name -> tier, or pairs, as pairs; the tiers are validated first."""
+    items = objectives.items() if isinstance(objectives, Mapping) else objectives
+    objectives = tuple(tuple(pair) for pair in items)
+    tiers = info.data.get("tiers")  # None where they were refused: their own error says so
+    names = [name for name, _ in tiers or ()]
+    for pair in objectives:
+        if len(pair) != 2 or not isinstance(pair[0], str) or not pair[0] or (tiers and pair[1] not in names):
+            raise ConfigError(
+                f"admission.objectives: {pair!r} must map an objective's name to a tier ({', '.join(names)})"
+            )
+    return objectives
+
+
+def _store(url: str | None) -> str | None:
+    if url is not None:
+        check_store_url(url, "admission.store")
+    return url
+
+
+def _fleet_size(size: int) -> int:
+    if size < 1:  # by hand, to keep its wording: "an integer >= 1"
+        raise ConfigError(f"admission.fleet_size must be an integer >= 1, got {size!r}")
+    return size
+
+
 @config_errors("admission.")
 @dataclass(frozen=True, config=STRICT)
 class AdmissionConfig:
-    enabled: bool = True
+    enabled: bool = Field(True, description="per-tenant admission control")
     # Tier name -> priority (higher is more important), as pairs so the config stays hashable.
-    tiers: SkipValidation[tuple[tuple[str, int], ...]] = DEFAULT_TIERS
-    tenants: SkipValidation[tuple[TenantConfig, ...]] = (TenantConfig("default"),)
+    tiers: Annotated[tuple[tuple[str, int], ...], BeforeValidator(_tiers)] = DEFAULT_TIERS
+    tenants: Annotated[tuple[TenantConfig, ...], BeforeValidator(_tenants)] = (TenantConfig("default"),)
     # Who a request without a (known) api key belongs to when auth is off.
     default_tenant: str = "default"
     auth: bool = False
@@ -341,7 +470,7 @@ class AdmissionConfig:
     # With auth off: the gateway's objective (x-gateway-inference-objective, the name of an
     # InferenceObjective) -> the tier its requests get instead of their tenant's. No header
     # carries the objective's priority: the gateway looks it up for its own queues.
-    objectives: SkipValidation[tuple[tuple[str, str], ...]] = ()
+    objectives: Annotated[tuple[tuple[str, str], ...], BeforeValidator(_objectives)] = ()
     # Admitted, unfinished requests across all tenants (None: decided from the engine's max_num_seqs).
     global_max_in_flight_seqs: AtLeast1 | None = None
     # A queued request that does not fit its tenant's limits yet is passed by later ones
@@ -382,9 +511,9 @@ class AdmissionConfig:
     # Where tenant budgets live: None keeps them in this process; "redis://host:port/db"
     # shares them with every replica pointed at the same Redis (the URL may also come
     # from HEADROOM_ADMISSION_STORE, so a password need not sit in a config file).
-    store: str | None = None
+    store: Annotated[str | None, AfterValidator(_store)] = None
     # Replicas sharing the store: without Redis each falls back to 1/fleet_size of every budget.
-    fleet_size: int = 1
+    fleet_size: Annotated[int, AfterValidator(_fleet_size)] = 1
     # A replica's reservations in Redis expire this long after its last renewal (it
     # renews every third of it), so those of a replica that died come back this fast.
     lease_ttl_s: Annotated[float, Field(ge=1)] = 10.0
@@ -393,67 +522,26 @@ class AdmissionConfig:
     replica_id: str | None = None
 
     def __post_init__(self) -> None:
-        # A TOML file gives a table for tiers and a list of tables for tenants.
-        tiers = self.tiers.items() if isinstance(self.tiers, Mapping) else self.tiers
-        object.__setattr__(self, "tiers", tuple(tuple(pair) for pair in tiers))
-        object.__setattr__(self, "tenants", tuple(self._tenant(t) for t in self.tenants))
-        objectives = self.objectives
-        objectives = objectives.items() if isinstance(objectives, Mapping) else objectives
-        object.__setattr__(self, "objectives", tuple(tuple(pair) for pair in objectives))
-
-        if not all(len(pair) == 2 for pair in self.tiers):
-            raise ConfigError(f"admission.tiers must be (name, priority) pairs, got {self.tiers!r}")
-        names = [name for name, _ in self.tiers]
-        if not names:
-            raise ConfigError("admission.tiers must name at least one tier")
-        if len(set(names)) != len(names):
-            raise ConfigError(f"admission.tiers: a tier is named twice in {names}")
-        for name, prio in self.tiers:
-            if not isinstance(name, str) or not name or not isinstance(prio, int) or isinstance(prio, bool):
-                raise ConfigError(f"admission.tiers: {name!r} = {prio!r} must map a name to an integer priority")
-        for pair in self.objectives:
-            if len(pair) != 2 or not isinstance(pair[0], str) or not pair[0] or pair[1] not in names:
-                raise ConfigError(
-                    f"admission.objectives: {pair!r} must map an objective's name to a tier ({', '.join(names)})"
-                )
-
-        if not self.tenants:
-            raise ConfigError("admission.tenants must list at least one tenant")
-        seen: set[str] = set()
-        key_owner: dict[str, str] = {}
-        for tenant in self.tenants:
-            if tenant.name in seen:
-                raise ConfigError(f"admission.tenants: tenant {tenant.name!r} is defined twice")
-            seen.add(tenant.name)
-            if tenant.tier not in names:
-                raise ConfigError(f"tenant {tenant.name!r}: unknown tier {tenant.tier!r} (tiers: {', '.join(names)})")
-            for key in tenant.api_keys:
-                if key in key_owner:  # never echo the key itself
-                    raise ConfigError(
-                        f"tenant {tenant.name!r}: an api key is already used by tenant {key_owner[key]!r}"
-                    )
-                key_owner[key] = tenant.name
-        if self.default_tenant not in seen:
-            raise ConfigError(
-                f"admission.default_tenant {self.default_tenant!r} is not one of the tenants "
-                f"({', '.join(sorted(seen))})"
-            )
-        if self.auth and not key_owner:
+        self._check_tenant_tiers()
+        self._check_default_tenant()
+        if self.auth and not any(tenant.api_keys for tenant in self.tenants):
             raise ConfigError("admission.auth is on but no tenant has api_keys: every request would be refused")
         if not self.prompt_weight + self.output_weight > 0:
             raise ConfigError("admission.prompt_weight and output_weight must not both be 0")
-        if self.store is not None:
-            check_store_url(self.store, "admission.store")
-        if self.fleet_size < 1:  # by hand, to keep its wording: "an integer >= 1"
-            raise ConfigError(f"admission.fleet_size must be an integer >= 1, got {self.fleet_size!r}")
 
-    @staticmethod
-    def _tenant(item: TenantConfig | Mapping) -> TenantConfig:
-        if isinstance(item, TenantConfig):
-            return item
-        if isinstance(item, Mapping):
-            return TenantConfig(**item)
-        raise ConfigError(f"admission.tenants: each tenant must be a table, got {item!r}")
+    def _check_tenant_tiers(self) -> None:
+        names = [name for name, _ in self.tiers]
+        for tenant in self.tenants:
+            if tenant.tier not in names:
+                raise ConfigError(f"tenant {tenant.name!r}: unknown tier {tenant.tier!r} (tiers: {', '.join(names)})")
+
+    def _check_default_tenant(self) -> None:
+        names = {tenant.name for tenant in self.tenants}
+        if self.default_tenant not in names:
+            raise ConfigError(
+                f"admission.default_tenant {self.default_tenant!r} is not one of the tenants "
+                f"({', '.join(sorted(names))})"
+            )
 
     def priority(self, tier: str) -> int:
         for name, prio in self.tiers:
@@ -485,14 +573,23 @@ class PoolConfig:
             raise ConfigError(f"pool url must start with http:// or https://, got {self.url!r}")
 
 
+def _pool(pool: Any) -> Any:
+    return PoolConfig(**pool) if isinstance(pool, Mapping) else pool  # a TOML [pools.long] table
+
+
 @config_errors("pools.")
 @dataclass(frozen=True, config=STRICT)
 class PoolsConfig:
-    long: SkipValidation[PoolConfig] = field(default_factory=PoolConfig)
+    long: Annotated[PoolConfig, BeforeValidator(_pool)] = field(default_factory=PoolConfig)
 
-    def __post_init__(self) -> None:
-        if isinstance(self.long, Mapping):  # a TOML [pools.long] table
-            object.__setattr__(self, "long", PoolConfig(**self.long))
+
+def _secret(what: str) -> Callable[[str | None], str | None]:
+    def check(token: str | None) -> str | None:
+        if token is not None and len(token) < 16:
+            raise ConfigError(f"{what} must be at least 16 characters")  # by hand: never echo it
+        return token
+
+    return check
 
 
 @config_errors("observability.")
@@ -500,13 +597,16 @@ class PoolsConfig:
 class ObservabilityConfig:
     """Tracing itself is configured by the standard OTEL_* environment variables."""
 
-    log_format: Literal["auto", "json", "console"] = "auto"  # json, console, or auto (console on a TTY, else json)
-    # Put prompt text into the per-request log line. Off: prompts can hold secrets.
-    log_prompts: bool = False
+    log_format: Literal["auto", "json", "console"] = Field(
+        "auto", description="log lines as JSON or for a human (console); auto: console on a terminal, else json"
+    )
+    log_prompts: bool = Field(
+        False, description="put prompt text into the per-request log line (off: prompts can hold secrets)"
+    )
     metrics: bool = True  # serve /metrics
     # The bearer token a scraper sends for /metrics (else HEADROOM_METRICS_TOKEN; the admin
     # token also works). With a token or with [admission] auth on, /metrics needs one.
-    metrics_token: str | None = None
+    metrics_token: Annotated[str | None, AfterValidator(_secret("metrics token"))] = None
     # The head-of-line signal: rolling TTFT window, and when it fires.
     monitor_interval_s: Positive = 1.0
     ttft_window_s: Positive = 60.0
@@ -523,8 +623,6 @@ class ObservabilityConfig:
     predictor_health_min_requests: int = 50
 
     def __post_init__(self) -> None:
-        if self.metrics_token is not None and len(self.metrics_token) < 16:
-            raise ConfigError("metrics token must be at least 16 characters")  # by hand: never echo it
         if not 2 <= self.predictor_health_min_requests <= self.predictor_health_window:
             raise ConfigError(
                 "predictor_health_min_requests must be in [2, predictor_health_window], "
@@ -533,11 +631,15 @@ class ObservabilityConfig:
             )
 
 
+def _admin_ladder(steps: Any) -> tuple[str, ...]:
+    return _ladder(steps, "admin.ladder")
+
+
 @config_errors("admin.")
 @dataclass(frozen=True, config=STRICT)
 class AdminConfig:
     # The /admin/ API's bearer token (else HEADROOM_ADMIN_TOKEN). No token: no admin API.
-    token: str | None = None
+    token: Annotated[str | None, AfterValidator(_secret("admin token"))] = None
     # Automatic policies, each off (None) by default: act on a sequence that has run
     # longer than max_age_s, holds more than max_kv_share of the KV pool, or has produced
     # more than max_predicted_ratio times its predicted output tokens.
@@ -552,7 +654,7 @@ class AdminConfig:
     # The remediation ladder (empty: every violation gets policy_action): a sequence's
     # first violation gets ladder[0], and each one ladder_step_s or more after its last
     # action the next step, staying on the last. Steps: deprioritize, cap, abort.
-    ladder: SkipValidation[tuple[str, ...]] = ()
+    ladder: Annotated[tuple[Action, ...], BeforeValidator(_admin_ladder)] = ()
     ladder_step_s: Positive = 5.0
     # A cap (policy or loop) lets a sequence generate at most this many more tokens.
     cap_tokens: NonNegativeInt = 32
@@ -569,10 +671,6 @@ class AdminConfig:
     loop_min_count: int = 4
 
     def __post_init__(self) -> None:
-        if self.token is not None and len(self.token) < 16:
-            raise ConfigError("admin token must be at least 16 characters")  # by hand: never echo it
-        object.__setattr__(self, "ladder", tuple(self.ladder))  # TOML gives a list
-        check_ladder(self.ladder, "admin.ladder")
         try:
             RepetitionDetection(self.loop_max_pattern_size, self.loop_min_pattern_size, self.loop_min_count)
         except ValueError as exc:
@@ -594,6 +692,8 @@ class Config:
     pools: PoolsConfig = field(default_factory=PoolsConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
-    # "auto" picks by what is installed and the device present; or torch/flash_attn/xformers.
-    attention_backend: str = "auto"
-    seed: int = 0
+    attention_backend: str = Field(
+        "auto",
+        description="auto, torch, triton, flash_attn, xformers (auto: by what is installed and the device present)",
+    )
+    seed: int = Field(0, description="seeds the sampling of requests that bring no seed of their own")

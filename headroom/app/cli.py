@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterator
 
 from headroom.admin.schemas import SORTS
-from headroom.app.flags import add_engine_args, build_config, choices, on_off
+from headroom.app.flags import add_engine_args, add_server_args, build_config
 from headroom.app.predictor_cli import add_predictor_parser
 from headroom.config import ConfigError
 from headroom.contracts.request import SamplingParams
@@ -112,35 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    srv.add_argument("--host")
-    srv.add_argument("--port", type=int)
-    srv.add_argument("--max-body-bytes", type=int)
-    srv.add_argument("--max-queue-len", type=int)
-    srv.add_argument("--drain-timeout", type=float, help="seconds streams may run on after SIGTERM")
-    srv.add_argument(
-        "--unknown-fields",
-        choices=choices("unknown_fields"),
-        help="a request field no schema knows: 400 naming it (reject, as OpenAI) "
-        "or ignored with a warning (accept, as vLLM)",
-    )
-    srv.add_argument(
-        "--request-metrics",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="a metrics object (waits, TTFT, engine seconds ...) on final responses",
-    )
-    srv.add_argument("--admission", type=on_off, metavar="on|off", help="per-tenant admission control")
-    srv.add_argument(
-        "--log-format",
-        choices=choices("log_format"),
-        help="log lines as JSON (default when not a terminal) or for a human",
-    )
-    srv.add_argument(
-        "--log-prompts",
-        action="store_true",
-        default=None,
-        help="put prompt messages into the per-request log line (off: prompts can hold secrets)",
-    )
+    add_server_args(srv)
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 

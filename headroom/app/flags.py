@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 import logging
 import tomllib
-from typing import get_args
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from headroom.config import (
     AdminConfig,
@@ -22,7 +23,9 @@ from headroom.config import (
     ServerConfig,
 )
 
-# flag dest -> (config section, field)
+# flag dest -> (config section, field): --dest-with-dashes sets it, with the field's type,
+# choices and description. In the order --help lists them; `serve` alone takes those of the
+# sections only the HTTP server reads.
 _FLAGS = {
     "model": ("model", "model"),
     "served_model_name": ("model", "served_model_name"),
@@ -30,6 +33,7 @@ _FLAGS = {
     "quantization": ("model", "quantization"),
     "device": ("model", "device"),
     "max_model_len": ("model", "max_model_len"),
+    "attention_backend": (None, "attention_backend"),
     "enforce_eager": ("model", "enforce_eager"),
     "block_size": ("cache", "block_size"),
     "num_kv_blocks": ("cache", "num_blocks"),
@@ -39,6 +43,7 @@ _FLAGS = {
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "chunked_prefill": ("scheduler", "enable_chunked_prefill"),
+    "seed": (None, "seed"),
     "host": ("server", "host"),
     "port": ("server", "port"),
     "max_body_bytes": ("server", "max_body_bytes"),
@@ -46,12 +51,11 @@ _FLAGS = {
     "drain_timeout": ("server", "drain_timeout_s"),
     "unknown_fields": ("server", "unknown_fields"),
     "request_metrics": ("server", "request_metrics"),
-    "attention_backend": (None, "attention_backend"),
-    "seed": (None, "seed"),
     "admission": ("admission", "enabled"),
     "log_format": ("observability", "log_format"),
     "log_prompts": ("observability", "log_prompts"),
 }
+_SERVER_SECTIONS = ("server", "admission", "observability")
 _SECTIONS = {
     "model": ModelConfig,
     "cache": CacheConfig,
@@ -64,63 +68,73 @@ _SECTIONS = {
 }
 
 
-def config_field(dest: str) -> tuple[type, str]:
-    """The config class and field a flag sets."""
-    section, name = _FLAGS[dest]
-    return (_SECTIONS[section] if section else Config), name
-
-
-def choices(dest: str) -> list[str]:
-    """A flag's choices: the Literal values its config field allows, so the two never differ."""
-    cls, name = config_field(dest)
-    return list(get_args(cls.__pydantic_fields__[name].annotation))
-
-
 def on_off(value: str) -> bool:
     if value not in ("on", "off"):
         raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
     return value == "on"
 
 
+# A boolean field's flag is --x / --no-x, except these, which keep the form they always had.
+_BOOLEAN_FORMS = {
+    "enforce_eager": {"action": "store_true"},
+    "log_prompts": {"action": "store_true"},
+    "admission": {"type": on_off, "metavar": "on|off"},
+}
+
+
+def config_field(dest: str) -> tuple[type, str]:
+    """The config class and field a flag sets."""
+    section, name = _FLAGS[dest]
+    return (_SECTIONS[section] if section else Config), name
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine (flags override --config)")
     tables = " ".join(f"[{name}]" for name in _SECTIONS)
     g.add_argument("--config", default=None, help=f"TOML file with any of the tables {tables} ([[admission.tenants]])")
-    g.add_argument("--model", help="GGUF file or HF checkpoint dir (default: SmolLM2-135M-Instruct)")
-    g.add_argument(
-        "--served-model-name",
-        nargs="+",
-        help="the names clients may use in `model`, the first being its id (default: the file's name, "
-        "with and without its quantisation suffix)",
-    )
-    g.add_argument("--dtype", choices=choices("dtype"))
-    g.add_argument(
-        "--quantization",
-        choices=choices("quantization"),
-        help="weight-only quantised linears on the CPU (auto: int4 for a float32 model on the CPU)",
-    )
-    g.add_argument("--device", help="auto, cpu, cuda, cuda:N")
-    g.add_argument("--max-model-len", type=int)
-    g.add_argument("--attention-backend", help="auto, torch, triton, flash_attn, xformers")
-    g.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        default=None,
-        help="on CUDA, run decode eagerly instead of replaying captured CUDA graphs",
-    )
-    g.add_argument("--block-size", type=int)
-    g.add_argument("--num-kv-blocks", type=int)
-    g.add_argument("--kv-cache-memory-gib", type=float)
-    g.add_argument(
-        "--kv-cache-dtype",
-        choices=choices("kv_cache_dtype"),
-        help="the KV cache's dtype (auto: float16 beside quantised CPU weights, else the model's)",
-    )
-    g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--max-num-seqs", type=int)
-    g.add_argument("--max-num-batched-tokens", type=int)
-    g.add_argument("--chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--seed", type=int)
+    for dest, (section, _) in _FLAGS.items():
+        if section not in _SERVER_SECTIONS:
+            g.add_argument("--" + dest.replace("_", "-"), **_argument(dest))
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of `serve` alone: the HTTP server's, admission's and the logs'."""
+    for dest, (section, _) in _FLAGS.items():
+        if section in _SERVER_SECTIONS:
+            parser.add_argument("--" + dest.replace("_", "-"), **_argument(dest))
+
+
+def _argument(dest: str) -> dict[str, Any]:
+    """add_argument's keywords for a flag, from its field: the type its value takes, the
+    choices of a Literal, one or more values for a tuple, and the description as help. The
+    default is None, so that only a flag given overrides --config."""
+    cls, name = config_field(dest)
+    info = cls.__pydantic_fields__[name]
+    if not info.description:
+        raise TypeError(f"--{dest} sets {cls.__name__}.{name}, which has no description for its help")
+    kind = _value_type(info.annotation)
+    kwargs: dict[str, Any] = {"default": None, "help": info.description}
+    if dest in _BOOLEAN_FORMS:
+        kwargs.update(_BOOLEAN_FORMS[dest])
+    elif kind is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif get_origin(kind) is Literal:
+        kwargs["choices"] = list(get_args(kind))
+    elif get_origin(kind) is tuple:
+        kwargs.update(nargs="+", type=get_args(kind)[0])
+    else:
+        kwargs["type"] = kind
+    return kwargs
+
+
+def _value_type(annotation: Any) -> Any:
+    """The type a field's value has when it is set: int for `Annotated[int, Field(ge=1)] | None`."""
+    if get_origin(annotation) is Annotated:
+        return _value_type(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, UnionType):
+        (kind,) = (arg for arg in get_args(annotation) if arg is not type(None))
+        return _value_type(kind)
+    return annotation
 
 
 log = logging.getLogger(__name__)
