@@ -13,9 +13,9 @@ import time
 
 import numpy as np
 
-from headroom.admission.features import RequestFeatures, featurize
-from headroom.admission.predictor import LengthPredictor, load_predictor
-from headroom.admission.train import load_records
+from headroom.prediction.features import RequestFeatures, featurize
+from headroom.prediction.predictor import LengthPredictor, load_predictor
+from headroom.prediction.train import load_records
 
 TARGET_P99_MS = 0.5
 

@@ -13,11 +13,11 @@ import argparse
 
 import numpy as np
 
-from headroom.admission.features import RequestFeatures
-from headroom.admission.predictor import load_predictor
-from headroom.admission.train import load_records
 from headroom.observability.finished import FinishedRequest
 from headroom.observability.predictor_health import Figures, Outcome
+from headroom.prediction.features import RequestFeatures
+from headroom.prediction.predictor import load_predictor
+from headroom.prediction.train import load_records
 
 FIGURES = ("kendall_tau", "mae_tokens", "admission_cap_auc", "cap_rate")
 

@@ -18,9 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-from headroom.admission.probe_model import load_probe
 from headroom.config import Config
 from headroom.contracts.request import SamplingParams
+from headroom.prediction.probe_model import load_probe
 from headroom.runtime.engine import Engine
 from headroom.runtime.outputs import EngineStats
 

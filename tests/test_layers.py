@@ -39,7 +39,8 @@ def test_the_package_keeps_its_layers(tmp_path):
     [
         ("models/llama.py", "from headroom.executor.sampler import Sampler"),  # models below executor
         ("contracts/request.py", "from headroom.config import Config"),  # contracts at the bottom
-        ("observability/hol.py", "from headroom.admission.classes import SizeClass"),  # independent siblings
+        ("observability/hol.py", "from headroom.admission.tenants import Tenant"),  # independent siblings
+        ("prediction/train.py", "from headroom.admission.tenants import Tenant"),  # prediction below admission
     ],
 )
 def test_an_upward_import_breaks_the_contract(tmp_path, module, upward):

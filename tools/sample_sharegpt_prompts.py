@@ -1,4 +1,4 @@
-"""One-off: draw the calibration prompt set from ShareGPT (see headroom/admission/data/README.md).
+"""One-off: draw the calibration prompt set from ShareGPT (see headroom/prediction/data/README.md).
 
 Reads ../shared/data/sharegpt_pairs_with_text.jsonl.gz (not needed at run time), keeps
 first-turn prompts of at most 1,024 cl100k tokens, draws a seeded sample per split, and

@@ -9,11 +9,11 @@ import lightgbm as lgb
 from aiohttp import web
 
 from headroom.admin.schemas import ReloadBody, TenantPatch, Unprocessable, parse
-from headroom.admission.predictor import FallbackPredictor, load_predictor
 from headroom.admission.tenants import Tenant
 from headroom.app import keys
 from headroom.app.errors import Conflict, NotFound
 from headroom.config import ConfigError
+from headroom.prediction.predictor import FallbackPredictor, load_predictor
 
 log = logging.getLogger("headroom.admin")
 

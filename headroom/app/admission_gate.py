@@ -15,16 +15,16 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from headroom.admission.admission import Admission, Rejected, Ticket
-from headroom.admission.classes import ClassThresholds, SizeClass, classify
-from headroom.admission.features import RequestFeatures
-from headroom.admission.predictor import Prediction, load_predictor
-from headroom.admission.records import RecordLog, label
 from headroom.admission.redis_store import RedisStore
 from headroom.admission.tenants import Tenant, TenantRegistry
 from headroom.app.errors import APIError, BadRequest, QueueFull, Unauthorized, Unavailable
 from headroom.config import Config, check_store_url
 from headroom.contracts.request import AdmissionRecord, Request
 from headroom.openmp import in_passing_thread
+from headroom.prediction.classes import ClassThresholds, SizeClass, classify
+from headroom.prediction.features import RequestFeatures
+from headroom.prediction.predictor import Prediction, load_predictor
+from headroom.prediction.records import RecordLog, label
 
 # The Gateway API Inference Extension's flow control names who a request belongs to and
 # its InferenceObjective in these headers; llm-d's router, which carries its endpoint

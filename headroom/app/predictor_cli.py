@@ -15,7 +15,7 @@ from headroom.runtime.engine import Engine
 
 
 def cmd_predictor_calibrate(ns: argparse.Namespace) -> int:
-    from headroom.admission.calibrate import calibrate
+    from headroom.prediction.calibrate import calibrate
 
     with open(ns.prompts, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
@@ -32,7 +32,7 @@ def cmd_predictor_calibrate(ns: argparse.Namespace) -> int:
     )
     recorder = None
     if ns.probe_layers:
-        from headroom.admission.probe_rows import ProbeRecorder
+        from headroom.prediction.probe_rows import ProbeRecorder
 
         recorder = ProbeRecorder(tuple(int(x) for x in ns.probe_layers.split(",")))
     n = calibrate(engine, rows, ns.out, default_max_tokens=ns.max_tokens, concurrency=ns.concurrency, recorder=recorder)
@@ -44,7 +44,7 @@ def cmd_predictor_calibrate(ns: argparse.Namespace) -> int:
 
 
 def cmd_predictor_train(ns: argparse.Namespace) -> int:
-    from headroom.admission.train import format_metrics, load_records, train
+    from headroom.prediction.train import format_metrics, load_records, train
 
     if ns.probe_rows:
         return _train_probe(ns)
@@ -62,8 +62,8 @@ def cmd_predictor_train(ns: argparse.Namespace) -> int:
 
 
 def cmd_predictor_eval(ns: argparse.Namespace) -> int:
-    from headroom.admission.predictor import load_predictor
-    from headroom.admission.train import evaluate, format_metrics, load_records
+    from headroom.prediction.predictor import load_predictor
+    from headroom.prediction.train import evaluate, format_metrics, load_records
 
     if ns.probe_rows:
         return _eval_probe(ns.probe_rows, ns.probe)
@@ -72,7 +72,7 @@ def cmd_predictor_eval(ns: argparse.Namespace) -> int:
         return 2
     records = load_records(ns.data)
     if ns.cv:
-        from headroom.admission.train import cross_validate, format_cv
+        from headroom.prediction.train import cross_validate, format_cv
 
         try:
             print(format_cv(cross_validate(records, ns.cv)))
@@ -99,8 +99,8 @@ def _load_rows(path: str) -> dict:
 
 
 def _train_probe(ns: argparse.Namespace) -> int:
-    from headroom.admission.probe_model import ProbeModel
-    from headroom.admission.probe_rows import PCA_DIMS, evaluate, format_scores
+    from headroom.prediction.probe_model import ProbeModel
+    from headroom.prediction.probe_rows import PCA_DIMS, evaluate, format_scores
 
     data = _load_rows(ns.probe_rows)
     layers = [int(x) for x in data["layers"]]
@@ -120,12 +120,12 @@ def _train_probe(ns: argparse.Namespace) -> int:
 
 
 def _eval_probe(path: str, probe_dir: str | None) -> int:
-    from headroom.admission.probe_rows import PCA_DIMS, evaluate, format_scores
+    from headroom.prediction.probe_rows import PCA_DIMS, evaluate, format_scores
 
     data = _load_rows(path)
     if probe_dir is not None:
-        from headroom.admission.probe_model import ProbeModel
-        from headroom.admission.probe_rows import score
+        from headroom.prediction.probe_model import ProbeModel
+        from headroom.prediction.probe_rows import score
 
         probe = ProbeModel.load(probe_dir)
         p_cap, p_remaining = probe.predict_rows(data)

@@ -104,7 +104,7 @@ def create_app(config: Config, engine: Engine) -> web.Application:
 
 
 def _use_probe(config: Config, engine: Engine) -> None:
-    from headroom.admission.probe_model import load_probe
+    from headroom.prediction.probe_model import load_probe
 
     c, args = config.admission, engine.loaded.args
     probe = in_passing_thread(

@@ -5,7 +5,7 @@ that it runs to its max_tokens. The scheduler orders and picks victims by the re
 estimate (policy.py); a sequence predicted to run away, with a cap of long work, moves
 to the long lane and its device time from then on is charged as long.
 
-The probe itself (PCA and two LightGBM models) is admission/probe_model.py; this is
+The probe itself (PCA and two LightGBM models) is prediction/probe_model.py; this is
 what the engine does with it, on the engine's thread, inside the step's lock.
 """
 

@@ -156,8 +156,8 @@ def test_the_runaway_policy_moves_a_probed_runaway_to_the_long_lane(default_mode
     Its probe is trained on rows where running to the cap is written in the loop signal, so
     it sees nothing at prefill and the loop from 16 tokens on; the policy acts on its
     estimate, once, and says why."""
-    from headroom.admission.probe_model import ProbeModel
     from headroom.app.background import BackgroundServer
+    from headroom.prediction.probe_model import ProbeModel
     from headroom.runtime.engine import Engine
     from tests.admin.conftest import admin, admin_config, start_stream, wait_until
     from tests.runtime.test_probe_engine import LAYER, loop_rows

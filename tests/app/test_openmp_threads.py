@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from headroom.admission import probe_model
 from headroom.app import admission_gate, server
 from headroom.config import Config
 from headroom.openmp import in_passing_thread
+from headroom.prediction import probe_model
 
 
 def test_in_passing_thread_returns_raises_and_leaves_no_thread():

@@ -13,9 +13,6 @@ import httpx
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
-from headroom.admission.features import RequestFeatures
-from headroom.admission.predictor import LengthPredictor, load_predictor
-from headroom.admission.train import load_records
 from headroom.app import cli, keys
 from headroom.app import predictor_cli as tool
 from headroom.app.admission_gate import AdmissionGate
@@ -31,6 +28,9 @@ from headroom.config import (
     TenantConfig,
 )
 from headroom.contracts.request import Priority, SamplingParams
+from headroom.prediction.features import RequestFeatures
+from headroom.prediction.predictor import LengthPredictor, load_predictor
+from headroom.prediction.train import load_records
 from headroom.runtime.engine import Engine
 from tests.steps import before_each_step
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from headroom.admission.probe_model import DEFAULT_PATH, ProbeModel, load_probe
-from headroom.admission.probe_rows import POINTS
 from headroom.config import AdminConfig, CacheConfig, Config, SchedulerConfig
 from headroom.contracts.request import SamplingParams
+from headroom.prediction.probe_model import DEFAULT_PATH, ProbeModel, load_probe
+from headroom.prediction.probe_rows import POINTS
 from headroom.runtime.engine import Engine
 
 LAYER = 18

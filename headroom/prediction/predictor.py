@@ -20,7 +20,7 @@ from typing import ClassVar
 import lightgbm as lgb
 import numpy as np
 
-from headroom.admission.features import FEATURE_VERSION, NUM_FEATURES, RequestFeatures, featurize
+from headroom.prediction.features import FEATURE_VERSION, NUM_FEATURES, RequestFeatures, featurize
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class LengthPredictor:
 
 def _single_row_boosters(boosters: dict[str, lgb.Booster]) -> dict | None:
     try:
-        from headroom.admission.fastpredict import SingleRowBooster
+        from headroom.prediction.fastpredict import SingleRowBooster
 
         return {name: SingleRowBooster(b.model_to_string(), NUM_FEATURES) for name, b in boosters.items()}
     except (ImportError, AttributeError, OSError, ValueError, lgb.basic.LightGBMError) as exc:

@@ -8,9 +8,9 @@ import json
 import os
 from dataclasses import asdict
 
-from headroom.admission.features import RequestFeatures
-from headroom.admission.predictor import Prediction
 from headroom.contracts.request import Request
+from headroom.prediction.features import RequestFeatures
+from headroom.prediction.predictor import Prediction
 
 
 class RecordLog:

@@ -5,7 +5,7 @@ it runs to its max_tokens and its log remaining output tokens.
 
 Trained by `headroom predictor train --probe-rows ROWS.npz --layer L` from the rows
 `predictor calibrate --probe-layers` records; the default model's probe ships in
-admission/data/probe and is used only for a model of the same shape.
+prediction/data/probe and is used only for a model of the same shape.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import lightgbm as lgb
 import numpy as np
 import torch
 
-from headroom.admission.probe_rows import (
+from headroom.contracts.request import Request
+from headroom.prediction.probe_rows import (
     PCA_DIMS,
     POINTS,
     feature_matrix,
@@ -27,7 +28,6 @@ from headroom.admission.probe_rows import (
     fit,
     loop_signals,
 )
-from headroom.contracts.request import Request
 
 log = logging.getLogger("headroom.admission")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from headroom.admission.records import label
 from headroom.contracts.request import Request, RequestStatus, SamplingParams
+from headroom.prediction.records import label
 
 
 def finished(

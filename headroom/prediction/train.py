@@ -13,9 +13,9 @@ import lightgbm as lgb
 import numpy as np
 from scipy import stats
 
-from headroom.admission.classes import ClassThresholds, classify
-from headroom.admission.features import FEATURE_VERSION, RequestFeatures, featurize
-from headroom.admission.predictor import FallbackPredictor, LengthPredictor
+from headroom.prediction.classes import ClassThresholds, classify
+from headroom.prediction.features import FEATURE_VERSION, RequestFeatures, featurize
+from headroom.prediction.predictor import FallbackPredictor, LengthPredictor
 
 _PARAMS = {
     "num_leaves": 15,

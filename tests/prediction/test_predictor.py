@@ -12,20 +12,20 @@ from dataclasses import astuple
 import numpy as np
 import pytest
 
-from headroom.admission import features as features_module
-from headroom.admission import predictor as predictor_module
-from headroom.admission.classes import ClassThresholds, SizeClass, classify
-from headroom.admission.features import FEATURE_NAMES, HASH_BUCKETS, RequestFeatures, featurize
-from headroom.admission.predictor import (
+from headroom.app.cli import main
+from headroom.config import ConfigError
+from headroom.prediction import features as features_module
+from headroom.prediction import predictor as predictor_module
+from headroom.prediction.classes import ClassThresholds, SizeClass, classify
+from headroom.prediction.features import FEATURE_NAMES, HASH_BUCKETS, RequestFeatures, featurize
+from headroom.prediction.predictor import (
     FallbackPredictor,
     LengthPredictor,
     Prediction,
     combine,
     load_predictor,
 )
-from headroom.admission.train import evaluate, train
-from headroom.app.cli import main
-from headroom.config import ConfigError
+from headroom.prediction.train import evaluate, train
 
 _FILLER = [
     "the",
@@ -147,7 +147,7 @@ def test_fast_word_split_matches_the_regex(text):
 def test_featurize_is_stable_across_processes():
     text = "Explain in 3 paragraphs how python regex works, step by step?"
     code = (
-        "import json; from headroom.admission.features import RequestFeatures, featurize;"
+        "import json; from headroom.prediction.features import RequestFeatures, featurize;"
         f"f = RequestFeatures.from_messages([{{'role': 'user', 'content': {text!r}}}], 40, 512, 0.0, 't1');"
         "print(json.dumps(featurize(f).tolist()))"
     )
@@ -341,7 +341,7 @@ def test_predict_scores_every_request_on_the_single_row_path(trained, records):
 
 
 def test_cross_validation_refits_per_fold_and_beats_max_tokens_alone(records, tmp_path, capsys):
-    from headroom.admission.train import cross_validate
+    from headroom.prediction.train import cross_validate
 
     folds = cross_validate(records, k=4)
     assert [m["n"] for m in folds] and sum(m["n"] for m in folds) == len(records)

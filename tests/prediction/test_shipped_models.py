@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from headroom.admission.calibrate import row_messages
-from headroom.admission.predictor import LengthPredictor, load_predictor
-from headroom.admission.probe_model import load_probe
-from headroom.admission.train import _auc, evaluate, load_records, split_records
 from headroom.config import AdmissionConfig, CacheConfig, Config, SchedulerConfig
 from headroom.contracts.request import SamplingParams
+from headroom.prediction.calibrate import row_messages
+from headroom.prediction.predictor import LengthPredictor, load_predictor
+from headroom.prediction.probe_model import load_probe
+from headroom.prediction.train import _auc, evaluate, load_records, split_records
 from headroom.runtime.engine import Engine
 
 LABELS = Path(__file__).resolve().parents[2] / "data" / "calibration" / "smollm2-135m-labels.jsonl"

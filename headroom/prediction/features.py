@@ -80,7 +80,7 @@ def _content(message: dict) -> str:
 # Hints are found on the word lists, not with regexes over the text: one \w+ pass plus set
 # and dict lookups keeps featurize near 50 us for a 1k-character prompt, where a dozen
 # alternation regexes cost several hundred. The lists are data (data/words.json).
-_LISTS = json.loads(resources.files("headroom.admission").joinpath("data/words.json").read_text(encoding="utf-8"))
+_LISTS = json.loads(resources.files("headroom.prediction").joinpath("data/words.json").read_text(encoding="utf-8"))
 _NUM_WORDS: dict[str, int] = _LISTS["numbers"]
 # unit word -> (code, rough output tokens per unit)
 _UNITS: dict[str, tuple[int, int]] = {w: tuple(v) for w, v in _LISTS["units"].items()}

@@ -17,8 +17,8 @@ import sys
 import time
 from collections import deque
 
-from headroom.admission.probe_rows import ProbeRecorder
 from headroom.contracts.request import SamplingParams
+from headroom.prediction.probe_rows import ProbeRecorder
 from headroom.runtime.engine import Engine
 from headroom.runtime.outputs import RequestOutput
 

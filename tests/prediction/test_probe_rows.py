@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from headroom.admission.probe_rows import POINTS, ProbeRecorder, evaluate, loop_signals
 from headroom.app.cli import main
 from headroom.config import CacheConfig, Config, SchedulerConfig
 from headroom.contracts.request import SamplingParams
+from headroom.prediction.probe_rows import POINTS, ProbeRecorder, evaluate, loop_signals
 from headroom.runtime.engine import Engine
 
 
