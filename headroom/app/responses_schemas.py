@@ -18,6 +18,8 @@ from pydantic import (
     model_validator,
 )
 
+from headroom.contracts.request import API_TEMPERATURE, TOP_P
+
 # Refused when set: no stored state (responses, conversations, prompt templates), no
 # images, no server-side moderation, context management or background runs here.
 NOT_IMPLEMENTED = (
@@ -146,8 +148,8 @@ class ResponsesRequest(BaseModel):
     ]
     instructions: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    temperature: Annotated[float, Field(**API_TEMPERATURE.constraints())] | None = None
+    top_p: Annotated[float, Field(**TOP_P.constraints())] | None = None
     stream: bool = False
     stream_options: ResponseStreamOptions | None = None
     text: TextConfig | None = None

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from headroom.config import REQUEST_PRIORITY_BOUND
 from headroom.contracts.repetition import MAX_PATTERN_SIZE, RepetitionDetection
+from headroom.contracts.request import API_TEMPERATURE, LOGIT_BIAS, PENALTY, REPETITION_PENALTY, TOP_P
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16  # n: each choice is a sequence of its own
@@ -104,8 +105,8 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
-    temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
+    temperature: Annotated[float, Field(**API_TEMPERATURE.constraints())] = 1.0
+    top_p: Annotated[float, Field(**TOP_P.constraints())] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = -1  # -1 or 0: off (vLLM's convention)
     seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None  # what a torch generator takes
     stop: str | list[str] | None = None
@@ -113,17 +114,17 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
+    presence_penalty: Annotated[float, Field(**PENALTY.constraints())] = 0.0
+    frequency_penalty: Annotated[float, Field(**PENALTY.constraints())] = 0.0
     # token id (as a string, as OpenAI sends it) -> bias added to its logit
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
+    logit_bias: dict[str, Annotated[float, Field(**LOGIT_BIAS.constraints())]] | None = None
     response_format: ResponseFormatSpec | None = None
     # OpenAI fields not implemented: refused with a 400 naming them, never ignored.
     functions: Any = None
     function_call: Any = None
     best_of: Any = None
     # vLLM extensions
-    repetition_penalty: Annotated[float, Field(gt=0, le=2, allow_inf_nan=False)] = 1.0
+    repetition_penalty: Annotated[float, Field(**REPETITION_PENALTY.constraints())] = 1.0
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
     repetition_detection: RepetitionDetectionSpec | None = None

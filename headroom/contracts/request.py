@@ -62,6 +62,38 @@ _FINISH_REASONS = {
 
 
 @dataclass(frozen=True)
+class Bounds:
+    """A sampling parameter's range, declared once: the API schemas' constraints
+    (app/schemas.py) and SamplingParams' own check both come from it."""
+
+    low: float
+    high: float
+    low_open: bool = False  # (low, high] rather than [low, high]
+
+    def holds(self, value: float) -> bool:
+        return (self.low < value if self.low_open else self.low <= value) and value <= self.high  # NaN fails
+
+    def constraints(self) -> dict[str, Any]:
+        """As pydantic's Field takes them."""
+        return {"gt" if self.low_open else "ge": self.low, "le": self.high, "allow_inf_nan": False}
+
+    def check(self, name: str, value: float) -> None:
+        if not self.holds(value):
+            raise ValueError(f"{name} must be {self}, got {value}")
+
+    def __str__(self) -> str:
+        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+
+
+TOP_P = Bounds(0, 1, low_open=True)
+PENALTY = Bounds(-2, 2)  # OpenAI's presence and frequency penalties
+REPETITION_PENALTY = Bounds(0, 2, low_open=True)  # vLLM's
+LOGIT_BIAS = Bounds(-100, 100)
+# The API takes OpenAI's [0, 2]; the engine itself any temperature >= 0.
+API_TEMPERATURE = Bounds(0, 2)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0
@@ -102,21 +134,18 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        TOP_P.check("top_p", self.top_p)
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")  # what a torch generator takes
 
     def _check_penalties(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0 < self.repetition_penalty <= 2:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
-        if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
-            raise ValueError("logit_bias values must be in [-100, 100]")
+        PENALTY.check("presence_penalty", self.presence_penalty)
+        PENALTY.check("frequency_penalty", self.frequency_penalty)
+        REPETITION_PENALTY.check("repetition_penalty", self.repetition_penalty)
+        if not all(LOGIT_BIAS.holds(bias) for _, bias in self.logit_bias):
+            raise ValueError(f"logit_bias values must be {LOGIT_BIAS}")
 
     @property
     def greedy(self) -> bool:
