@@ -10,8 +10,10 @@ import logging
 import time
 
 import httpx
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from scipy.stats import kendalltau
 
 from headroom.app.background import BackgroundServer
 from headroom.config import (
@@ -22,6 +24,7 @@ from headroom.config import (
     ObservabilityConfig,
     TenantConfig,
 )
+from headroom.observability.predictor_health import auc
 from headroom.runtime.engine import Engine
 
 pytestmark = pytest.mark.slow
@@ -131,8 +134,20 @@ def test_health_after_real_requests(default_model, caplog):
             ("headroom:predictor_cap_auc", (("predictor", "admission"),)),
             ("headroom:predictor_cap_auc", (("predictor", "probe"),)),
         }
-        assert 0 <= server_wide[("headroom:predictor_cap_auc", (("predictor", "probe"),))] <= 1
-        assert -1 <= server_wide[("headroom:predictor_kendall_tau", ())] <= 1
+        # Each figure is what the finished requests' own log lines give: a figure wired to
+        # the wrong number (the p90 for the p50, the probe's for admission's) differs.
+        ran_to_cap = np.array([r.finish_reason == "length" for r in lines])
+        predicted = np.array([r.predicted_output_tokens for r in lines])
+        share = predicted / np.array([r.max_tokens for r in lines], dtype=np.float64)
+        probed = np.array([r.runaway_probability for r in lines], dtype=np.float64)
+        assert server_wide[("headroom:predictor_cap_auc", (("predictor", "admission"),))] == pytest.approx(
+            auc(share, ran_to_cap)
+        )
+        assert server_wide[("headroom:predictor_cap_auc", (("predictor", "probe"),))] == pytest.approx(
+            auc(probed, ran_to_cap)
+        )
+        expected_tau = kendalltau(predicted, [r.output_tokens for r in lines], variant="b").statistic
+        assert server_wide[("headroom:predictor_kendall_tau", ())] == pytest.approx(expected_tau)
         assert server_wide == pytest.approx(as_metrics(health["server"]))
         assert (health["window"], health["min_requests"]) == (500, 2)
 
