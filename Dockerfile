@@ -15,7 +15,7 @@ COPY headroom ./headroom
 RUN pip install .
 # Built once here for the build machine's CPU; a host with other CPU flags rebuilds them at
 # its first start (about 3 minutes on 2 cores), which the compiler above allows.
-RUN python -m headroom.models.kernels || echo "headroom: the CPU kernels did not build"
+RUN python -m headroom.kernels || echo "headroom: the CPU kernels did not build"
 
 EXPOSE 8000
 ENTRYPOINT ["headroom"]

@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml $(BIN)/python
 	# headroom's CPU kernels (packed linears, fused float32 ops, decode attention), compiled
 	# once into torch's extension cache for this CPU (needs a C++ compiler; without one the
 	# server uses PyTorch's own ops and says so).
-	$(BIN)/python -m headroom.models.kernels || echo "headroom: the CPU kernels did not build"
+	$(BIN)/python -m headroom.kernels || echo "headroom: the CPU kernels did not build"
 	touch $@
 
 # The test and lint tools (pytest, ruff, playwright, schemathesis, triton's interpreter, ...):

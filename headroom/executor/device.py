@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from headroom.config import ConfigError, ModelConfig
-from headroom.models.kernels import cpu_flags, cpu_kernels
+from headroom.kernels import cpu_flags, cpu_kernels
 from headroom.models.loader import LoadedModel, load_model
 from headroom.models.quant import measure_crossover, quantize_model
 

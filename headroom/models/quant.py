@@ -1,4 +1,4 @@
-"""Weight-only quantised linears for the CPU, on headroom's own kernels (models/kernels).
+"""Weight-only quantised linears for the CPU, on headroom's own kernels (headroom/kernels).
 
 int4: the decoder's linears as 4-bit groups of 32 along the input dimension with a scale
 and a minimum each (w = scale * q + min, q in 0..15, scale and min float16): llama.cpp's
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headroom.models.kernels import cpu_kernels
+from headroom.kernels import cpu_kernels
 
 QUANTIZATIONS = ("none", "int8", "int4")
 GROUP = 32

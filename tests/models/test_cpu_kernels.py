@@ -10,7 +10,7 @@ import torch
 from headroom.contracts.attention import AttentionMetadata
 from headroom.executor.attention.cpu_paged import CpuPagedAttention
 from headroom.executor.attention.torch_ref import TorchAttention
-from headroom.models.kernels import cpu_kernels
+from headroom.kernels import cpu_kernels
 from headroom.models.quant import QuantLinear, int4_groups, int8_groups, integer_tiles, pack_q4
 
 

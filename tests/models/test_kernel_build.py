@@ -14,17 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from headroom.models.kernels import NAME, build_lock
+from headroom.kernels import NAME, build_lock
 
 pytestmark = pytest.mark.slow
 
 
 def start_build(extensions: Path) -> subprocess.Popen:
-    """`python -m headroom.models.kernels` building into its own empty cache, in a session
+    """`python -m headroom.kernels` building into its own empty cache, in a session
     of its own so that killing it kills its compilers too."""
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions)}
     return subprocess.Popen(
-        [sys.executable, "-m", "headroom.models.kernels"],
+        [sys.executable, "-m", "headroom.kernels"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

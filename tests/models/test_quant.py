@@ -71,7 +71,7 @@ import torch
 from headroom.config import CacheConfig, Config, ModelConfig
 from headroom.contracts.request import SamplingParams
 from headroom.executor.scoring import chunked_perplexity, corpus
-from headroom.models.kernels import cpu_kernels
+from headroom.kernels import cpu_kernels
 from headroom.models.loader import load_model
 from headroom.models.quant import QuantLinear, int4_groups, quantize_model
 from headroom.runtime.engine import Engine

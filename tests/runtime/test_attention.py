@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from headroom.contracts.attention import AttentionMetadata
 from headroom.executor.attention import available_backends, select_backend
 from headroom.executor.attention.torch_ref import TorchAttention
-from headroom.models.kernels import cpu_kernels
+from headroom.kernels import cpu_kernels
 from tests.gpu import gpu_backend_unusable, gpu_package
 
 CPU = torch.device("cpu")

@@ -11,7 +11,7 @@ import torch
 
 from headroom.contracts.attention import AttentionMetadata
 from headroom.executor.attention.torch_ref import TorchAttention, write_kv
-from headroom.models.kernels import cpu_kernels
+from headroom.kernels import cpu_kernels
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the caches the C++ kernel reads
 

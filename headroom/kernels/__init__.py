@@ -1,6 +1,6 @@
 """headroom's own CPU kernels, compiled from C++ with torch's extension builder.
 
-`make install` builds them once (`python -m headroom.models.kernels`) into torch's
+`make install` builds them once (`python -m headroom.kernels`) into torch's
 extension cache; at run time they load from there. Where no compiler is present or the
 build fails, cpu_kernels() answers None with the reason, and callers use PyTorch's ops.
 """
@@ -36,18 +36,22 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+# By what they compute: common/ (the bindings, the thread pool, SIMD and tensor helpers),
+# linear/ (the quantised matmuls), attention/ (paged decode and prefill; the Triton
+# kernels beside them), ops/ (fused elementwise and norm ops).
 SOURCES = (
-    "bindings.cpp",
-    "q4_linear.cpp",
-    "q8_linear.cpp",
-    "qdot_linear.cpp",
-    "paged_attention.cpp",
-    "decode_spans.cpp",
-    "paged_tile.cpp",
-    "paged_prefill.cpp",
-    "fused_ops.cpp",
-    "pool.cpp",
+    "common/bindings.cpp",
+    "common/pool.cpp",
+    "linear/q4_linear.cpp",
+    "linear/q8_linear.cpp",
+    "linear/qdot_linear.cpp",
+    "attention/paged_attention.cpp",
+    "attention/decode_spans.cpp",
+    "attention/paged_tile.cpp",
+    "attention/paged_prefill.cpp",
+    "ops/fused_ops.cpp",
 )
+INCLUDES = ("common", "attention")
 VNNI_FLAGS = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"}
 # One build per checkout: torch's builder writes the sources' absolute paths into its
 # build file, so two checkouts sharing one name rebuild over each other each time the
@@ -145,7 +149,7 @@ def cpu_kernels() -> tuple[ModuleType | None, str]:
                 sources=[str(HERE / name) for name in SOURCES],
                 extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],
-                extra_include_paths=[str(HERE)],
+                extra_include_paths=[str(HERE / folder) for folder in INCLUDES],
                 verbose=False,
             )
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler, or it failed
