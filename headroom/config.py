@@ -147,6 +147,30 @@ def _graph_sizes(sizes: Any) -> tuple[int, ...]:
     return tuple(sorted(set(sizes)))
 
 
+def _lora_modules(items: Any) -> tuple[tuple[str, str], ...]:
+    """[[lora]] tables ({name, path}) or the CLI's NAME=PATH words as (name, path) pairs,
+    each name once."""
+    if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, (list, tuple)):
+        raise ConfigError(f"lora must be a list of {{name, path}} tables or NAME=PATH words, got {items!r}")
+    pairs: list[tuple[str, str]] = []
+    for item in items:
+        if isinstance(item, str) and "=" in item:
+            name, path = item.split("=", 1)
+        elif isinstance(item, Mapping) and set(item) == {"name", "path"}:
+            name, path = item["name"], item["path"]
+        elif isinstance(item, (list, tuple)) and len(item) == 2:
+            name, path = item
+        else:
+            raise ConfigError(f"lora: each adapter needs a name and a path (NAME=PATH), got {item!r}")
+        if not (isinstance(name, str) and name and isinstance(path, str) and path):
+            raise ConfigError(f"lora: an adapter's name and path must be non-empty strings, got {item!r}")
+        pairs.append((name, path))
+    names = [name for name, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"lora: adapter names must differ, got {names}")
+    return tuple(pairs)
+
+
 CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
 
@@ -184,6 +208,9 @@ class ModelConfig:
         False, description="on CUDA, run decode eagerly instead of replaying captured CUDA graphs"
     )
     cuda_graph_sizes: Annotated[tuple[int, ...], BeforeValidator(_graph_sizes)] = CUDA_GRAPH_SIZES
+    max_lora_rank: AtLeast1 = Field(
+        64, description="the largest LoRA rank an adapter may have (vLLM's --max-lora-rank)"
+    )
 
 
 @config_errors("cache.")
@@ -697,3 +724,7 @@ class Config:
         description="auto, torch, triton, flash_attn, xformers (auto: by what is installed and the device present)",
     )
     seed: int = Field(0, description="seeds the sampling of requests that bring no seed of their own")
+    # [[lora]] name = "...", path = "...": PEFT adapters loaded at start, selected by `model`.
+    lora: Annotated[tuple[tuple[str, str], ...], BeforeValidator(_lora_modules)] = Field(
+        (), description="LoRA adapters to load at start, as NAME=PATH (a PEFT folder); clients select one by `model`"
+    )

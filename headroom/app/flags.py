@@ -34,6 +34,8 @@ _FLAGS = {
     "device": ("model", "device"),
     "max_model_len": ("model", "max_model_len"),
     "attention_backend": (None, "attention_backend"),
+    "lora_modules": (None, "lora"),
+    "max_lora_rank": ("model", "max_lora_rank"),
     "enforce_eager": ("model", "enforce_eager"),
     "block_size": ("cache", "block_size"),
     "num_kv_blocks": ("cache", "num_blocks"),
@@ -74,11 +76,13 @@ def on_off(value: str) -> bool:
     return value == "on"
 
 
-# A boolean field's flag is --x / --no-x, except these, which keep the form they always had.
-_BOOLEAN_FORMS = {
+# A boolean field's flag is --x / --no-x, except these, which keep the form they always had;
+# and --lora-modules takes vLLM's NAME=PATH words.
+_FORMS = {
     "enforce_eager": {"action": "store_true"},
     "log_prompts": {"action": "store_true"},
     "admission": {"type": on_off, "metavar": "on|off"},
+    "lora_modules": {"nargs": "+", "type": str, "metavar": "NAME=PATH"},
 }
 
 
@@ -114,8 +118,8 @@ def _argument(dest: str) -> dict[str, Any]:
         raise TypeError(f"--{dest} sets {cls.__name__}.{name}, which has no description for its help")
     kind = _value_type(info.annotation)
     kwargs: dict[str, Any] = {"default": None, "help": info.description}
-    if dest in _BOOLEAN_FORMS:
-        kwargs.update(_BOOLEAN_FORMS[dest])
+    if dest in _FORMS:
+        kwargs.update(_FORMS[dest])
     elif kind is bool:
         kwargs["action"] = argparse.BooleanOptionalAction
     elif get_origin(kind) is Literal:

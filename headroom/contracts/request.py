@@ -192,6 +192,19 @@ class Resources:
     busy_at_arrival: float = 0.0  # the engine's busy seconds when it arrived: its share's denominator
 
 
+@dataclass(frozen=True)
+class AdapterRef:
+    """The LoRA adapter a request runs under: its name, and the number its load got, which
+    salts the prefix cache's keys (a name reloaded with other weights never hits the old
+    blocks)."""
+
+    name: str
+    uid: int
+
+    def key(self) -> bytes:
+        return b"lora:%d" % self.uid
+
+
 @dataclass
 class Request:
     """One sequence. Each part has one writer: the admission record the admission gate,
@@ -209,6 +222,7 @@ class Request:
     resources: Resources = field(default_factory=Resources)
     moved_to: SizeClass | None = None  # the class the runtime moved it to in flight (probe, operator)
     admitted_time: float | None = None  # when admission let it through to the engine
+    lora: AdapterRef | None = None  # set at construction; None: the base model
     # The loop tracker fed with every output token (contracts/repetition.py), and the
     # server detector's finding.
     loop_tracker: LoopTracker | None = None

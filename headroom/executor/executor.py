@@ -15,6 +15,7 @@ from headroom.executor.cuda_graphs import graph_plan
 from headroom.executor.device import prepare_model, resolve_kv_dtype
 from headroom.executor.model_runner import ModelRunner, kv_block_bytes
 from headroom.models.loader import LoadedModel
+from headroom.models.lora import LoraRegistry
 
 
 @dataclass
@@ -31,6 +32,7 @@ class Executor:
     max_model_len: int
     runner: ModelRunner
     cuda_graphs: str  # what /health and the start line say about them
+    loras: LoraRegistry
 
     @classmethod
     def build(cls, config: Config, loaded: LoadedModel | None = None) -> Executor:
@@ -51,6 +53,9 @@ class Executor:
         )
         max_model_len = config.model.max_model_len or args.max_position_embeddings
         graph_sizes, cuda_graphs = graph_plan(config, device, backend)
+        loras = LoraRegistry(args, config.model.max_lora_rank, dtype, device, loaded.names)
+        for name, path in config.lora:
+            loras.load(name, path)
         runner = ModelRunner(
             loaded.model,
             backend,
@@ -60,6 +65,7 @@ class Executor:
             kv_dtype,
             graph_sizes=graph_sizes,
             max_model_len=max_model_len,
+            loras=loras,
         )
         cuda_graphs = runner.capture_graphs() or cuda_graphs
         return cls(
@@ -75,6 +81,7 @@ class Executor:
             max_model_len,
             runner,
             cuda_graphs,
+            loras,
         )
 
     def describe(self) -> str:

@@ -13,6 +13,7 @@ from headroom.contracts.attention import AttentionBackend, AttentionMetadata
 from headroom.contracts.schedule import BlockTables, SchedulerOutput
 from headroom.executor.cuda_graphs import DecodeGraphs
 from headroom.models.llama import ForwardContext, Llama, ModelArgs
+from headroom.models.lora import LoraRegistry, LoraStep
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class BatchInputs:
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # rows of the hidden states whose logits are needed
     sample_indices: list[int]
+    lora: LoraStep | None = None  # the rows that run under adapters
 
 
 class ModelRunner:
@@ -89,9 +91,11 @@ class ModelRunner:
         kv_dtype: torch.dtype,
         graph_sizes: tuple[int, ...] = (),
         max_model_len: int | None = None,
+        loras: LoraRegistry | None = None,
     ):
         """graph_sizes: decode batch sizes to serve from CUDA graphs (empty: always eager)."""
         self.model = model
+        self.loras = loras
         self.backend = backend
         self.block_size = block_size
         self.device = device
@@ -183,6 +187,9 @@ class ModelRunner:
             meta=meta,
             logits_rows=to(torch.tensor(logits_rows, dtype=torch.int64)),
             sample_indices=sample_indices,
+            lora=self.loras.step([(r.lora, n) for r, n in zip(out.requests, out.num_scheduled_tokens, strict=True)])
+            if self.loras is not None
+            else None,
         )
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -204,8 +211,15 @@ class ModelRunner:
             backend=self.backend,
             hidden_rows=batch.logits_rows if keeping else None,
             hidden_layers=self.hidden_layers,
+            lora=batch.lora,
         )
-        if self.graphs is not None and not keeping and self.graphs.can_run(meta.num_seqs, meta.num_decodes):
+        # Graphs were captured without adapters: a step with LoRA rows runs eagerly.
+        if (
+            self.graphs is not None
+            and not keeping
+            and batch.lora is None
+            and self.graphs.can_run(meta.num_seqs, meta.num_decodes)
+        ):
             hidden = self.graphs.run(batch.input_ids, batch.positions, meta)
         else:
             hidden = self.model(batch.input_ids, batch.positions, ctx)

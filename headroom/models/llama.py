@@ -9,13 +9,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from headroom.contracts.attention import AttentionBackend, AttentionMetadata
+
+if TYPE_CHECKING:
+    from headroom.models.lora import LoraStep
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -122,11 +125,13 @@ class ForwardContext:
     hidden_rows: torch.Tensor | None = None
     hidden_layers: frozenset[int] = frozenset()
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    lora: LoraStep | None = None  # the rows that run under LoRA adapters this step
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, index: int):
         super().__init__()
+        self.index = index  # the layer's, for its LoRA deltas
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.q_size = args.num_heads * args.head_dim
         self.kv_size = args.num_kv_heads * args.head_dim
@@ -137,7 +142,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache, ctx: ForwardContext) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if ctx.lora is not None:
+            ctx.lora.add(self.index, "qkv", x, qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
@@ -145,35 +153,47 @@ class Attention(nn.Module):
             self.kernels.rope_(q, k, cos, sin)
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = ctx.backend.forward(q, k, v, kv_cache[0], kv_cache[1], ctx.meta, self.scale)
-        return self.o_proj(out.reshape(n, self.q_size))
+        out = ctx.backend.forward(q, k, v, kv_cache[0], kv_cache[1], ctx.meta, self.scale).reshape(n, self.q_size)
+        projected = self.o_proj(out)
+        if ctx.lora is not None:
+            ctx.lora.add(self.index, "o", out, projected)
+        return projected
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, index: int):
         super().__init__()
+        self.index = index  # the layer's, for its LoRA deltas
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
         self.kernels: ModuleType | None = None  # see use_cpu_kernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraStep | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            lora.add(self.index, "gate_up", x, gate_up)
         if self.kernels is not None:
-            return self.down_proj(self.kernels.silu_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            h = self.kernels.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        out = self.down_proj(h)
+        if lora is not None:
+            lora.add(self.index, "down", h, out)
+        return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, index: int):
         super().__init__()
         self.input_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.attn = Attention(args)
+        self.attn = Attention(args, index)
         self.post_attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MLP(args)
+        self.mlp = MLP(args, index)
 
     def forward(self, x, cos, sin, kv_cache, ctx: ForwardContext) -> torch.Tensor:
         x, h = self.post_attn_norm.add_and_norm(x, self.attn(self.input_norm(x), cos, sin, kv_cache, ctx))
-        return x + self.mlp(h)
+        return x + self.mlp(h, ctx.lora)
 
 
 class Llama(nn.Module):
@@ -181,7 +201,7 @@ class Llama(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)

@@ -26,6 +26,12 @@ def block_key(parent: bytes | None, token_ids: list[int]) -> bytes:
     return h.digest()
 
 
+def _root(request: Request) -> bytes | None:
+    """The parent of a request's first block: its adapter's, so that blocks computed under
+    one adapter (or the base) are never served to another."""
+    return request.lora.key() if request.lora is not None else None
+
+
 @dataclass
 class Block:
     block_id: int
@@ -67,7 +73,7 @@ class BlockManager:
             return []
         bs, tokens = self.block_size, request.all_token_ids
         hits: list[int] = []
-        key = None
+        key = _root(request)
         for i in range((len(tokens) - 1) // bs):
             key = block_key(key, tokens[i * bs : (i + 1) * bs])
             block_id = self.cached.get(key)
@@ -116,7 +122,7 @@ class BlockManager:
             return
         rid, bs = request.request_id, self.block_size
         table = self.tables[rid]
-        done, key = self.chains.get(rid, (0, None))
+        done, key = self.chains.get(rid, (0, _root(request)))
         full = min(request.num_computed_tokens // bs, len(table))
         if full <= done:
             return

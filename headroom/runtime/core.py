@@ -94,10 +94,21 @@ class EngineCore:
         sampling: SamplingParams,
         request_id: str | None = None,
         priority: Priority | None = None,
+        lora: str | None = None,
     ) -> Request:
-        """Validate and build a request (not yet submitted); raises ValueError."""
+        """Validate and build a request (not yet submitted); raises ValueError. `lora` names
+        a loaded adapter to run it under (None: the base model)."""
+        adapter = None
+        if lora is not None:
+            adapter = self.executor.loras.ref(lora)
+            if adapter is None:
+                raise ValueError(f"no LoRA adapter named {lora!r} is loaded")
         request = Request(
-            request_id or f"req-{next(self._ids)}", list(prompt_token_ids), sampling, priority or Priority()
+            request_id or f"req-{next(self._ids)}",
+            list(prompt_token_ids),
+            sampling,
+            priority or Priority(),
+            lora=adapter,
         )
         cache_tokens = self.block_manager.num_blocks * self.block_manager.block_size
         check_fits(request, self.max_model_len, cache_tokens, self.loaded.args.vocab_size)

@@ -137,12 +137,15 @@ class Engine(EngineCore):
         prompts: list[list[int]],
         sampling: SamplingParams | list[SamplingParams],
         sink: OutputSink | None = None,
+        lora: list[str | None] | None = None,
     ) -> list[Request]:
         """Run prompts to completion on the calling thread (the loop must not be running);
-        `sink`, where given, sees every output as it is produced."""
+        `sink`, where given, sees every output as it is produced; `lora`, where given, names
+        each prompt's adapter (None: the base)."""
         assert self._thread is None, "generate() steps the engine itself; stop the loop first"
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-        requests = [self.new_request(p, s) for p, s in zip(prompts, params, strict=True)]
+        adapters = lora or [None] * len(prompts)
+        requests = [self.new_request(p, s, lora=a) for p, s, a in zip(prompts, params, adapters, strict=True)]
         for request in requests:
             self.submit(request, sink or (lambda _: None))
         while any(not r.is_finished for r in requests):
