@@ -370,6 +370,15 @@ def _priority_range(bounds: Any, info: ValidationInfo) -> tuple[int, int] | None
     return tuple(bounds)  # TOML gives a list
 
 
+def _names(names: Any) -> tuple[str, ...] | None:
+    """A list of names (TOML gives a list) as a tuple."""
+    if names is None or isinstance(names, tuple):
+        return names
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(f"loras must be a list of adapter names, got {names!r}")
+    return tuple(names)
+
+
 def _tenant_ladder(steps: Any, info: ValidationInfo) -> tuple[str, ...] | None:
     return None if steps is None else _ladder(steps, f"{_tenant(info)}: ladder")
 
@@ -392,6 +401,10 @@ class TenantConfig:
     # Per-tenant caps on a request's max_tokens and total length (None: the server's).
     max_tokens: AtLeast1 | None = None
     max_model_len: ModelLen | None = None
+    # The LoRA adapters its requests may name in `model` (None: any loaded one), and the one
+    # a request that names no model runs under.
+    loras: Annotated[tuple[str, ...] | None, BeforeValidator(_names)] = None
+    default_lora: str | None = None
     # The request `priority` values it may send (None: any the API takes, [-1000, 1000]);
     # one outside is a 400, or with priority_clamp the nearest allowed. [0, 0] forbids them.
     priority_range: Annotated[tuple[int, int] | None, BeforeValidator(_priority_range)] = None
@@ -401,6 +414,12 @@ class TenantConfig:
     ladder: Annotated[tuple[Action, ...] | None, BeforeValidator(_tenant_ladder)] = None
     # The `metrics` object on its responses (None: [server] request_metrics decides).
     request_metrics: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.default_lora is not None and self.loras is not None and self.default_lora not in self.loras:
+            raise ConfigError(
+                f"tenant {self.name!r}: default_lora {self.default_lora!r} is not among its loras {list(self.loras)}"
+            )
 
 
 def check_store_url(url: str, where: str) -> None:

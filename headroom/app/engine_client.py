@@ -50,10 +50,29 @@ class AsyncEngine:
         return request_id in self.submitted
 
     def new_request(
-        self, prompt_ids: list[int], sampling: SamplingParams, request_id: str, priority: Priority
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str,
+        priority: Priority,
+        lora: str | None = None,
     ) -> Request:
         """Raises ValueError where the request can never run (engine.new_request)."""
-        return self._engine.new_request(prompt_ids, sampling, request_id=request_id, priority=priority)
+        return self._engine.new_request(prompt_ids, sampling, request_id=request_id, priority=priority, lora=lora)
+
+    def loras(self) -> dict[str, str]:
+        """The LoRA adapters loaded: name -> folder."""
+        registry = self._engine.executor.loras
+        return {name: registry.adapters[ref.uid].path for name, ref in list(registry.refs.items())}
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Read and check an adapter off the loop; raises LoraError."""
+        registry = self._engine.executor.loras
+        await asyncio.get_running_loop().run_in_executor(None, registry.load, name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        """Raises LoraInUse while sequences run under it, KeyError where it is not loaded."""
+        await asyncio.wrap_future(self._engine.unload_lora(name))
 
     async def grammars(self):
         """The grammar compiler; the first call builds the vocabulary's table, off the loop."""

@@ -72,17 +72,24 @@ def check_accepting(request: web.Request) -> None:
         raise QueueFull("the server's queue is full; retry shortly", code="queue_full", headers={"Retry-After": "1"})
 
 
-def check_model(request: web.Request, name: str | None) -> str:
-    """The name the response reports: the one the client asked by (as vLLM), else the id."""
-    names = request.app[keys.ENGINE].model.names
+def check_model(request: web.Request, name: str | None, tenant: Tenant) -> tuple[str, str | None]:
+    """(the name the response reports, the LoRA adapter to run under): the name the client
+    asked by (as vLLM), else the tenant's default adapter, else the model's id. An adapter
+    the tenant is not bound to is as unknown as a name never loaded."""
+    client = request.app[keys.ENGINE]
+    names = client.model.names
+    bound = tenant.config.loras
+    loras = [n for n in client.loras() if bound is None or n in bound]
     if name is None:
-        return names[0]
-    if name not in names:
-        served = ", ".join(f"`{n}`" for n in names)
+        name = tenant.config.default_lora or names[0]
+    if name in names:
+        return name, None
+    if name not in loras:
+        served = ", ".join(f"`{n}`" for n in (*names, *loras))
         raise NotFound(
             f"The model `{name}` does not exist. This server serves: {served}.", param="model", code="model_not_found"
         )
-    return name
+    return name, name
 
 
 def build_requests(
@@ -93,13 +100,16 @@ def build_requests(
     max_tokens: int | None,
     logprobs: int | None,
     tenant: Tenant,
+    lora: str | None = None,
 ) -> list[Request]:
-    """One engine request per choice (n); choice i > 0 is `rid-i`, with seed + i."""
+    """One engine request per choice (n); choice i > 0 is `rid-i`, with seed + i; each runs
+    under the adapter `lora` (None: the base model)."""
     # Choice ids get a random part: a client's own X-Request-Id can never name another's choice.
     ids = [rid] + [f"{rid}-{i}-{uuid.uuid4().hex[:8]}" for i in range(1, body.n)]
     seeds = [None if body.seed is None else _wrap_seed(body.seed + i) for i in range(body.n)]
     built = [
-        build_request(request, ids[i], body, prompt_ids, max_tokens, logprobs, tenant, seeds[i]) for i in range(body.n)
+        build_request(request, ids[i], body, prompt_ids, max_tokens, logprobs, tenant, seeds[i], lora)
+        for i in range(body.n)
     ]
     trace = request.get(keys.TRACE)
     if trace is not None:  # one arrival for the span, the ledger and /admin alike: the handler's
@@ -135,6 +145,7 @@ def build_request(
     logprobs: int | None,
     tenant: Tenant,
     seed: int | None,
+    lora: str | None,
 ) -> Request:
     client = request.app[keys.ENGINE]
     if client.is_submitted(rid):
@@ -177,7 +188,7 @@ def build_request(
     try:
         # vLLM's convention: a lower `priority` value is served earlier.
         priority = Priority(value=-request_priority(body.priority, tenant))
-        built = client.new_request(prompt_ids, sampling, request_id=rid, priority=priority)
+        built = client.new_request(prompt_ids, sampling, request_id=rid, priority=priority, lora=lora)
     except ValueError as exc:
         raise BadRequest(str(exc), code="invalid_value") from None
     return built
@@ -187,12 +198,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     tenant = caller(request)
     check_accepting(request)
     body = await parse_body(request, CompletionRequest, UNRECOGNIZED)
-    model = check_model(request, body.model)
+    model, lora = check_model(request, body.model, tenant)
     tokenizer = request.app[keys.ENGINE].tokenizer
     prompt_ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
     rid = request_id(request, "cmpl-", tenant)
     note(request, request_id=rid)
-    engine_requests = build_requests(request, rid, body, prompt_ids, body.max_tokens, body.logprobs, tenant)
+    engine_requests = build_requests(request, rid, body, prompt_ids, body.max_tokens, body.logprobs, tenant, lora)
     await constrain(request, engine_requests, grammar_spec(body), constraint_param(body))
     fmt = CompletionFormat(
         rid,
@@ -219,7 +230,7 @@ async def prepare_chat(
 ) -> tuple[list[Request], ChatFormat, list[dict]]:
     """A chat request up to admission: its engine requests (tokenised through the chat
     template, constrained by its grammar), its format and its messages."""
-    model = check_model(request, body.model)
+    model, lora = check_model(request, body.model, tenant)
     tokenizer = request.app[keys.ENGINE].tokenizer
     messages = [
         {
@@ -242,7 +253,7 @@ async def prepare_chat(
     rid = request_id(request, id_prefix, tenant)
     note(request, request_id=rid)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    engine_requests = build_requests(request, rid, body, prompt_ids, body.requested_max_tokens, logprobs, tenant)
+    engine_requests = build_requests(request, rid, body, prompt_ids, body.requested_max_tokens, logprobs, tenant, lora)
     spec = tool_grammar or grammar_spec(body)
     await constrain(request, engine_requests, spec, "tool_choice" if tool_grammar else constraint_param(body))
     report = reports_metrics(request.app[keys.CONFIG].server, tenant)
@@ -463,5 +474,18 @@ async def list_models(request: web.Request) -> web.Response:
             "max_model_len": model.max_model_len,
         }
         for name in model.names
+    ]
+    # vLLM's cards for LoRA adapters: `root` the adapter's folder, `parent` the base model.
+    cards += [
+        {
+            "id": name,
+            "object": "model",
+            "created": request.app[keys.LIFECYCLE].started_at,
+            "owned_by": "headroom",
+            "root": path,
+            "parent": model.names[0],
+            "max_model_len": model.max_model_len,
+        }
+        for name, path in request.app[keys.ENGINE].loras().items()
     ]
     return web.json_response({"object": "list", "data": cards})

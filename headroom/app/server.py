@@ -18,6 +18,7 @@ from headroom.app.admission_gate import AdmissionGate
 from headroom.app.auth import guard
 from headroom.app.engine_client import AsyncEngine
 from headroom.app.errors import error_body, error_middleware
+from headroom.app.lora_api import load_lora_adapter, unload_lora_adapter
 from headroom.app.observe import metrics, observe_middleware
 from headroom.app.openai_api import chat_completions, completions, list_models
 from headroom.app.openapi import build_openapi
@@ -58,6 +59,8 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_get("/openapi.json", openapi)
     if app[keys.CONFIG].observability.metrics:
         app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
 
 
 def create_app(config: Config, engine: Engine) -> web.Application:

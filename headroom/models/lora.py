@@ -16,6 +16,7 @@ import json
 import math
 import os
 import re
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +45,10 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 
 class LoraError(ValueError):
     """An adapter that cannot be served, in words that name the file and the fault."""
+
+
+class LoraInUse(LoraError):
+    """An unload refused: sequences still run under the adapter."""
 
 
 def part_shapes(args: ModelArgs) -> dict[str, tuple[list[int], int]]:
@@ -196,21 +201,28 @@ class LoraRegistry:
         self.refs: dict[str, AdapterRef] = {}
         self.adapters: dict[int, LoraAdapter] = {}
         self._uids = itertools.count(1)
+        self._lock = threading.Lock()  # two loads of one name: the second is refused
 
     def load(self, name: str, path: str) -> AdapterRef:
         if not name:
             raise LoraError("a LoRA adapter needs a name")
-        if name in self.refs or name in self.base_names:
-            raise LoraError(f"the name {name!r} is already taken by a loaded model or adapter")
+        self._check_free(name)
         adapter = load_peft_adapter(name, path, self.args, self.max_rank, self.dtype, self.device)
-        ref = AdapterRef(name, next(self._uids))
-        self.adapters[ref.uid] = adapter
-        self.refs[name] = ref
+        with self._lock:
+            self._check_free(name)
+            ref = AdapterRef(name, next(self._uids))
+            self.adapters[ref.uid] = adapter
+            self.refs[name] = ref
         return ref
 
+    def _check_free(self, name: str) -> None:
+        if name in self.refs or name in self.base_names:
+            raise LoraError(f"the name {name!r} is already taken by a loaded model or adapter")
+
     def unload(self, name: str) -> None:
-        ref = self.refs.pop(name)
-        del self.adapters[ref.uid]
+        with self._lock:
+            ref = self.refs.pop(name)
+            del self.adapters[ref.uid]
 
     def ref(self, name: str) -> AdapterRef | None:
         return self.refs.get(name)

@@ -39,4 +39,13 @@ class SetLongLaneFactor:
     factor: float
 
 
-Command = Add | Abort | Control | SetLongLaneFactor
+@dataclass(frozen=True)
+class UnloadLora:
+    """Drop a LoRA adapter between two steps; refused (LoraInUse) while a sequence the
+    engine holds runs under it, so no step ever lacks an adapter it was given."""
+
+    name: str
+    future: Future[None] = field(default_factory=Future)
+
+
+Command = Add | Abort | Control | SetLongLaneFactor | UnloadLora

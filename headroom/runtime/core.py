@@ -26,9 +26,10 @@ from headroom.executor.grammar import Grammars
 from headroom.executor.model_runner import ModelOutput
 from headroom.executor.sampler import Sampler, SampleResult, TokenLogprob
 from headroom.models.loader import LoadedModel
+from headroom.models.lora import LoraInUse
 from headroom.runtime import actions
 from headroom.runtime.block_manager import BlockManager
-from headroom.runtime.commands import Abort, Add, Command, Control, SetLongLaneFactor
+from headroom.runtime.commands import Abort, Add, Command, Control, SetLongLaneFactor, UnloadLora
 from headroom.runtime.loops import LoopWatch
 from headroom.runtime.output_processor import OutputProcessor
 from headroom.runtime.outputs import (
@@ -132,12 +133,31 @@ class EngineCore:
                         )
                     except (UnknownSequence, SequenceFinished) as exc:
                         future.set_exception(exc)
+                case UnloadLora(name, future):
+                    self._unload_lora(name, future)
                 case SetLongLaneFactor(factor):
                     self.scheduler.lane.factor = factor
                 case _:
                     assert_never(command)
 
+    def _unload_lora(self, name: str, future) -> None:
+        users = sorted(r.request_id for r in self.scheduler.requests.values() if r.lora and r.lora.name == name)
+        if users:
+            shown = ", ".join(users[:5]) + (f" and {len(users) - 5} more" if len(users) > 5 else "")
+            future.set_exception(LoraInUse(f"the LoRA adapter {name!r} is in use by {len(users)} sequences: {shown}"))
+            return
+        try:
+            self.executor.loras.unload(name)
+        except KeyError:
+            future.set_exception(KeyError(name))
+            return
+        future.set_result(None)
+
     def _add(self, request: Request, sink: OutputSink) -> None:
+        if request.lora is not None and request.lora.uid not in self.executor.loras.adapters:
+            # Built under an adapter that was unloaded while it waited (in admission).
+            self.output_processor.reject(request, sink, f"the LoRA adapter {request.lora.name!r} was unloaded")
+            return
         if request.request_id in self.output_processor:
             # Never let a duplicate id replace a live request's sink and detokenizer
             # (the scheduler would then raise here and end the engine thread).

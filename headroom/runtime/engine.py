@@ -14,7 +14,7 @@ from headroom.config import Config
 from headroom.contracts.request import Request, SamplingParams
 from headroom.models.loader import LoadedModel
 from headroom.runtime import actions
-from headroom.runtime.commands import Abort, Add, Command, Control, SetLongLaneFactor
+from headroom.runtime.commands import Abort, Add, Command, Control, SetLongLaneFactor, UnloadLora
 from headroom.runtime.core import EngineCore
 from headroom.runtime.lane import HolFeedback
 from headroom.runtime.outputs import OutputSink, SequenceSnapshot
@@ -48,6 +48,13 @@ class Engine(EngineCore):
         if action not in actions.ACTIONS:
             raise ValueError(f"unknown action {action!r}")
         command = Control(request_id, action, args)
+        self._command(command)
+        return command.future
+
+    def unload_lora(self, name: str) -> Future[None]:
+        """Drop a LoRA adapter at the start of the next step; the future raises LoraInUse
+        while sequences run under it, KeyError where none by that name is loaded."""
+        command = UnloadLora(name)
         self._command(command)
         return command.future
 

@@ -43,6 +43,7 @@ SERVE = [
     *("--host", "0.0.0.0", "--port", "9000", "--max-body-bytes", "4096", "--max-queue-len", "5"),
     *("--drain-timeout", "3", "--unknown-fields", "accept", "--request-metrics", "--seed", "7"),
     *("--admission", "off", "--log-format", "json", "--log-prompts"),
+    *("--lora-modules", "a=/x", "b=/y/z=1", "--max-lora-rank", "32"),
 ]
 
 
@@ -54,4 +55,6 @@ def test_every_flag_hands_the_strict_config_a_value_it_takes():
         section, name = _FLAGS[dest]
         given = getattr(ns, dest)
         given = tuple(given) if isinstance(given, list) else given  # nargs="+" flags; the config holds tuples
+        if dest == "lora_modules":  # vLLM's NAME=PATH words, held as (name, path)
+            given = tuple(tuple(word.split("=", 1)) for word in given)
         assert getattr(getattr(config, section) if section else config, name) == given, dest
