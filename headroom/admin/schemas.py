@@ -51,6 +51,7 @@ def sequence_json(s: SequenceSnapshot) -> dict:
     return {
         "id": s.request_id,
         "tenant": s.tenant,
+        "lora": s.lora,
         "tier": s.tier,
         "size_class": s.size_class,
         "state": s.status,

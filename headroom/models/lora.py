@@ -37,8 +37,10 @@ PARTS = {
     "down_proj": ("down", 0),
 }
 WEIGHT_KEY = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$"
+    r"^base_model\.model\.model\.layers\.(\d+)\.((?:self_attn|mlp)\.\w+)\.lora_([AB])(?:\.default)?\.weight$"
 )
+# The block each module sits in, as in the checkpoint: `self_attn.q_proj`, `mlp.down_proj`.
+BLOCKS = {module: "self_attn" if fused in ("qkv", "o") else "mlp" for module, (fused, _) in PARTS.items()}
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
@@ -97,7 +99,9 @@ def read_peft_config(path: str) -> dict:
             config = json.load(f)
     except (OSError, json.JSONDecodeError) as exc:
         raise LoraError(f"{config_path} could not be read: {exc}") from exc
-    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+    if not isinstance(config, dict):
+        raise LoraError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
+    if config.get("peft_type") != "LORA":
         raise LoraError(f"{config_path}: peft_type must be LORA, got {config.get('peft_type')!r}")
     unsupported = {
         "bias": config.get("bias", "none") != "none",
@@ -123,12 +127,13 @@ def load_peft_adapter(
     with safe_open(os.path.join(path, WEIGHTS_FILE), framework="pt") as f:
         for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
             m = WEIGHT_KEY.match(key)
-            if m is None or m.group(2) not in PARTS:
+            block, _, module = m.group(2).partition(".") if m else ("", "", "")
+            if m is None or BLOCKS.get(module) != block:
                 raise LoraError(f"{name}: weight {key} targets a module this model does not have")
             layer = int(m.group(1))
             if layer >= args.num_layers:
                 raise LoraError(f"{name}: weight {key} is for layer {layer}; the model has {args.num_layers}")
-            weights.setdefault((layer, m.group(2)), {})[m.group(3)] = f.get_tensor(key)
+            weights.setdefault((layer, module), {})[m.group(3)] = f.get_tensor(key)
     if not weights:
         raise LoraError(f"{name}: {WEIGHTS_FILE} holds no LoRA weights")
     shapes = part_shapes(args)
@@ -140,8 +145,8 @@ def load_peft_adapter(
         a, b = pair["A"].float(), pair["B"].float()
         projection, part = PARTS[module]
         outs, fan_in = shapes[projection]
-        r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or b.shape != (outs[part], r):
+        r = a.shape[0] if a.dim() == 2 else -1
+        if r < 1 or b.dim() != 2 or a.shape[1] != fan_in or b.shape != (outs[part], r):
             raise LoraError(
                 f"{name}: layer {layer} {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; "
                 f"the model needs A (r, {fan_in}) and B ({outs[part]}, r)"

@@ -53,6 +53,7 @@ class FinishedRequest:
     ignore_eos: bool = False  # only max_tokens (or a stop string) could end it
     requested_max_tokens: int | None = None  # the client's, before any cap
     loop_detected_at: int | None = None  # output tokens when the server's loop detector fired
+    lora: str | None = None  # the LoRA adapter it ran under (None: the base model)
 
     @classmethod
     def build(
@@ -107,6 +108,7 @@ class FinishedRequest:
             requested_max_tokens=request.sampling.max_tokens,
             loop_detected_at=request.loop_detected_at,
             ignore_eos=request.sampling.ignore_eos,
+            lora=request.lora.name if request.lora is not None else None,
             **asdict(RequestMetrics.of(request, arrival, end)),
             **common,
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from headroom.contracts.request import Request
@@ -35,7 +35,8 @@ CREATE TABLE IF NOT EXISTS requests (
     output_tokens INTEGER NOT NULL,
     device_seconds REAL NOT NULL,
     kv_block_seconds REAL NOT NULL,
-    admission_wait_seconds REAL NOT NULL
+    admission_wait_seconds REAL NOT NULL,
+    lora TEXT                             -- the LoRA adapter; NULL: the base model
 );
 CREATE INDEX IF NOT EXISTS requests_by_time ON requests (finished_at);
 """
@@ -55,6 +56,7 @@ class Usage:
     device_seconds: float = 0.0
     kv_block_seconds: float = 0.0
     admission_wait_seconds: float = 0.0
+    lora: str | None = None  # the LoRA adapter it ran under (None: the base model)
 
     @classmethod
     def of_request(cls, request: Request) -> Usage:
@@ -71,6 +73,7 @@ class Usage:
             request.resources.device_time_s,
             request.resources.kv_block_seconds,
             0.0 if admitted is None else admitted - request.arrival_time,
+            request.lora.name if request.lora is not None else None,
         )
 
     @classmethod
@@ -89,6 +92,8 @@ class TenantUsage:
     device_seconds: float = 0.0
     kv_block_seconds: float = 0.0
     admission_wait_seconds: float = 0.0
+    # Per LoRA adapter its requests ran under: "requests" and the sums above.
+    loras: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 class UsageLedger:
@@ -103,14 +108,25 @@ class UsageLedger:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")  # durable at checkpoints, not per row
         self._db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(requests)")}
+        if "lora" not in columns:  # a ledger written before adapters existed
+            self._db.execute("ALTER TABLE requests ADD COLUMN lora TEXT")
         self._lock = threading.Lock()
         self._since_prune = 0
         self.prune()
 
     def record(self, usage: Usage) -> None:
-        row = (self.clock(), usage.request_id, usage.tenant, usage.outcome, *(getattr(usage, s) for s in SUMS))
+        row = (
+            self.clock(),
+            usage.request_id,
+            usage.tenant,
+            usage.outcome,
+            *(getattr(usage, s) for s in SUMS),
+            usage.lora,
+        )
+        names = ", ".join(("finished_at", "request_id", "tenant", "outcome", *SUMS, "lora"))
         with self._lock:
-            self._db.execute("INSERT INTO requests VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+            self._db.execute(f"INSERT INTO requests ({names}) VALUES ({', '.join('?' * len(row))})", row)
             self._since_prune += 1
         if self._since_prune >= PRUNE_EVERY:
             self.prune()
@@ -132,12 +148,19 @@ class UsageLedger:
                 "WHERE finished_at >= ? AND finished_at < ? GROUP BY tenant, outcome ORDER BY tenant, outcome",
                 (since, until),
             ).fetchall()
+            by_lora = self._db.execute(
+                f"SELECT tenant, lora, COUNT(*), {sums} FROM requests WHERE finished_at >= ? AND finished_at < ? "
+                "AND lora IS NOT NULL GROUP BY tenant, lora ORDER BY tenant, lora",
+                (since, until),
+            ).fetchall()
         by_tenant: dict[str, TenantUsage] = {}
         for tenant, outcome, count, *totals in rows:
             usage = by_tenant.setdefault(tenant, TenantUsage(tenant, dict.fromkeys(OUTCOMES, 0)))
             usage.requests[outcome] = usage.requests.get(outcome, 0) + count
             for name, total in zip(SUMS, totals, strict=True):
                 setattr(usage, name, getattr(usage, name) + total)
+        for tenant, lora, count, *totals in by_lora:
+            by_tenant[tenant].loras[lora] = {"requests": count, **dict(zip(SUMS, totals, strict=True))}
         return list(by_tenant.values())
 
     def close(self) -> None:

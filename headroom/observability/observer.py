@@ -187,6 +187,7 @@ def span_attributes(done: FinishedRequest) -> dict:
         "url.path": done.endpoint,
         "http.response.status_code": done.http_status,
         "headroom.tenant": done.tenant,
+        "headroom.lora": done.lora,
         "headroom.tier": done.tier,
         "headroom.size_class": done.size_class,
         "headroom.admission.decision": done.admission_decision,

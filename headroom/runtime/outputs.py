@@ -111,6 +111,7 @@ class SequenceSnapshot:
     loop_detected_at: int | None = None  # output tokens then
     loop_policy: str | None = None  # what the detector does on a loop here (the tenant's, else the server's)
     ladder: tuple[str, ...] | None = None  # the tenant's remediation ladder (None: the server's)
+    lora: str | None = None  # the LoRA adapter it runs under (None: the base model)
 
     @classmethod
     def of(
@@ -124,6 +125,7 @@ class SequenceSnapshot:
         return cls(
             request_id=request.request_id,
             tenant=request.tenant,
+            lora=request.lora.name if request.lora is not None else None,
             tier=request.tier,
             size_class=request.size_class,
             status=request.status.name.lower(),

@@ -4,6 +4,7 @@ to tenants."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import httpx
@@ -11,8 +12,13 @@ import openai
 import pytest
 
 from headroom.app.background import BackgroundServer
-from headroom.config import AdminConfig, AdmissionConfig, CacheConfig, Config, TenantConfig
+from headroom.config import AdminConfig, AdmissionConfig, CacheConfig, Config, ObservabilityConfig, TenantConfig
+from headroom.contracts.request import AdapterRef, Request, SamplingParams
+from headroom.observability.finished import FinishedRequest
+from headroom.observability.ledger import Usage
+from headroom.observability.observer import span_attributes
 from headroom.runtime.engine import Engine
+from headroom.runtime.outputs import SequenceSnapshot
 from tests.lora.conftest import base_hf_model, greedy, peft_model
 
 pytestmark = pytest.mark.slow
@@ -21,23 +27,28 @@ ADMIN = "admin-secret-token-0123456789"
 BASE = "SmolLM2-135M-Instruct"
 PROMPT = "The three primary colours are"
 MAX_TOKENS = 12
-CONFIG = Config(
-    cache=CacheConfig(num_blocks=256),
-    admission=AdmissionConfig(
-        auth=True,
-        tenants=(
-            TenantConfig("bound", api_keys=("key-bound",), loras=("mlp-r16",), default_lora="mlp-r16"),
-            TenantConfig("free", api_keys=("key-free",)),
-            TenantConfig("default"),
+
+
+def config(ledger: str) -> Config:
+    return Config(
+        cache=CacheConfig(num_blocks=256),
+        observability=ObservabilityConfig(usage_ledger_path=ledger),
+        admission=AdmissionConfig(
+            auth=True,
+            tenants=(
+                TenantConfig("bound", api_keys=("key-bound",), loras=("mlp-r16",), default_lora="mlp-r16"),
+                TenantConfig("free", api_keys=("key-free",)),
+                TenantConfig("default"),
+            ),
         ),
-    ),
-    admin=AdminConfig(token=ADMIN),
-)
+        admin=AdminConfig(token=ADMIN),
+    )
 
 
 @pytest.fixture(scope="module")
-def server(default_model):
-    srv = BackgroundServer(CONFIG, Engine(CONFIG, loaded=default_model)).start()
+def server(default_model, tmp_path_factory):
+    served = config(str(tmp_path_factory.mktemp("ledger") / "usage.sqlite"))
+    srv = BackgroundServer(served, Engine(served, loaded=default_model)).start()
     yield srv
     srv.stop()
 
@@ -120,6 +131,8 @@ def test_load_select_stream_bind_and_unload(server, adapter_dirs, expected):
             pass
         r = post(server, "/v1/unload_lora_adapter", {"lora_name": "attn-r8"})
         assert r.status_code == 409 and r.json()["error"]["code"] == "lora_adapter_in_use"
+        seqs = httpx.get(server.url + "/admin/sequences", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10)
+        assert [(s["tenant"], s["lora"]) for s in seqs.json()["data"]] == [("free", "attn-r8")]
     deadline = time.monotonic() + 30
     while (r := post(server, "/v1/unload_lora_adapter", {"lora_name": "attn-r8"})).status_code == 409:
         assert time.monotonic() < deadline, "the aborted stream never released its adapter"
@@ -129,3 +142,31 @@ def test_load_select_stream_bind_and_unload(server, adapter_dirs, expected):
     r = post(server, "/v1/unload_lora_adapter", {"lora_name": "attn-r8"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "lora_adapter_not_found"
     assert "attn-r8" not in {m.id for m in client.models.list().data}
+
+    # The ledger charges each tenant per adapter: free ran attn-r8 twice (the stream above and
+    # the aborted one) and the base once, bound ran mlp-r16 once.
+    usage = httpx.get(server.url + "/admin/usage", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10).json()
+    loras = {t["tenant"]: {name: u["requests"] for name, u in t["loras"].items()} for t in usage["tenants"]}
+    assert loras == {"free": {"attn-r8": 2}, "bound": {"mlp-r16": 1}}
+    by_tenant = {t["tenant"]: t for t in usage["tenants"]}
+    assert by_tenant["bound"]["loras"]["mlp-r16"]["output_tokens"] == by_tenant["bound"]["output_tokens"]
+
+
+def test_the_span_and_the_sequence_name_the_adapter():
+    request = Request("r", [1, 2, 3], SamplingParams(), lora=AdapterRef("attn-r8", 7))
+    done = FinishedRequest.build(
+        request_id="r",
+        endpoint="/v1/completions",
+        model="attn-r8",
+        http_status=200,
+        arrival=0.0,
+        end=1.0,
+        request=request,
+        tenant="free",
+        tier="standard",
+    )
+    attributes = span_attributes(done)
+    assert (attributes["gen_ai.request.model"], attributes["headroom.lora"]) == ("attn-r8", "attn-r8")
+    assert span_attributes(dataclasses.replace(done, lora=None))["headroom.lora"] is None
+    assert SequenceSnapshot.of(request, now=1.0, busy_s=0.0, blocks_held=0, num_blocks=1).lora == "attn-r8"
+    assert Usage.of_request(request).lora == "attn-r8"

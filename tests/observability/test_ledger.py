@@ -3,6 +3,7 @@ what survives closing and reopening the file."""
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 
 from headroom.contracts.request import AdmissionRecord, Request, RequestStatus, Resources, SamplingParams
@@ -84,7 +85,8 @@ def test_rows_past_the_retention_are_deleted(tmp_path):
     [a] = ledger.usage(0, 10**6)
     assert (a.requests["length"], a.output_tokens) == (1, 2)
     ledger.close()
-    with sqlite3.connect(tmp_path / "u.sqlite") as db:  # no text columns beyond ids, tenant, outcome
+    # No text columns beyond ids, tenant, outcome and the adapter's name.
+    with sqlite3.connect(tmp_path / "u.sqlite") as db:
         columns = [row[1] for row in db.execute("PRAGMA table_info(requests)")]
     assert columns == [
         "finished_at",
@@ -97,4 +99,36 @@ def test_rows_past_the_retention_are_deleted(tmp_path):
         "device_seconds",
         "kv_block_seconds",
         "admission_wait_seconds",
+        "lora",
     ]
+
+
+def test_a_ledger_from_before_adapters_gains_their_column_and_keeps_its_rows(tmp_path):
+    path = tmp_path / "old.sqlite"
+    with sqlite3.connect(path) as db:  # the schema as it was before LoRA adapters
+        db.execute(
+            "CREATE TABLE requests (finished_at REAL NOT NULL, request_id TEXT NOT NULL, tenant TEXT NOT NULL, "
+            "outcome TEXT NOT NULL, prompt_tokens INTEGER NOT NULL, cached_prompt_tokens INTEGER NOT NULL, "
+            "output_tokens INTEGER NOT NULL, device_seconds REAL NOT NULL, kv_block_seconds REAL NOT NULL, "
+            "admission_wait_seconds REAL NOT NULL)"
+        )
+        db.execute("INSERT INTO requests VALUES (5, 'old', 'a', 'stop', 4, 0, 2, 0.1, 0.0, 0.0)")
+    ledger = UsageLedger(path, retention_days=10**6, clock=lambda: 10.0)
+    ledger.record(dataclasses.replace(ran("a", RequestStatus.FINISHED_STOPPED, 3, 1), lora="x"))
+    [a] = ledger.usage(0, 100)
+    assert (a.requests["stop"], a.output_tokens, a.loras) == (
+        2,
+        3,
+        {
+            "x": {
+                "requests": 1,
+                "prompt_tokens": 3,
+                "cached_prompt_tokens": 0,
+                "output_tokens": 1,
+                "device_seconds": 0.0,
+                "kv_block_seconds": 0.0,
+                "admission_wait_seconds": a.loras["x"]["admission_wait_seconds"],
+            }
+        },
+    )
+    ledger.close()
