@@ -238,6 +238,9 @@ class CacheConfig:
 @dataclass(frozen=True, config=STRICT)
 class SchedulerConfig:
     max_num_seqs: AtLeast1 = Field(64, description="the most sequences running at once")
+    max_loras: AtLeast1 = Field(
+        8, description="the most distinct LoRA adapters running at once, so in one step (SGLang's max-loras-per-batch)"
+    )
     max_num_batched_tokens: int = Field(
         512,
         description="tokens one engine step may process across all sequences (decodes + prefill chunks), "

@@ -44,6 +44,7 @@ _FLAGS = {
     "prefix_caching": ("cache", "enable_prefix_caching"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+    "max_loras": ("scheduler", "max_loras"),
     "chunked_prefill": ("scheduler", "enable_chunked_prefill"),
     "seed": (None, "seed"),
     "host": ("server", "host"),

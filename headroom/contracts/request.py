@@ -200,6 +200,9 @@ class AdapterRef:
 
     name: str
     uid: int
+    # Its arithmetic per token beside the base model's linears' (its parameters over theirs):
+    # what a row under it costs more, charged to its request's share of a step.
+    cost: float = 0.0
 
     def key(self) -> bytes:
         return b"lora:%d" % self.uid

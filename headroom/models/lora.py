@@ -64,6 +64,12 @@ def part_shapes(args: ModelArgs) -> dict[str, tuple[list[int], int]]:
     return {"qkv": ([q, kv, kv], h), "o": ([h], q), "gate_up": ([i, i], h), "down": ([h], i)}
 
 
+def base_linear_parameters(args: ModelArgs) -> int:
+    """The weights of the decoder's linears, which a token multiplies once each."""
+    per_layer = sum(sum(outs) * fan_in for outs, fan_in in part_shapes(args).values())
+    return args.num_layers * per_layer
+
+
 @dataclass
 class FusedLora:
     """One fused projection's delta: out += (x @ a.T) @ b.T."""
@@ -213,9 +219,10 @@ class LoraRegistry:
             raise LoraError("a LoRA adapter needs a name")
         self._check_free(name)
         adapter = load_peft_adapter(name, path, self.args, self.max_rank, self.dtype, self.device)
+        cost = adapter.num_parameters / base_linear_parameters(self.args)
         with self._lock:
             self._check_free(name)
-            ref = AdapterRef(name, next(self._uids))
+            ref = AdapterRef(name, next(self._uids), cost)
             self.adapters[ref.uid] = adapter
             self.refs[name] = ref
         return ref

@@ -28,6 +28,9 @@ TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 
 
+MAX_LORA_LABELS = 64  # distinct adapter names a LoRA metric labels; the rest are `other`
+
+
 class AdmissionView(Protocol):
     """What the metrics read of admission at scrape time (admission/admission.py's
     Admission): its counters, and the shared store's health where there is one."""
@@ -123,6 +126,27 @@ class Metrics:
         self.tenant_admission_wait = by_tenant(
             "headroom:tenant_admission_wait_seconds", "Time between arrival and admission."
         )
+        # Per LoRA adapter: adapters load at run time, so their label values are capped (the
+        # first MAX_LORA_LABELS names seen keep their own; later ones count as `other`).
+        self.lora_requests = Counter(
+            "headroom:lora_requests",
+            "Finished requests that ran under a LoRA adapter.",
+            ("lora",),
+            registry=self.registry,
+        )
+        self.lora_output_tokens = Counter(
+            "headroom:lora_output_tokens",
+            "Output tokens generated under a LoRA adapter.",
+            ("lora",),
+            registry=self.registry,
+        )
+        self.lora_device_seconds = Counter(
+            "headroom:lora_device_seconds",
+            "Engine time of requests under a LoRA adapter.",
+            ("lora",),
+            registry=self.registry,
+        )
+        self._lora_labels: set[str] = set()
 
     def charge(self, usage: Usage) -> None:
         tenant = usage.tenant
@@ -133,6 +157,16 @@ class Metrics:
         self.tenant_output_tokens.labels(tenant).inc(usage.output_tokens)
         self.tenant_device_seconds.labels(tenant).inc(usage.device_seconds)
         self.tenant_kv_block_seconds.labels(tenant).inc(usage.kv_block_seconds)
+        if usage.lora is not None:
+            label = self._lora_label(usage.lora)
+            self.lora_requests.labels(label).inc()
+            self.lora_output_tokens.labels(label).inc(usage.output_tokens)
+            self.lora_device_seconds.labels(label).inc(usage.device_seconds)
+
+    def _lora_label(self, name: str) -> str:
+        if name not in self._lora_labels and len(self._lora_labels) < MAX_LORA_LABELS:
+            self._lora_labels.add(name)
+        return name if name in self._lora_labels else "other"
 
     def observe(self, done: FinishedRequest) -> None:
         if not done.ran:

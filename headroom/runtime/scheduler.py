@@ -7,6 +7,14 @@ recomputing what it lost. Running decodes go first, then prefill chunks fill the
 the budget. Who goes first, who is preempted and how much room long work gets is the
 SchedulingPolicy's call (policy.py), how much of a step long work gets is the long
 lane's (lane.py); when blocks run out the policy's victim is preempted by recompute.
+
+LoRA adapters take slots: the running requests hold at most max_loras distinct adapters
+(base rows hold none), so no step holds more. A waiting request whose adapter finds no
+free slot is passed over, never blocking those behind it. Once such a request has waited
+LORA_PATIENCE_S, it reserves the next slot: only base requests and its own adapter's are
+admitted until it runs, so the running adapters' sequences finish and one frees a slot.
+Its wait is so bounded by LORA_PATIENCE_S plus the time the running sequences of one
+adapter take to finish (each at most its max_tokens).
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.lane import LongLane, Turn, behind
 from headroom.runtime.policy import SchedulingPolicy
 from headroom.runtime.step_cost import StepCostModel, attention_pairs
+
+LORA_PATIENCE_S = 2.0  # how long a request may be passed over for an adapter slot
 
 
 @dataclass
@@ -136,10 +146,11 @@ class Scheduler:
         had to preempt: the cache is full, and admitting now would thrash."""
         self.waiting.sort(key=lambda r: self.policy.order_key(r, step.now))
         candidates = list(self.waiting)
+        slots = AdapterSlots(self.config.max_loras, self.running, candidates, step.now)
         for request in candidates:
             if step.preempted or step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if not self.lane.admits(request, self.running, self.block_manager):
+            if not slots.admits(request) or not self.lane.admits(request, self.running, self.block_manager):
                 continue
             computed = self.block_manager.get_computed_blocks(request)
             num_cached = len(computed) * self.block_manager.block_size
@@ -158,6 +169,7 @@ class Scheduler:
             if not self._make_room(step, request, num_tokens, computed, victims):
                 break
             self._admit(step, request, num_cached, num_tokens, candidates)
+            slots.took(request)
 
     def _admit(
         self, step: _Step, request: Request, num_cached: int, num_tokens: int, candidates: list[Request]
@@ -256,3 +268,34 @@ class Scheduler:
         request.status = status
         request.finished_time = time.monotonic()
         return request
+
+
+class AdapterSlots:
+    """One step's view of the LoRA adapter slots: which adapters the running requests
+    hold, and which one (if any) a request passed over for LORA_PATIENCE_S has reserved."""
+
+    def __init__(self, max_loras: int, running: list[Request], waiting: list[Request], now: float):
+        self.max_loras = max_loras
+        self.held = {r.lora.uid for r in running if r.lora is not None}
+        # The oldest waiting request whose adapter has no slot and that has waited too long.
+        full = len(self.held) >= max_loras
+        starved = [
+            r
+            for r in waiting
+            if full and r.lora is not None and r.lora.uid not in self.held and now - r.arrival_time >= LORA_PATIENCE_S
+        ]
+        self.reserved = min(starved, key=lambda r: r.arrival_time).lora.uid if starved else None
+
+    def admits(self, request: Request) -> bool:
+        if request.lora is None:
+            return True
+        uid = request.lora.uid
+        if self.reserved is not None and uid != self.reserved:
+            return False  # held back so that a running adapter drains and frees a slot
+        return uid in self.held or len(self.held) < self.max_loras
+
+    def took(self, request: Request) -> None:
+        if request.lora is not None:
+            self.held.add(request.lora.uid)
+            if request.lora.uid == self.reserved:
+                self.reserved = None

@@ -38,7 +38,13 @@ class StepAccounting:
         self._timers.append(timer)
         while self._timers and self._timers[0].ready():
             stats.forward_time_s += self._timers.popleft().elapsed_s()
-        for request, n, blocks in zip(out.requests, out.num_scheduled_tokens, held, strict=True):
+        # A row under a LoRA adapter is charged its adapter's arithmetic on top of the base's.
+        weights = [
+            n * (1 + (r.lora.cost if r.lora is not None else 0.0))
+            for r, n in zip(out.requests, out.num_scheduled_tokens, strict=True)
+        ]
+        total_weight = sum(weights) or 1.0
+        for request, n, weight, blocks in zip(out.requests, out.num_scheduled_tokens, weights, held, strict=True):
             used = request.resources
             if used.num_processed_tokens == 0:
                 stats.requests_started += 1
@@ -46,7 +52,7 @@ class StepAccounting:
                 stats.prefix_cache_hits += request.num_cached_tokens
             used.num_blocks_held = blocks
             used.peak_blocks = max(used.peak_blocks, blocks)
-            share = elapsed * n / total
+            share = elapsed * weight / total_weight
             used.device_time_s += share
             stats.device_time_by_class[request.size_class or "none"] += share
             used.kv_block_seconds += blocks * elapsed

@@ -150,6 +150,10 @@ def test_load_select_stream_bind_and_unload(server, adapter_dirs, expected):
     assert loras == {"free": {"attn-r8": 2}, "bound": {"mlp-r16": 1}}
     by_tenant = {t["tenant"]: t for t in usage["tenants"]}
     assert by_tenant["bound"]["loras"]["mlp-r16"]["output_tokens"] == by_tenant["bound"]["output_tokens"]
+    metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10).text
+    assert 'headroom:lora_requests_total{lora="attn-r8"} 2.0' in metrics
+    assert 'headroom:lora_requests_total{lora="mlp-r16"} 1.0' in metrics
+    assert f'headroom:lora_output_tokens_total{{lora="mlp-r16"}} {float(MAX_TOKENS)}' in metrics
 
 
 def test_the_span_and_the_sequence_name_the_adapter():
