@@ -15,7 +15,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from headroom.app.errors import NotFound
 from headroom.contracts.request import Priority, Request, SamplingParams
+from headroom.openmp import in_passing_thread
 from headroom.runtime.engine import Engine
 from headroom.runtime.outputs import EngineSnapshot, LongLaneState, RequestOutput, SequenceSnapshot
 
@@ -62,13 +64,14 @@ class AsyncEngine:
 
     def loras(self) -> dict[str, str]:
         """The LoRA adapters loaded: name -> folder."""
-        registry = self._engine.executor.loras
-        return {name: registry.adapters[ref.uid].path for name, ref in list(registry.refs.items())}
+        return self._engine.executor.loras.loaded()
 
     async def load_lora(self, name: str, path: str) -> None:
         """Read and check an adapter off the loop; raises LoraError."""
+        # On a thread that ends with the load: torch's work there starts OpenMP workers, and
+        # a lasting thread that has them slows every later step of the engine (openmp.py).
         registry = self._engine.executor.loras
-        await asyncio.get_running_loop().run_in_executor(None, registry.load, name, path)
+        await asyncio.get_running_loop().run_in_executor(None, in_passing_thread, registry.load, name, path)
 
     async def unload_lora(self, name: str) -> None:
         """Raises LoraInUse while sequences run under it, KeyError where it is not loaded."""
@@ -135,6 +138,14 @@ class AsyncEngine:
             if output.finished and self.on_closed is not None:
                 loop.call_soon_threadsafe(self.on_closed, request)
 
+        adapter = request.lora
+        if adapter is not None and self._engine.executor.loras.ref(adapter.name) != adapter:
+            # Unloaded (or reloaded) while the request waited in admission.
+            raise NotFound(
+                f"The model `{adapter.name}` does not exist: the LoRA adapter was unloaded.",
+                param="model",
+                code="model_not_found",
+            )
         self.submitted[request.request_id] = request
         request.admitted_time = time.monotonic()
         finished = False

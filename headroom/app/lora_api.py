@@ -23,6 +23,8 @@ class LoadLoraBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
+    # vLLM's: replace an adapter loaded under the same name. Not done here: unload it first.
+    load_inplace: bool = False
 
 
 class UnloadLoraBody(BaseModel):
@@ -32,6 +34,12 @@ class UnloadLoraBody(BaseModel):
 
 async def load_lora_adapter(request: web.Request) -> web.Response:
     body = await parse_body(request, LoadLoraBody, "Unrecognized request argument supplied: {}")
+    if body.load_inplace:
+        raise BadRequest(
+            "load_inplace is not supported: unload the adapter, then load it again",
+            param="load_inplace",
+            code="unsupported_parameter",
+        )
     try:
         await request.app[keys.ENGINE].load_lora(body.lora_name, body.lora_path)
     except LoraError as exc:

@@ -475,7 +475,9 @@ async def list_models(request: web.Request) -> web.Response:
         }
         for name in model.names
     ]
-    # vLLM's cards for LoRA adapters: `root` the adapter's folder, `parent` the base model.
+    # vLLM's cards for LoRA adapters: `root` the adapter's folder, `parent` the base model;
+    # a tenant bound to some adapters sees only those.
+    bound = caller(request).config.loras
     cards += [
         {
             "id": name,
@@ -487,5 +489,6 @@ async def list_models(request: web.Request) -> web.Response:
             "max_model_len": model.max_model_len,
         }
         for name, path in request.app[keys.ENGINE].loras().items()
+        if bound is None or name in bound
     ]
     return web.json_response({"object": "list", "data": cards})

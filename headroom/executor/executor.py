@@ -8,14 +8,14 @@ from dataclasses import dataclass
 
 import torch
 
-from headroom.config import Config
+from headroom.config import Config, ConfigError
 from headroom.contracts.attention import AttentionBackend
 from headroom.executor.attention import select_backend
 from headroom.executor.cuda_graphs import graph_plan
 from headroom.executor.device import prepare_model, resolve_kv_dtype
 from headroom.executor.model_runner import ModelRunner, kv_block_bytes
 from headroom.models.loader import LoadedModel
-from headroom.models.lora import LoraRegistry
+from headroom.models.lora import LoraError, LoraRegistry
 
 
 @dataclass
@@ -55,7 +55,10 @@ class Executor:
         graph_sizes, cuda_graphs = graph_plan(config, device, backend)
         loras = LoraRegistry(args, config.model.max_lora_rank, dtype, device, loaded.names)
         for name, path in config.lora:
-            loras.load(name, path)
+            try:
+                loras.load(name, path)
+            except LoraError as exc:
+                raise ConfigError(f"lora: {exc}") from None
         runner = ModelRunner(
             loaded.model,
             backend,

@@ -127,19 +127,16 @@ def load_peft_adapter(
 ) -> LoraAdapter:
     """Read and check an adapter against the model; raises LoraError."""
     config = read_peft_config(path)
-    alpha = float(config.get("lora_alpha", 8))
+    alpha = config.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise LoraError(f"{name}: lora_alpha must be a positive number, got {alpha!r}")
     rslora = bool(config.get("use_rslora"))
-    weights: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    with safe_open(os.path.join(path, WEIGHTS_FILE), framework="pt") as f:
-        for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-            m = WEIGHT_KEY.match(key)
-            block, _, module = m.group(2).partition(".") if m else ("", "", "")
-            if m is None or BLOCKS.get(module) != block:
-                raise LoraError(f"{name}: weight {key} targets a module this model does not have")
-            layer = int(m.group(1))
-            if layer >= args.num_layers:
-                raise LoraError(f"{name}: weight {key} is for layer {layer}; the model has {args.num_layers}")
-            weights.setdefault((layer, module), {})[m.group(3)] = f.get_tensor(key)
+    try:
+        weights = _read_weights(name, os.path.join(path, WEIGHTS_FILE), args)
+    except LoraError:
+        raise
+    except Exception as exc:  # a corrupt or truncated file: safetensors' own error, in our words
+        raise LoraError(f"{name}: {WEIGHTS_FILE} could not be read: {type(exc).__name__}: {exc}") from exc
     if not weights:
         raise LoraError(f"{name}: {WEIGHTS_FILE} holds no LoRA weights")
     shapes = part_shapes(args)
@@ -166,6 +163,22 @@ def load_peft_adapter(
     layers = {key: _fuse(parts, shapes[key[1]][0], dtype, device) for key, parts in grouped.items()}
     targets = tuple(sorted({module for _, module in weights}))
     return LoraAdapter(name, os.path.abspath(path), rank, targets, layers)
+
+
+def _read_weights(name: str, file: str, args: ModelArgs) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """(layer, PEFT module) -> {"A": ..., "B": ...}, every key checked against the model."""
+    weights: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    with safe_open(file, framework="pt") as f:
+        for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            m = WEIGHT_KEY.match(key)
+            block, _, module = m.group(2).partition(".") if m else ("", "", "")
+            if m is None or BLOCKS.get(module) != block:
+                raise LoraError(f"{name}: weight {key} targets a module this model does not have")
+            layer = int(m.group(1))
+            if layer >= args.num_layers:
+                raise LoraError(f"{name}: weight {key} is for layer {layer}; the model has {args.num_layers}")
+            weights.setdefault((layer, module), {})[m.group(3)] = f.get_tensor(key)
+    return weights
 
 
 def _fuse(
@@ -235,6 +248,11 @@ class LoraRegistry:
         with self._lock:
             ref = self.refs.pop(name)
             del self.adapters[ref.uid]
+
+    def loaded(self) -> dict[str, str]:
+        """name -> folder of every adapter loaded."""
+        with self._lock:
+            return {name: self.adapters[ref.uid].path for name, ref in self.refs.items()}
 
     def ref(self, name: str) -> AdapterRef | None:
         return self.refs.get(name)

@@ -282,9 +282,9 @@ class AdapterSlots:
         starved = [
             r
             for r in waiting
-            if full and r.lora is not None and r.lora.uid not in self.held and now - r.arrival_time >= LORA_PATIENCE_S
+            if full and r.lora is not None and r.lora.uid not in self.held and now - _since(r) >= LORA_PATIENCE_S
         ]
-        self.reserved = min(starved, key=lambda r: r.arrival_time).lora.uid if starved else None
+        self.reserved = min(starved, key=_since).lora.uid if starved else None
 
     def admits(self, request: Request) -> bool:
         if request.lora is None:
@@ -299,3 +299,8 @@ class AdapterSlots:
             self.held.add(request.lora.uid)
             if request.lora.uid == self.reserved:
                 self.reserved = None
+
+
+def _since(request: Request) -> float:
+    """When the request began to wait for the engine: admission's wait is not the scheduler's."""
+    return request.admitted_time if request.admitted_time is not None else request.arrival_time

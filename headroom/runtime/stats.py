@@ -18,6 +18,15 @@ from headroom.runtime.scheduler import Scheduler
 from headroom.runtime.step_cost import StepCostModel
 
 
+def step_weights(out: SchedulerOutput) -> list[float]:
+    """What each request of a step is charged of it, relatively: its tokens, a row under a
+    LoRA adapter weighted by 1 + the adapter's arithmetic beside the base's."""
+    return [
+        n * (1 + (r.lora.cost if r.lora is not None else 0.0))
+        for r, n in zip(out.requests, out.num_scheduled_tokens, strict=True)
+    ]
+
+
 class StepAccounting:
     """Charges each completed step to the engine's counters, to the step-cost model the
     long lane sizes chunks with, and to the requests that ran in it, by their tokens."""
@@ -38,12 +47,8 @@ class StepAccounting:
         self._timers.append(timer)
         while self._timers and self._timers[0].ready():
             stats.forward_time_s += self._timers.popleft().elapsed_s()
-        # A row under a LoRA adapter is charged its adapter's arithmetic on top of the base's.
-        weights = [
-            n * (1 + (r.lora.cost if r.lora is not None else 0.0))
-            for r, n in zip(out.requests, out.num_scheduled_tokens, strict=True)
-        ]
-        total_weight = sum(weights) or 1.0
+        weights = step_weights(out)
+        total_weight = sum(weights)
         for request, n, weight, blocks in zip(out.requests, out.num_scheduled_tokens, weights, held, strict=True):
             used = request.resources
             if used.num_processed_tokens == 0:
@@ -83,8 +88,10 @@ def engine_snapshot(
         out, started = running_step
         elapsed = time.perf_counter() - started
         busy += elapsed
-        for request, n in zip(out.requests, out.num_scheduled_tokens, strict=True):
-            in_step[request.request_id] = elapsed * n / out.total_tokens
+        weights = step_weights(out)
+        total = sum(weights)
+        for request, weight in zip(out.requests, weights, strict=True):
+            in_step[request.request_id] = elapsed * weight / total
     sequences = tuple(
         sequence_snapshot(r, now, busy, block_manager, in_step.get(r.request_id, 0.0))
         for r in scheduler.requests.values()

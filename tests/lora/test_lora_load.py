@@ -438,3 +438,31 @@ def test_reload_after_unload_gets_a_new_uid(default_model, adapter_dirs):
 def test_unload_of_an_unknown_name(default_model):
     with pytest.raises(KeyError):
         registry(default_model).unload("nobody")
+
+
+# ---- files that are not what they claim -------------------------------------------------------
+
+
+def test_corrupt_weights_file(adapter_dirs, tmp_path, args):
+    path = copy_adapter(adapter_dirs, tmp_path)
+    with open(os.path.join(path, WEIGHTS), "r+b") as f:
+        f.truncate(100)  # the header claims more bytes than the file holds
+    with pytest.raises(LoraError, match=f"^{re.escape(f'x: {WEIGHTS} could not be read: ')}"):
+        load("x", path, args)
+
+
+@pytest.mark.parametrize("alpha", [None, "16", 0, -4, True])
+def test_lora_alpha_that_is_not_a_positive_number(adapter_dirs, tmp_path, args, alpha):
+    path = copy_adapter(adapter_dirs, tmp_path)
+    rewrite_config(path, lora_alpha=alpha)
+    with raises(f"x: lora_alpha must be a positive number, got {alpha!r}"):
+        load("x", path, args)
+
+
+def test_a_bad_adapter_in_the_config_stops_the_start_with_a_config_error(default_model, tmp_path):
+    from headroom.config import Config, ConfigError
+    from headroom.runtime.engine import Engine
+
+    missing = tmp_path / "gone"
+    with pytest.raises(ConfigError, match=f"^{re.escape(f'lora: LoRA adapter folder not found: {missing}')}$"):
+        Engine(Config(lora=[f"x={missing}"]), loaded=default_model)

@@ -113,6 +113,10 @@ def test_load_select_stream_bind_and_unload(server, adapter_dirs, expected):
     r = completion(server, "key-bound")
     assert r.status_code == 200 and r.json()["model"] == "mlp-r16"
     assert r.json()["choices"][0]["text"] == expected["mlp-r16"]
+    bound = openai.OpenAI(base_url=server.url + "/v1", api_key="key-bound", max_retries=0)
+    assert [m.id for m in bound.models.list().data] == [BASE, f"{BASE}.Q4_1", "mlp-r16"]
+    r = post(server, "/v1/load_lora_adapter", {**body, "lora_name": "x", "load_inplace": True})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter"
     r = completion(server, "key-bound", "attn-r8")
     assert r.status_code == 404 and r.json()["error"]["message"] == (
         f"The model `attn-r8` does not exist. This server serves: `{BASE}`, `{BASE}.Q4_1`, `mlp-r16`."
