@@ -53,7 +53,9 @@ class Executor:
         )
         max_model_len = config.model.max_model_len or args.max_position_embeddings
         graph_sizes, cuda_graphs = graph_plan(config, device, backend)
-        loras = LoraRegistry(args, config.model.max_lora_rank, dtype, device, loaded.names)
+        loras = LoraRegistry(
+            args, config.model.max_lora_rank, dtype, device, loaded.names, max_loras=config.scheduler.max_loras
+        )
         for name, path in config.lora:
             try:
                 loras.load(name, path)

@@ -4,13 +4,18 @@ An adapter is read from a PEFT folder (adapter_config.json + adapter_model.safet
 and laid out for the model's fused projections: per layer and per projection (qkv, o,
 gate_up, down), one A that stacks the A of every targeted part, and one B as wide as the
 fused output with each part's B in its own block (zeros elsewhere), PEFT's scaling
-folded in. A step's rows are grouped by adapter (Punica's SGMV shape): each group is
-gathered once, shrunk through A, expanded through B and added to the projection's output,
-so base rows cost nothing and an adapter costs two small matmuls per projection.
+folded in. A step's rows are grouped by adapter (Punica's SGMV shape), and base rows
+cost nothing. When the step's adapters fit the max_loras slots and their rows are even
+(decode), every group runs at once: the slots hold the adapters' weights stacked, the rows
+are gathered into one padded block per slot, and each projection is two batched matmuls
+whatever the number of adapters. Otherwise (a prefill chunk under one adapter beside a
+few decodes) each group is gathered, shrunk through its A, expanded through its B and
+added on its own.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -76,6 +81,7 @@ class FusedLora:
 
     a: torch.Tensor  # (R, in): the targeted parts' A stacked
     b: torch.Tensor  # (out, R): each part's B * scaling in its block, zeros elsewhere
+    parameters: int  # the parts' own weights: b's zeros are layout, not arithmetic
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         return (x @ self.a.t()) @ self.b.t()
@@ -91,7 +97,7 @@ class LoraAdapter:
 
     @property
     def num_parameters(self) -> int:
-        return sum(f.a.numel() + f.b.count_nonzero().item() for f in self.layers.values())
+        return sum(f.parameters for f in self.layers.values())
 
 
 def read_peft_config(path: str) -> dict:
@@ -191,8 +197,88 @@ def _fuse(
         o0 = sum(outs[:part])
         b[o0 : o0 + outs[part], r0 : r0 + a.shape[0]] = part_b
         r0 += a.shape[0]
+    parameters = sum(a.numel() + part_b.numel() for _, a, part_b in parts)
     a = torch.cat([a for _, a, _ in parts])
-    return FusedLora(a.to(device, dtype).contiguous(), b.to(device, dtype).contiguous())
+    return FusedLora(a.to(device, dtype).contiguous(), b.to(device, dtype).contiguous(), parameters)
+
+
+class LoraSlots:
+    """max_loras slots, each holding one adapter's weights in stacks per projection (the
+    A of slot s at a[key][s] as (in, R), its B at b[key][s] as (R, out), zero-padded to the
+    widest rank placed), so that one batched matmul serves every adapter of a step. Owned
+    by the engine thread: written only while it prepares a step, never during one."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.uids: list[int | None] = [None] * capacity  # slot -> the adapter it holds
+        self.last_used: dict[int, int] = {}  # uid -> the placement that last used it (LRU)
+        self.a: dict[tuple[int, str], torch.Tensor] = {}
+        self.b: dict[tuple[int, str], torch.Tensor] = {}
+        self._clock = 0
+
+    def place(self, adapters: list[tuple[int, LoraAdapter]]) -> list[int] | None:
+        """The slot of each (uid, adapter), writing in those not resident over the least
+        recently used others; None when they are more than the slots."""
+        if len(adapters) > self.capacity:
+            return None
+        self._clock += 1
+        wanted = {uid for uid, _ in adapters}
+        slots = []
+        for uid, adapter in adapters:
+            if uid in self.uids:
+                slot = self.uids.index(uid)
+            else:
+                slot = min(
+                    (s for s, held in enumerate(self.uids) if held not in wanted),
+                    key=lambda s: -1 if self.uids[s] is None else self.last_used.get(self.uids[s], -1),
+                )
+                self.last_used.pop(self.uids[slot], None)
+                self._write(slot, adapter)
+                self.uids[slot] = uid
+            self.last_used[uid] = self._clock
+            slots.append(slot)
+        return slots
+
+    def forget(self, uid: int) -> None:
+        if uid in self.uids:
+            self.uids[self.uids.index(uid)] = None
+        self.last_used.pop(uid, None)
+
+    def _write(self, slot: int, adapter: LoraAdapter) -> None:
+        for key, fused in adapter.layers.items():
+            r = fused.a.shape[0]
+            if key not in self.a or self.a[key].shape[2] < r:
+                self._widen(key, fused, r)
+            a, b = self.a[key][slot], self.b[key][slot]
+            a.zero_()
+            b.zero_()
+            a[:, :r] = fused.a.t()
+            b[:r] = fused.b.t()
+        for key in self.a.keys() - adapter.layers.keys():  # projections it leaves alone
+            self.a[key][slot].zero_()
+            self.b[key][slot].zero_()
+
+    def _widen(self, key: tuple[int, str], fused: FusedLora, r: int) -> None:
+        (out, _), (_, fan_in) = fused.b.shape, fused.a.shape
+        a = fused.a.new_zeros(self.capacity, fan_in, r)
+        b = fused.b.new_zeros(self.capacity, r, out)
+        if key in self.a:
+            old = self.a[key].shape[2]
+            a[:, :, :old] = self.a[key]
+            b[:, :old] = self.b[key]
+        self.a[key], self.b[key] = a, b
+
+
+@dataclass
+class PaddedRows:
+    """A step's adapter rows laid out as `width` slots of `depth` rows each."""
+
+    slots: LoraSlots
+    width: int  # the slots spanned (1 + the highest slot of the step)
+    depth: int  # the rows of the fullest slot
+    gather: torch.Tensor  # (width * depth,) the batch row at each padded place (0 where empty)
+    places: torch.Tensor  # (k,) the padded places that hold rows
+    rows: torch.Tensor  # (k,) the batch row of each of those places
 
 
 @dataclass
@@ -200,10 +286,18 @@ class LoraStep:
     """The adapters of one step's rows: per adapter, the rows (of the flattened batch)
     that run under it. Rows of no adapter are absent."""
 
-    groups: list[tuple[LoraAdapter, torch.Tensor]]  # (adapter, row indices (n,) int64)
+    groups: list[tuple[LoraAdapter, torch.Tensor]]  # (adapter, row indices (n,) int64), each run alone
+    padded: PaddedRows | None = None  # the groups that run together in batched matmuls
 
     def add(self, layer: int, projection: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out[rows] += the adapter's delta of x[rows], for each adapter of the step."""
+        p, key = self.padded, (layer, projection)
+        if p is not None and key in p.slots.a:
+            a, b = p.slots.a[key][: p.width], p.slots.b[key][: p.width]
+            # Empty places gather row 0: their results are computed and never read.
+            xs = x.index_select(0, p.gather).view(p.width, p.depth, -1)
+            ys = torch.bmm(torch.bmm(xs, a), b).view(p.width * p.depth, -1)
+            out.index_add_(0, p.rows, ys.index_select(0, p.places))
         for adapter, rows in self.groups:
             fused = adapter.layers.get((layer, projection))
             if fused is None:
@@ -219,8 +313,17 @@ class LoraRegistry:
     (what a request's AdapterRef carries). Loads and unloads come from the event loop's
     side while the engine thread reads: each is one dict assignment."""
 
-    def __init__(self, args: ModelArgs, max_rank: int, dtype: torch.dtype, device: torch.device, base_names=()):
+    def __init__(
+        self,
+        args: ModelArgs,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        base_names=(),
+        max_loras: int = 8,
+    ):
         self.args, self.max_rank, self.dtype, self.device = args, max_rank, dtype, device
+        self.slots = LoraSlots(max_loras)
         self.base_names = frozenset(base_names)
         self.refs: dict[str, AdapterRef] = {}
         self.adapters: dict[int, LoraAdapter] = {}
@@ -248,6 +351,7 @@ class LoraRegistry:
         with self._lock:
             ref = self.refs.pop(name)
             del self.adapters[ref.uid]
+        self.slots.forget(ref.uid)  # unloads run on the engine thread, between steps
 
     def loaded(self) -> dict[str, str]:
         """name -> folder of every adapter loaded."""
@@ -262,14 +366,37 @@ class LoraRegistry:
         batch order; None when every row is the base model's."""
         if all(ref is None for ref, _ in rows):
             return None
-        spans: dict[int, list[range]] = {}
+        spans: dict[int, list[int]] = {}
         start = 0
         for ref, n in rows:
             if ref is not None:
-                spans.setdefault(ref.uid, []).append(range(start, start + n))
+                spans.setdefault(ref.uid, []).extend(range(start, start + n))
             start += n
-        groups = [
-            (self.adapters[uid], torch.tensor([i for r in ranges for i in r], dtype=torch.int64, device=self.device))
-            for uid, ranges in spans.items()
-        ]
-        return LoraStep(groups)
+        as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=self.device)
+        # Groups of a few rows (decodes) run together through the slots; a group far larger
+        # than the typical one (a prefill chunk) runs on its own, where one matmul over its
+        # rows is already efficient and padding the others to its size would not be.
+        sizes = sorted(len(r) for r in spans.values())
+        typical = sizes[(len(sizes) - 1) // 2]
+        small = {uid: r for uid, r in spans.items() if len(r) <= 2 * typical}
+        padded = self._pad(small, as_tensor) if len(small) >= 2 else None
+        alone = spans if padded is None else {uid: r for uid, r in spans.items() if uid not in small}
+        return LoraStep([(self.adapters[uid], as_tensor(r)) for uid, r in alone.items()], padded)
+
+    def _pad(self, spans: dict[int, list[int]], as_tensor) -> PaddedRows | None:
+        """The rows of `spans` laid out by slot; None when the slots cannot take them or
+        padding would cost more than it saves."""
+        placed = self.slots.place([(uid, self.adapters[uid]) for uid in spans])
+        if placed is None:
+            return None
+        width, depth = max(placed) + 1, max(len(r) for r in spans.values())
+        if width * depth > 2 * sum(len(r) for r in spans.values()):
+            return None
+        gather = [0] * (width * depth)
+        places: list[int] = []
+        for slot, rows in zip(placed, spans.values(), strict=True):
+            first = slot * depth
+            gather[first : first + len(rows)] = rows
+            places.extend(range(first, first + len(rows)))
+        rows = [i for r in spans.values() for i in r]
+        return PaddedRows(self.slots, width, depth, as_tensor(gather), as_tensor(places), as_tensor(rows))

@@ -279,11 +279,15 @@ class AdapterSlots:
         self.held = {r.lora.uid for r in running if r.lora is not None}
         # The oldest waiting request whose adapter has no slot and that has waited too long.
         full = len(self.held) >= max_loras
-        starved = [
-            r
-            for r in waiting
-            if full and r.lora is not None and r.lora.uid not in self.held and now - _since(r) >= LORA_PATIENCE_S
-        ]
+        starved = (
+            [
+                r
+                for r in waiting
+                if r.lora is not None and r.lora.uid not in self.held and now - _since(r) >= LORA_PATIENCE_S
+            ]
+            if full
+            else []
+        )
         self.reserved = min(starved, key=_since).lora.uid if starved else None
 
     def admits(self, request: Request) -> bool:

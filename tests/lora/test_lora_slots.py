@@ -1,0 +1,158 @@
+"""The max_loras slots: a step whose adapters fit them and whose rows are even runs every
+adapter in one batched matmul per projection, and gives what each adapter's own matmuls
+give; slots are reused least recently used first, widened for a larger rank without losing
+what they hold, and emptied on unload; a step they cannot serve falls back to the groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from headroom.models.lora import PROJECTIONS, LoraRegistry, LoraSlots
+from tests.lora.conftest import ADAPTERS
+
+
+def registry(default_model, adapter_dirs, max_loras: int) -> LoraRegistry:
+    loras = LoraRegistry(
+        default_model.args, 64, torch.float32, torch.device("cpu"), default_model.names, max_loras=max_loras
+    )
+    for name in ADAPTERS:
+        loras.load(name, adapter_dirs[name])
+    return loras
+
+
+def widths(args) -> dict[str, tuple[int, int]]:
+    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    h, i = args.hidden_size, args.intermediate_size
+    return {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * i), "down": (i, h)}
+
+
+def expected(loras: LoraRegistry, plan, layer: int, projection: str, x: torch.Tensor) -> torch.Tensor:
+    """Each row's delta from its own adapter's weights, one row at a time."""
+    out = torch.zeros(x.shape[0], widths(loras.args)[projection][1])
+    row = 0
+    for name, n in plan:
+        if name is not None:
+            fused = loras.adapters[loras.ref(name).uid].layers.get((layer, projection))
+            if fused is not None:
+                for i in range(row, row + n):
+                    out[i] = (x[i] @ fused.a.t()) @ fused.b.t()
+        row += n
+    return out
+
+
+def run(step, loras, layer, projection, rows):
+    torch.manual_seed(layer)
+    x = torch.randn(rows, widths(loras.args)[projection][0])
+    out = torch.zeros(rows, widths(loras.args)[projection][1])
+    step.add(layer, projection, x, out)
+    return x, out
+
+
+# Decode: one row per sequence, the three adapters and the base interleaved.
+DECODE = [(name, 1) for _ in range(4) for name in [*ADAPTERS, None]]
+
+
+@pytest.mark.parametrize("layer", [0, 17, 29])
+def test_padded_step_equals_each_adapter_alone(default_model, adapter_dirs, layer):
+    loras = registry(default_model, adapter_dirs, max_loras=8)
+    step = loras.step([(loras.ref(n) if n else None, k) for n, k in DECODE])
+    assert step.padded is not None and (step.padded.width, step.padded.depth) == (3, 4)
+    for projection in PROJECTIONS:
+        x, out = run(step, loras, layer, projection, len(DECODE))
+        want = expected(loras, DECODE, layer, projection, x)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        assert out[3::4].abs().max().item() == 0.0  # base rows untouched
+        assert out.abs().max().item() > 0.0
+
+
+def test_a_prefill_chunk_runs_alone_and_the_decodes_together(default_model, adapter_dirs):
+    """A 40-token chunk under one adapter beside single decode rows of the others: padding
+    every slot to 40 rows would be ~30x the decodes' work, so the chunk keeps its own group."""
+    loras = registry(default_model, adapter_dirs, max_loras=8)
+    plan = [("attn-r8", 40), ("mlp-r16", 1), ("all-r4-rs", 1), (None, 2)]
+    step = loras.step([(loras.ref(n) if n else None, k) for n, k in plan])
+    [(alone, rows)] = step.groups
+    assert alone.name == "attn-r8" and rows.tolist() == list(range(40))
+    assert (step.padded.width, step.padded.depth) == (2, 1) and step.padded.rows.tolist() == [40, 41]
+    for projection in PROJECTIONS:
+        x, out = run(step, loras, 5, projection, 44)
+        torch.testing.assert_close(out, expected(loras, plan, 5, projection, x), rtol=1e-5, atol=1e-5)
+
+
+def test_one_chunk_beside_one_decode_runs_group_by_group(default_model, adapter_dirs):
+    loras = registry(default_model, adapter_dirs, max_loras=8)
+    plan = [("mlp-r16", 1), ("all-r4-rs", 30)]
+    step = loras.step([(loras.ref(n) if n else None, k) for n, k in plan])
+    assert step.padded is None and [a.name for a, _ in step.groups] == ["mlp-r16", "all-r4-rs"]
+    for projection in PROJECTIONS:
+        x, out = run(step, loras, 9, projection, 31)
+        torch.testing.assert_close(out, expected(loras, plan, 9, projection, x), rtol=1e-5, atol=1e-5)
+
+
+def test_more_adapters_than_slots_run_group_by_group(default_model, adapter_dirs):
+    loras = registry(default_model, adapter_dirs, max_loras=2)
+    step = loras.step([(loras.ref(n) if n else None, k) for n, k in DECODE])
+    assert step.padded is None and len(step.groups) == 3
+    assert loras.slots.uids == [None, None]  # nothing written for a step it cannot serve
+    for projection in PROJECTIONS:
+        x, out = run(step, loras, 3, projection, len(DECODE))
+        torch.testing.assert_close(out, expected(loras, DECODE, 3, projection, x), rtol=1e-5, atol=1e-5)
+
+
+def test_slots_reuse_least_recently_used_and_clear_what_the_newcomer_lacks(default_model, adapter_dirs):
+    loras = registry(default_model, adapter_dirs, max_loras=2)
+    uid = {name: loras.ref(name).uid for name in ADAPTERS}
+    adapter = {name: loras.adapters[uid[name]] for name in ADAPTERS}
+    slots = loras.slots
+    assert slots.place([(uid["all-r4-rs"], adapter["all-r4-rs"]), (uid["mlp-r16"], adapter["mlp-r16"])]) == [0, 1]
+    assert slots.place([(uid["mlp-r16"], adapter["mlp-r16"])]) == [1]  # all-r4-rs is now the older
+    assert slots.place([(uid["attn-r8"], adapter["attn-r8"]), (uid["mlp-r16"], adapter["mlp-r16"])]) == [0, 1]
+    assert slots.uids == [uid["attn-r8"], uid["mlp-r16"]]
+    # attn-r8 in slot 0: its q/v weights, and zeros where all-r4-rs had o, gate_up and down.
+    fused = adapter["attn-r8"].layers[(2, "qkv")]
+    r = fused.a.shape[0]
+    assert torch.equal(slots.a[(2, "qkv")][0, :, :r], fused.a.t())
+    assert torch.equal(slots.b[(2, "qkv")][0, :r], fused.b.t())
+    for projection in ("o", "gate_up", "down"):
+        assert slots.a[(2, projection)][0].abs().max().item() == 0.0
+        assert slots.b[(2, projection)][0].abs().max().item() == 0.0
+    # mlp-r16 in slot 1 untouched by either write.
+    down = adapter["mlp-r16"].layers[(2, "down")]
+    assert torch.equal(slots.a[(2, "down")][1, :, : down.a.shape[0]], down.a.t())
+    # all-r4-rs back over attn-r8 (now the older): its 12 qkv ranks, zeros where attn-r8 had 16.
+    assert slots.place([(uid["mlp-r16"], adapter["mlp-r16"])]) == [1]
+    assert slots.place([(uid["all-r4-rs"], adapter["all-r4-rs"])]) == [0]
+    small = adapter["all-r4-rs"].layers[(2, "qkv")]
+    assert (small.a.shape[0], slots.a[(2, "qkv")].shape[2]) == (12, 16)
+    assert torch.equal(slots.a[(2, "qkv")][0, :, :12], small.a.t())
+    assert slots.a[(2, "qkv")][0, :, 12:].abs().max().item() == 0.0
+    assert slots.b[(2, "qkv")][0, 12:].abs().max().item() == 0.0
+
+
+def test_a_wider_rank_widens_the_stack_and_keeps_what_it_holds(default_model, adapter_dirs):
+    loras = registry(default_model, adapter_dirs, max_loras=2)
+    small, large = loras.adapters[loras.ref("all-r4-rs").uid], loras.adapters[loras.ref("mlp-r16").uid]
+    slots = loras.slots
+    slots.place([(1, small)])
+    assert slots.a[(0, "down")].shape == (2, 1536, 4)
+    slots.place([(1, small), (2, large)])
+    assert slots.a[(0, "down")].shape == (2, 1536, 16) and slots.b[(0, "down")].shape == (2, 16, 576)
+    kept = small.layers[(0, "down")]
+    assert torch.equal(slots.a[(0, "down")][0, :, :4], kept.a.t())
+    assert slots.a[(0, "down")][0, :, 4:].abs().max().item() == 0.0
+    assert torch.equal(slots.b[(0, "down")][0, :4], kept.b.t())
+
+
+def test_unload_empties_the_slot(default_model, adapter_dirs):
+    loras = registry(default_model, adapter_dirs, max_loras=8)
+    loras.step([(loras.ref(n) if n else None, k) for n, k in DECODE])
+    gone = loras.ref("mlp-r16").uid
+    assert gone in loras.slots.uids
+    loras.unload("mlp-r16")
+    assert gone not in loras.slots.uids and gone not in loras.slots.last_used
+    assert loras.slots.uids.count(None) == 6
+
+
+def test_place_refuses_more_than_capacity():
+    assert LoraSlots(1).place([(1, None), (2, None)]) is None
