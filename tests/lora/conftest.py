@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
-from headroom.models.gguf_loader import load_gguf
-from headroom.models.loader import default_model_path
+from tests.reference import reference_model
 
 # name -> peft's LoraConfig keywords: ranks, targets and scalings that differ.
 ADAPTERS = {
@@ -22,15 +21,6 @@ ADAPTERS = {
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     },
 }
-
-
-def base_hf_model() -> LlamaForCausalLM:
-    config, state = load_gguf(default_model_path())
-    hf = LlamaForCausalLM(LlamaConfig(**config)).eval()
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    hf.tie_weights()
-    return hf
 
 
 def make_adapter(hf: LlamaForCausalLM, out_dir: str, seed: int, b_scale: float = 0.2, **kwargs) -> None:
@@ -48,7 +38,7 @@ def make_adapter(hf: LlamaForCausalLM, out_dir: str, seed: int, b_scale: float =
 
 @pytest.fixture(scope="session")
 def adapter_dirs(tmp_path_factory) -> dict[str, str]:
-    hf = base_hf_model()
+    hf = reference_model()
     root = tmp_path_factory.mktemp("adapters")
     dirs = {}
     for seed, (name, kwargs) in enumerate(ADAPTERS.items()):
@@ -58,18 +48,4 @@ def adapter_dirs(tmp_path_factory) -> dict[str, str]:
 
 
 def peft_model(adapter_dir: str) -> PeftModel:
-    return PeftModel.from_pretrained(base_hf_model(), adapter_dir).eval()
-
-
-def greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=2,
-            pad_token_id=2,
-        )
-    return out[0, len(prompt) :].tolist()
+    return PeftModel.from_pretrained(reference_model(), adapter_dir).eval()

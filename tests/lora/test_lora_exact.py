@@ -8,7 +8,8 @@ import pytest
 from headroom.config import Config
 from headroom.contracts.request import SamplingParams
 from headroom.runtime.engine import Engine
-from tests.lora.conftest import ADAPTERS, greedy, peft_model
+from tests.lora.conftest import ADAPTERS, peft_model
+from tests.reference import greedy
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,8 @@ from headroom.observability.ledger import Usage
 from headroom.observability.observer import span_attributes
 from headroom.runtime.engine import Engine
 from headroom.runtime.outputs import SequenceSnapshot
-from tests.lora.conftest import base_hf_model, greedy, peft_model
+from tests.lora.conftest import peft_model
+from tests.reference import greedy, reference_model
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +62,7 @@ def expected(default_model, adapter_dirs):
         name: default_model.tokenizer.decode(greedy(peft_model(adapter_dirs[name]), ids, MAX_TOKENS))
         for name in ("attn-r8", "mlp-r16")
     }
-    texts[None] = default_model.tokenizer.decode(greedy(base_hf_model(), ids, MAX_TOKENS))
+    texts[None] = default_model.tokenizer.decode(greedy(reference_model(), ids, MAX_TOKENS))
     return texts
 
 

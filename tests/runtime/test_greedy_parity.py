@@ -10,13 +10,13 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from headroom.config import CacheConfig, Config, ModelConfig, SchedulerConfig
 from headroom.contracts.request import SamplingParams
 from headroom.models.gguf_loader import load_gguf
 from headroom.models.loader import default_model_path, load_model, save_hf_checkpoint
 from headroom.runtime.engine import Engine
+from tests.reference import greedy, reference_model
 
 pytestmark = pytest.mark.slow
 
@@ -59,29 +59,10 @@ def prompts(loaded):
 
 @pytest.fixture(scope="module")
 def reference(prompts):
-    config, state = load_gguf(default_model_path())
-    hf = LlamaForCausalLM(LlamaConfig(**config)).eval()
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    hf.tie_weights()
-
-    def greedy(prompt: list[int]) -> list[int]:
-        # generate() owns the KV cache: its keyword has changed name across transformers
-        # releases, and the project's range (transformers>=4.46) spans them.
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            out = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=2,
-                pad_token_id=2,
-            )
-        return out[0, len(prompt) :].tolist()
+    hf = reference_model()
 
     plain, shared = prompts
-    return [greedy(p) for p in plain], [greedy(p) for p in shared]
+    return [greedy(hf, p, MAX_TOKENS) for p in plain], [greedy(hf, p, MAX_TOKENS) for p in shared]
 
 
 def make_engine(loaded, **overrides) -> Engine:
