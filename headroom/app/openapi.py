@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from headroom.admin.api import SORT_KEYS
 from headroom.admin.schemas import AbortBody, CapBody, DeprioritizeBody, ReloadBody, TenantPatch
+from headroom.app.lora_api import LoadLoraBody, UnloadLoraBody
 from headroom.app.responses_schemas import ResponsesRequest
 from headroom.app.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -117,13 +118,38 @@ def _admin_paths() -> dict:
     }
 
 
+def _lora_paths() -> dict:
+    """vLLM's run-time adapter routes: always served, always behind the admin token."""
+
+    def op(summary: str, body: str, errors: tuple[int, ...]) -> dict:
+        return {
+            "post": {
+                "summary": summary,
+                "security": [{"adminToken": []}],
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{body}"}}},
+                },
+                "responses": {
+                    "200": {"description": summary, "content": {"text/plain": {"schema": {"type": "string"}}}},
+                    **_errors(400, 401, *errors),
+                },
+            }
+        }
+
+    return {
+        "/v1/load_lora_adapter": op("Load a LoRA adapter (PEFT folder)", "LoadLoraBody", ()),
+        "/v1/unload_lora_adapter": op("Unload a LoRA adapter", "UnloadLoraBody", (404, 409)),
+    }
+
+
 def build_openapi(version: str, admin: bool = False, unknown_fields: str = "reject") -> dict:
     """unknown_fields: [server] unknown_fields, which says whether a request body may hold
     fields beyond those its model declares (app/fields.py)."""
     schemas: dict = {"Error": _ERROR}
     generation = [CompletionRequest, ChatCompletionRequest, ResponsesRequest]
     admin_bodies = [AbortBody, DeprioritizeBody, CapBody, TenantPatch, ReloadBody]
-    models = generation + (admin_bodies if admin else [])
+    models = generation + [LoadLoraBody, UnloadLoraBody] + (admin_bodies if admin else [])
     for model in models:
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
@@ -155,9 +181,9 @@ def build_openapi(version: str, admin: bool = False, unknown_fields: str = "reje
                 }
             },
         },
-        "components": {"schemas": schemas},
+        "components": {"schemas": schemas, "securitySchemes": {"adminToken": {"type": "http", "scheme": "bearer"}}},
     }
+    spec["paths"].update(_lora_paths())
     if admin:
         spec["paths"].update(_admin_paths())
-        spec["components"]["securitySchemes"] = {"adminToken": {"type": "http", "scheme": "bearer"}}
     return spec

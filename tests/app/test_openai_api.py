@@ -377,6 +377,13 @@ def test_health_and_openapi(server):
     assert doc["openapi"].startswith("3.")
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"} <= set(doc["paths"])
     assert "messages" in doc["components"]["schemas"]["ChatCompletionRequest"]["required"]
+    # vLLM's adapter routes are served with or without the admin API, always behind its token.
+    for path, body in (("/v1/load_lora_adapter", "LoadLoraBody"), ("/v1/unload_lora_adapter", "UnloadLoraBody")):
+        op = doc["paths"][path]["post"]
+        assert op["security"] == [{"adminToken": []}]
+        assert op["requestBody"]["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{body}"}
+    assert doc["components"]["schemas"]["LoadLoraBody"]["required"] == ["lora_name", "lora_path"]
+    assert doc["components"]["securitySchemes"] == {"adminToken": {"type": "http", "scheme": "bearer"}}
 
 
 # ---- disconnects -----------------------------------------------------------------------

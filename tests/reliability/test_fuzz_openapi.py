@@ -81,7 +81,7 @@ def test_no_5xx_and_errors_are_openai_shaped(api_schema, fuzz_server):
     # Hypothesis driven directly over each operation's strategy (schemathesis's pytest
     # plugin is not used: it does not work with this pytest).
     operations = [result.ok() for result in api_schema.get_all_operations()]
-    assert len(operations) == 14
+    assert len(operations) == 16
     headers = {"Authorization": f"Bearer {TOKEN}"}
     calls: dict[str, int] = {}
     for operation, mode in itertools.product(operations, GenerationMode):
@@ -91,7 +91,7 @@ def test_no_5xx_and_errors_are_openai_shaped(api_schema, fuzz_server):
         except Unsatisfiable:
             assert mode is GenerationMode.NEGATIVE  # nothing to break in an operation without inputs
     print({label: n for label, n in sorted(calls.items())})
-    assert len({label.rsplit(" ", 1)[0] for label in calls}) == 14 and sum(calls.values()) >= 14 * 2 * 5
+    assert len({label.rsplit(" ", 1)[0] for label in calls}) == 16 and sum(calls.values()) >= 16 * 2 * 5
     # Some generated requests were valid enough to run on the model.
     assert fuzz_server.engine.counters().requests_started > 0
     # Healthy and leak-free after exactly this fuzzing (checked here, not in a later test
