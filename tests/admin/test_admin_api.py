@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+
+import httpx
 import pytest
 
 from headroom.app import keys
@@ -184,6 +187,55 @@ def test_tenants_list_and_live_patch(admin_server):
     tenant = admin_server.app[keys.GATE].registry.get("acme")
     assert tenant.bucket.max_in_flight_tokens == 5000 and tenant.priority == 2
     assert admin(admin_server, "PATCH", "/tenants/nobody", json={"tier": "batch"}).status_code == 404
+
+
+def test_a_patch_that_raises_a_limit_admits_the_waiter_within_the_patch(admin_server):
+    """The PATCH pumps admission before it answers: its own reply already shows the waiter
+    admitted (without the pump it would still be queued until the next tick)."""
+
+    def acme() -> dict:
+        return {t["name"]: t for t in admin(admin_server, "GET", "/tenants").json()["data"]}["acme"]
+
+    before = acme()
+    auth = {"Authorization": f"Bearer {TENANT_KEY}"}
+    roomy = {"max_in_flight_tokens": 10**6, "rate_tokens_per_s": 1e6}
+    assert admin(admin_server, "PATCH", "/tenants/acme", json=roomy).status_code == 200
+    first = start_stream(
+        admin_server, {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True}, "patch-first", TENANT_KEY
+    )
+    answers: list[httpx.Response] = []
+    second = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(
+                admin_server.url + "/v1/completions",
+                json={"prompt": "Hello", "max_tokens": 4},
+                headers=auth,
+                timeout=120,
+            )
+        )
+    )
+    try:
+        held = acme()["in_flight_tokens"]
+        assert held > 0
+        # Full: acme's next request waits in admission.
+        full = admin(admin_server, "PATCH", "/tenants/acme", json={"max_in_flight_tokens": held})
+        assert full.status_code == 200
+        second.start()
+        assert wait_until(lambda: acme()["waiting"] == 1), acme()
+        raised = admin(admin_server, "PATCH", "/tenants/acme", json={"max_in_flight_tokens": 10**6})
+        assert raised.status_code == 200
+        assert raised.json()["waiting"] == 0 and raised.json()["in_flight_tokens"] > held, raised.json()
+        second.join(120)
+        assert [a.status_code for a in answers] == [200]
+    finally:
+        admin(admin_server, "POST", f"/sequences/{first.id}/abort")
+        first.wait()
+        if second.ident is not None:  # started
+            second.join(120)
+        keep = ("tier", "max_in_flight_tokens", "rate_tokens_per_s")
+        admin(admin_server, "PATCH", "/tenants/acme", json={k: before[k] for k in keep})
+    assert first.finish_reason == "abort"
+    wait_idle(admin_server.engine)
 
 
 def test_predictor_reload_swaps_the_model(admin_server):

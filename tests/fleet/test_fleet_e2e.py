@@ -48,9 +48,10 @@ max_wait_s = 240
 name = "other"
 max_in_flight_tokens = {cap}
 
+# Three streams of up to 7,000 tokens, one a replica, held open until the test ends them.
 [[admission.tenants]]
 name = "steady"
-max_in_flight_tokens = 6000
+max_in_flight_tokens = 24000
 """
 ADMIN = "fleet-test-admin-token-0123456789"
 SHORT = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}
@@ -174,6 +175,16 @@ async def send(
             statuses.append(r.status)
 
 
+async def hold_stream(
+    session: aiohttp.ClientSession, replica: Replica, tenant: str, body: dict, statuses: list[int]
+) -> None:
+    """A streamed request read until its task is cancelled (the client hangs up) or it ends."""
+    async with session.post(replica.url + "/v1/completions", json=body, headers={"X-Tenant": tenant}) as r:
+        statuses.append(r.status)
+        async for _ in r.content:
+            pass
+
+
 @pytest.mark.asyncio
 async def test_flood_on_every_replica_stays_within_the_tenant_cap(fleet):
     store, replicas = fleet
@@ -231,73 +242,81 @@ async def test_redis_restarted_mid_load_no_5xx_and_counters_resync(fleet):
     client = aioredis.Redis(port=store.port)
     statuses: list[int] = []
     steady_statuses: list[int] = []
-    # Long enough to outlast the outage and the recovery several times over at this
-    # machine's pace: 300 tokens ended ~0.3 s before the second check once decode ran faster.
+    # Streams the test ends itself (by hanging up) once the recovery is checked, rather
+    # than ones that must outlast it: 300 and then 1,500 tokens both raced decode speed.
+    # 7,000 tokens is what a replica's 8,192-token cache holds beside the flood.
     long_body = {
         "prompt": "Write a long story about a dragon.",
-        "max_tokens": 1500,
+        "max_tokens": 7000,
         "temperature": 0,
         "ignore_eos": True,
+        "stream": True,
     }
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
         # Long streams that run through the outage and past the recovery.
-        steady = asyncio.gather(*(send(session, r, "steady", 1, steady_statuses, long_body) for r in replicas))
+        steady = asyncio.gather(*(hold_stream(session, r, "steady", long_body, steady_statuses) for r in replicas))
         flood = asyncio.gather(*(send(session, r, "flood", 3, statuses) for r in replicas for _ in range(3)))
-        await asyncio.sleep(1.0)
-        store.stop()
-        outage_samples = []
-        degraded = set()
-        # At least 2.5 s of outage, and on until what replicas held above their shares at the
-        # loss has drained (its requests finish at the machine's pace), within 60 s.
-        deadline, drained_by = time.monotonic() + 2.5, time.monotonic() + 60
+        try:
+            await asyncio.sleep(1.0)
+            store.stop()
+            outage_samples = []
+            degraded = set()
+            # At least 2.5 s of outage, and on until what replicas held above their shares at the
+            # loss has drained (its requests finish at the machine's pace), within 60 s.
+            deadline, drained_by = time.monotonic() + 2.5, time.monotonic() + 60
 
-        def outage_goes_on() -> bool:
-            now = time.monotonic()
-            return now < deadline or (now < drained_by and sum(outage_samples[-1]) > FLOOD_CAP)
+            def outage_goes_on() -> bool:
+                now = time.monotonic()
+                return now < deadline or (now < drained_by and sum(outage_samples[-1]) > FLOOD_CAP)
 
-        while outage_goes_on():
-            locals_ = [await local_in_flight(session, r, "flood") for r in replicas]
-            outage_samples.append(locals_)
-            for i, r in enumerate(replicas):
-                async with session.get(r.url + "/health") as h:
-                    body = await h.json()
-                    assert h.status == 200
-                    if body["status"] == "degraded":
-                        assert body["admission_store"]["available"] is False
-                        degraded.add(i)
-            await asyncio.sleep(0.05)
-        assert degraded == {0, 1, 2}
-        assert [await metric(session, r, "headroom:admission_store_up") for r in replicas] == [0, 0, 0]
-        assert [await metric(session, r, "headroom:admission_store_fallbacks") for r in replicas] == [1, 1, 1]
-        async with session.get(replicas[0].url + "/admin/stats", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
-            view = (await r.json())["admission_store"]
-        assert view["kind"] == "redis" and view["available"] is False and view["reason"]
-        store.start()  # empty: it lost every counter and lease
-        # Without Redis each replica admits only within its share (1/3 of the cap): any rise
-        # of its in-flight tokens ends within it. What replicas held above their share at
-        # the loss drains, and then the shares add up to the cap.
-        share = FLOOD_CAP // 3
-        for before, after in itertools.pairwise(outage_samples):
-            assert all(b <= a or b <= share for a, b in zip(before, after)), (before, after)
-        assert sum(outage_samples[-1]) <= FLOOD_CAP
-        assert any(0 < sum(sample) for sample in outage_samples)
-        # Wait until every replica is back on the shared store.
-        deadline = time.monotonic() + 10
-        while True:
-            healths = [(await (await session.get(r.url + "/health")).json())["status"] for r in replicas]
-            if healths == ["ok"] * 3:
-                break
-            assert time.monotonic() < deadline, healths
-            await asyncio.sleep(0.1)
-        assert [await metric(session, r, "headroom:admission_store_up") for r in replicas] == [1, 1, 1]
-        assert not steady.done(), "the long streams ended before the recovery could be checked"
-        await asyncio.sleep(TTL_S / 3 + 0.2)  # one renewal round on every replica
-        redis_view = await redis_in_flight(client, "steady")
-        really = sum([await local_in_flight(session, r, "steady") for r in replicas])
-        assert not steady.done()
-        assert redis_view == (really, really) and really > 0
-        await flood
-        await steady
+            while outage_goes_on():
+                locals_ = [await local_in_flight(session, r, "flood") for r in replicas]
+                outage_samples.append(locals_)
+                for i, r in enumerate(replicas):
+                    async with session.get(r.url + "/health") as h:
+                        body = await h.json()
+                        assert h.status == 200
+                        if body["status"] == "degraded":
+                            assert body["admission_store"]["available"] is False
+                            degraded.add(i)
+                await asyncio.sleep(0.05)
+            assert degraded == {0, 1, 2}
+            assert [await metric(session, r, "headroom:admission_store_up") for r in replicas] == [0, 0, 0]
+            assert [await metric(session, r, "headroom:admission_store_fallbacks") for r in replicas] == [1, 1, 1]
+            async with session.get(replicas[0].url + "/admin/stats", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+                view = (await r.json())["admission_store"]
+            assert view["kind"] == "redis" and view["available"] is False and view["reason"]
+            store.start()  # empty: it lost every counter and lease
+            # Without Redis each replica admits only within its share (1/3 of the cap): any rise
+            # of its in-flight tokens ends within it. What replicas held above their share at
+            # the loss drains, and then the shares add up to the cap.
+            share = FLOOD_CAP // 3
+            for before, after in itertools.pairwise(outage_samples):
+                assert all(b <= a or b <= share for a, b in zip(before, after)), (before, after)
+            assert sum(outage_samples[-1]) <= FLOOD_CAP
+            assert any(0 < sum(sample) for sample in outage_samples)
+            # Wait until every replica is back on the shared store.
+            deadline = time.monotonic() + 10
+            while True:
+                healths = [(await (await session.get(r.url + "/health")).json())["status"] for r in replicas]
+                if healths == ["ok"] * 3:
+                    break
+                assert time.monotonic() < deadline, healths
+                await asyncio.sleep(0.1)
+            assert [await metric(session, r, "headroom:admission_store_up") for r in replicas] == [1, 1, 1]
+            assert not steady.done(), "the long streams ended before the recovery could be checked"
+            await asyncio.sleep(TTL_S / 3 + 0.2)  # one renewal round on every replica
+            redis_view = await redis_in_flight(client, "steady")
+            really = sum([await local_in_flight(session, r, "steady") for r in replicas])
+            assert not steady.done()
+            assert redis_view == (really, really) and really > 0
+            await flood
+        finally:
+            # Hang up the streams (and the flood, on a failure): each replica aborts them and
+            # returns their reservations, which the checks below wait for.
+            flood.cancel()
+            steady.cancel()
+            await asyncio.gather(flood, steady, return_exceptions=True)
     assert statuses == [200] * 27 and steady_statuses == [200] * 3
     deadline = time.monotonic() + 5
     while await redis_in_flight(client, "steady") != (0, 0) or await redis_in_flight(client, "flood") != (0, 0):

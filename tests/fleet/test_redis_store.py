@@ -5,6 +5,7 @@ holds and what each replica admits."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
@@ -272,5 +273,38 @@ async def test_a_sync_never_drops_a_newer_lease_nor_puts_back_a_settled_one(redi
     await store.sync(add=True)
     assert redis_view(redis_server, "flood") == (300, 300)
     a.settle(ticket, 0, 0)
+    await until(lambda: redis_view(redis_server, "flood") == (0, 0))
+    await shutdown(a)
+
+
+async def test_a_lost_redis_is_logged_once_per_loss_not_per_request(redis_server, caplog):
+    caplog.set_level(logging.WARNING, logger="headroom.admission.store")
+    a = await replica(redis_server, "a")
+    flood = a.registry.get("flood")
+    redis_server.stop()
+    # Requests and the store's own pings (every 0.5 s) all meet the lost Redis.
+    tickets = [await a.acquire(flood, 10) for _ in range(5)]
+    seen = a.store.errors
+    await until(lambda: a.store.errors >= seen + 2, timeout_s=10)  # two pings after the requests
+    lost = [r for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(lost) == 1 and lost[0].levelno == logging.ERROR, [r.getMessage() for r in caplog.records]
+    assert lost[0].getMessage().startswith(f"admission store: Redis at 127.0.0.1:{redis_server.port} unreachable (")
+
+    def back() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if "reachable; tenant budgets are shared" in r.getMessage()]
+
+    assert len(back()) == 1  # the start's
+    redis_server.restart()
+    await until(lambda: a.store.available, timeout_s=5)
+    assert len(back()) == 2 and back()[1].levelno == logging.WARNING
+    # A second loss is a second line.
+    redis_server.stop()
+    tickets.append(await a.acquire(flood, 10))
+    assert len([r for r in caplog.records if "unreachable" in r.getMessage()]) == 2
+    assert a.store.stats().fallbacks == 2
+    redis_server.start()
+    await until(lambda: a.store.available, timeout_s=5)
+    for ticket in tickets:
+        a.settle(ticket, 0, 0)
     await until(lambda: redis_view(redis_server, "flood") == (0, 0))
     await shutdown(a)

@@ -21,6 +21,7 @@ PROMPT = 1500
 SLOW_STEPS = 2
 SLOW_S = 1.0  # what each of the first long chunks is made to take
 SHORT_EVERY = 4  # steps between short arrivals
+PRICED_CHUNK = 256
 
 
 def test_a_long_prefill_finishes_within_its_stated_steps_after_slow_first_chunks(default_model):
@@ -32,6 +33,7 @@ def test_a_long_prefill_finishes_within_its_stated_steps_after_slow_first_chunks
     )
     long.admission = AdmissionRecord(size_class=SizeClass.LONG)
     slow = []
+    price = engine.scheduler.cost.chunk_seconds(PRICED_CHUNK, 0)
 
     def slow_first_long_chunks(out) -> None:
         carries_chunk = any(r is long and n > 1 for r, n in zip(out.requests, out.num_scheduled_tokens, strict=True))
@@ -64,6 +66,9 @@ def test_a_long_prefill_finishes_within_its_stated_steps_after_slow_first_chunks
             engine.step()
             steps += 1
         assert len(slow) == SLOW_STEPS
+        # The slow steps' price is forgotten: a chunk costs again about what it cost before them.
+        after = engine.scheduler.cost.chunk_seconds(PRICED_CHUNK, 0)
+        assert after < 2 * price, f"a {PRICED_CHUNK}-token chunk priced {price:.3f} s before, {after:.3f} s after"
         assert all(s.first_scheduled_time is not None for s in shorts)  # the shorts were not held back either
         while engine.scheduler.has_work():
             engine.step()
