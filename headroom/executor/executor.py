@@ -14,6 +14,7 @@ from headroom.executor.attention import select_backend
 from headroom.executor.cuda_graphs import graph_plan
 from headroom.executor.device import prepare_model, resolve_kv_dtype
 from headroom.executor.model_runner import ModelRunner, kv_block_bytes
+from headroom.kernels import cpu_kernels
 from headroom.models.loader import LoadedModel
 from headroom.models.lora import LoraError, LoraRegistry
 
@@ -53,8 +54,15 @@ class Executor:
         )
         max_model_len = config.model.max_model_len or args.max_position_embeddings
         graph_sizes, cuda_graphs = graph_plan(config, device, backend)
+        kernels, _ = cpu_kernels()
         loras = LoraRegistry(
-            args, config.model.max_lora_rank, dtype, device, loaded.names, max_loras=config.scheduler.max_loras
+            args,
+            config.model.max_lora_rank,
+            dtype,
+            device,
+            loaded.names,
+            max_loras=config.scheduler.max_loras,
+            kernels=kernels if device.type == "cpu" and dtype == torch.float32 else None,
         )
         for name, path in config.lora:
             try:

@@ -37,7 +37,7 @@ def cpu_flags() -> set[str]:
 
 
 # By what they compute: common/ (the bindings, the thread pool, SIMD and tensor helpers),
-# linear/ (the quantised matmuls), attention/ (paged decode and prefill; the Triton
+# linear/ (the quantised matmuls and the LoRA deltas), attention/ (paged decode and prefill; the Triton
 # kernels beside them), ops/ (fused elementwise and norm ops).
 SOURCES = (
     "common/bindings.cpp",
@@ -45,6 +45,7 @@ SOURCES = (
     "linear/q4_linear.cpp",
     "linear/q8_linear.cpp",
     "linear/qdot_linear.cpp",
+    "linear/lora_add.cpp",
     "attention/paged_attention.cpp",
     "attention/decode_spans.cpp",
     "attention/paged_tile.cpp",

@@ -5,11 +5,12 @@ and laid out for the model's fused projections: per layer and per projection (qk
 gate_up, down), one A that stacks the A of every targeted part, and one B as wide as the
 fused output with each part's B in its own block (zeros elsewhere), PEFT's scaling
 folded in. A step's rows are grouped by adapter (Punica's SGMV shape), and base rows
-cost nothing. When the step's adapters fit the max_loras slots and their rows are even
-(decode), every group runs at once: the slots hold the adapters' weights stacked, the rows
-are gathered into one padded block per slot, and each projection is two batched matmuls
-whatever the number of adapters. Otherwise (a prefill chunk under one adapter beside a
-few decodes) each group is gathered, shrunk through its A, expanded through its B and
+cost nothing. When the step's adapters fit the max_loras slots, which hold their weights
+stacked, every group runs at once: in float32 on the CPU through headroom's kernel (one
+call a projection, nothing padded); elsewhere, where the rows are even (decode), gathered
+into one padded block per slot, two batched matmuls a projection whatever the number of
+adapters. Otherwise (a prefill chunk under one adapter beside a few decodes, on the
+batched matmuls) each group is gathered, shrunk through its A, expanded through its B and
 added on its own.
 """
 
@@ -23,6 +24,7 @@ import os
 import re
 import threading
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 from safetensors import safe_open
@@ -280,6 +282,28 @@ class PaddedRows:
     places: torch.Tensor  # (k,) the padded places that hold rows
     rows: torch.Tensor  # (k,) the batch row of each of those places
 
+    def add(self, key: tuple[int, str], x: torch.Tensor, out: torch.Tensor) -> None:
+        a, b = self.slots.a[key][: self.width], self.slots.b[key][: self.width]
+        # Empty places gather row 0: their results are computed and never read.
+        xs = x.index_select(0, self.gather).view(self.width, self.depth, -1)
+        ys = torch.bmm(torch.bmm(xs, a), b).view(self.width * self.depth, -1)
+        out.index_add_(0, self.rows, ys.index_select(0, self.places))
+
+
+@dataclass
+class SlotRows:
+    """A step's adapter rows grouped by slot, for headroom's CPU kernel, which runs every
+    group of a projection in one call and pads nothing."""
+
+    slots: LoraSlots
+    kernels: ModuleType
+    rows: torch.Tensor  # (k,) the batch rows, group after group
+    starts: torch.Tensor  # (groups + 1,) where each group begins in rows
+    held: torch.Tensor  # (groups,) the slot of each group
+
+    def add(self, key: tuple[int, str], x: torch.Tensor, out: torch.Tensor) -> None:
+        self.kernels.lora_add_(out, x, self.slots.a[key], self.slots.b[key], self.rows, self.starts, self.held)
+
 
 @dataclass
 class LoraStep:
@@ -287,17 +311,13 @@ class LoraStep:
     that run under it. Rows of no adapter are absent."""
 
     groups: list[tuple[LoraAdapter, torch.Tensor]]  # (adapter, row indices (n,) int64), each run alone
-    padded: PaddedRows | None = None  # the groups that run together in batched matmuls
+    padded: PaddedRows | SlotRows | None = None  # the groups that run together, from the slots
 
     def add(self, layer: int, projection: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out[rows] += the adapter's delta of x[rows], for each adapter of the step."""
-        p, key = self.padded, (layer, projection)
-        if p is not None and key in p.slots.a:
-            a, b = p.slots.a[key][: p.width], p.slots.b[key][: p.width]
-            # Empty places gather row 0: their results are computed and never read.
-            xs = x.index_select(0, p.gather).view(p.width, p.depth, -1)
-            ys = torch.bmm(torch.bmm(xs, a), b).view(p.width * p.depth, -1)
-            out.index_add_(0, p.rows, ys.index_select(0, p.places))
+        key = (layer, projection)
+        if self.padded is not None and key in self.padded.slots.a:
+            self.padded.add(key, x, out)
         for adapter, rows in self.groups:
             fused = adapter.layers.get((layer, projection))
             if fused is None:
@@ -321,8 +341,11 @@ class LoraRegistry:
         device: torch.device,
         base_names=(),
         max_loras: int = 8,
+        kernels: ModuleType | None = None,
     ):
+        """kernels: headroom's CPU kernels, to run the slots' groups with (float32 on the CPU)."""
         self.args, self.max_rank, self.dtype, self.device = args, max_rank, dtype, device
+        self.kernels = kernels
         self.slots = LoraSlots(max_loras)
         self.base_names = frozenset(base_names)
         self.refs: dict[str, AdapterRef] = {}
@@ -373,6 +396,11 @@ class LoraRegistry:
                 spans.setdefault(ref.uid, []).extend(range(start, start + n))
             start += n
         as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=self.device)
+        if self.kernels is not None:
+            grouped = self._group(spans, as_tensor)
+            if grouped is not None:
+                return LoraStep([], grouped)
+            return LoraStep([(self.adapters[uid], as_tensor(r)) for uid, r in spans.items()])
         # Groups of a few rows (decodes) run together through the slots; a group far larger
         # than the typical one (a prefill chunk) runs on its own, where one matmul over its
         # rows is already efficient and padding the others to its size would not be.
@@ -382,6 +410,15 @@ class LoraRegistry:
         padded = self._pad(small, as_tensor) if len(small) >= 2 else None
         alone = spans if padded is None else {uid: r for uid, r in spans.items() if uid not in small}
         return LoraStep([(self.adapters[uid], as_tensor(r)) for uid, r in alone.items()], padded)
+
+    def _group(self, spans: dict[int, list[int]], as_tensor) -> SlotRows | None:
+        """Every row of `spans` by slot for the kernel; None when the slots cannot take them."""
+        placed = self.slots.place([(uid, self.adapters[uid]) for uid in spans])
+        if placed is None:
+            return None
+        starts = [0, *itertools.accumulate(len(r) for r in spans.values())]
+        rows = [i for r in spans.values() for i in r]
+        return SlotRows(self.slots, self.kernels, as_tensor(rows), as_tensor(starts), as_tensor(placed))
 
     def _pad(self, spans: dict[int, list[int]], as_tensor) -> PaddedRows | None:
         """The rows of `spans` laid out by slot; None when the slots cannot take them or

@@ -1,20 +1,28 @@
-"""The max_loras slots: a step whose adapters fit them and whose rows are even runs every
-adapter in one batched matmul per projection, and gives what each adapter's own matmuls
-give; slots are reused least recently used first, widened for a larger rank without losing
-what they hold, and emptied on unload; a step they cannot serve falls back to the groups."""
+"""The max_loras slots: a step whose adapters fit them runs every adapter in one call of
+headroom's CPU kernel per projection, or, without it and where the rows are even, in one
+batched matmul, and either gives what each adapter's own matmuls give; slots are reused
+least recently used first, widened for a larger rank without losing what they hold, and
+emptied on unload; a step they cannot serve falls back to the groups."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from headroom.models.lora import PROJECTIONS, LoraRegistry, LoraSlots
+from headroom.kernels import cpu_kernels
+from headroom.models.lora import PROJECTIONS, LoraRegistry, LoraSlots, SlotRows
 from tests.lora.conftest import ADAPTERS
 
 
-def registry(default_model, adapter_dirs, max_loras: int) -> LoraRegistry:
+def registry(default_model, adapter_dirs, max_loras: int, kernels=None) -> LoraRegistry:
     loras = LoraRegistry(
-        default_model.args, 64, torch.float32, torch.device("cpu"), default_model.names, max_loras=max_loras
+        default_model.args,
+        64,
+        torch.float32,
+        torch.device("cpu"),
+        default_model.names,
+        max_loras=max_loras,
+        kernels=kernels,
     )
     for name in ADAPTERS:
         loras.load(name, adapter_dirs[name])
@@ -156,3 +164,70 @@ def test_unload_empties_the_slot(default_model, adapter_dirs):
 
 def test_place_refuses_more_than_capacity():
     assert LoraSlots(1).place([(1, None), (2, None)]) is None
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module, why = cpu_kernels()
+    assert module is not None, why  # test_cpu_kernels: every machine that tests has a compiler
+    return module
+
+
+# The kernel pads nothing, so uneven groups, a prefill chunk and odd row counts all run in
+# its one call; all-r4-rs's ranks (qkv 12, down 4) are not whole registers.
+KERNEL_PLANS = {
+    "decode": DECODE,
+    "chunk beside decodes": [("attn-r8", 40), ("mlp-r16", 1), ("all-r4-rs", 1), (None, 2)],
+    "one decode beside a chunk": [("mlp-r16", 1), ("all-r4-rs", 30)],
+    "odd groups": [("all-r4-rs", 3), (None, 1), ("attn-r8", 5), ("mlp-r16", 1), ("all-r4-rs", 2)],
+}
+
+
+@pytest.mark.parametrize("plan", KERNEL_PLANS.values(), ids=KERNEL_PLANS.keys())
+@pytest.mark.parametrize("layer", [0, 29])
+def test_the_kernel_step_equals_each_adapter_alone(default_model, adapter_dirs, kernels, plan, layer):
+    loras = registry(default_model, adapter_dirs, max_loras=8, kernels=kernels)
+    step = loras.step([(loras.ref(n) if n else None, k) for n, k in plan])
+    assert step.groups == [] and isinstance(step.padded, SlotRows)
+    rows = sum(n for _, n in plan)
+    for projection in PROJECTIONS:
+        x, out = run(step, loras, layer, projection, rows)
+        want = expected(loras, plan, layer, projection, x)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        assert out.abs().max().item() > 0.0
+        row = 0
+        for name, n in plan:
+            if name is None:
+                assert out[row : row + n].abs().max().item() == 0.0  # base rows untouched
+            row += n
+
+
+def test_the_kernel_step_with_more_adapters_than_slots_runs_group_by_group(default_model, adapter_dirs, kernels):
+    loras = registry(default_model, adapter_dirs, max_loras=2, kernels=kernels)
+    step = loras.step([(loras.ref(n) if n else None, k) for n, k in DECODE])
+    assert step.padded is None and len(step.groups) == 3
+    for projection in PROJECTIONS:
+        x, out = run(step, loras, 3, projection, len(DECODE))
+        torch.testing.assert_close(out, expected(loras, DECODE, 3, projection, x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernel_adds_into_strided_rows_and_refuses_bad_indices(kernels):
+    torch.manual_seed(0)
+    a, b = torch.randn(3, 20, 13), torch.randn(3, 13, 37)
+    x = torch.randn(6, 20)
+    wide = torch.randn(6, 50)
+    out, before = wide[:, 5:42], wide.clone()  # rows 50 floats apart
+    rows, starts, slots = torch.tensor([4, 0, 2, 5]), torch.tensor([0, 1, 4]), torch.tensor([2, 0])
+    kernels.lora_add_(out, x, a, b, rows, starts, slots)
+    want = before[:, 5:42].clone()
+    want[4] += x[4] @ a[2] @ b[2]
+    for i in (0, 2, 5):
+        want[i] += x[i] @ a[0] @ b[0]
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(wide[:, :5], before[:, :5]) and torch.equal(wide[:, 42:], before[:, 42:])
+    with pytest.raises(RuntimeError, match="row 6 is outside the batch"):
+        kernels.lora_add_(out, x, a, b, torch.tensor([6, 0, 2, 5]), starts, slots)
+    with pytest.raises(RuntimeError, match="group 1: bad start or slot"):
+        kernels.lora_add_(out, x, a, b, rows, starts, torch.tensor([2, 3]))
+    with pytest.raises(RuntimeError, match="shapes do not agree"):
+        kernels.lora_add_(out, x, a, b[:, :, :36].contiguous(), rows, starts, slots)
