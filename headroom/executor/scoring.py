@@ -1,6 +1,7 @@
 """Logits for every position of one token sequence, in a single prefill through the
 paged model with the torch reference attention, and perplexity over chunks of a text
-scored the way llama.cpp's llama-perplexity does (the second half of each chunk)."""
+scored the way llama.cpp's llama-perplexity does (the second half of each chunk), of the
+base model or under one of its LoRA adapters."""
 
 from __future__ import annotations
 
@@ -12,16 +13,21 @@ import torch
 import torch.nn.functional as F
 
 from headroom.contracts.attention import AttentionMetadata
+from headroom.contracts.request import AdapterRef
 from headroom.executor.attention.torch_ref import TorchAttention
 from headroom.models.llama import ForwardContext
+from headroom.models.lora import LoraRegistry
 
 BLOCK = 16
 
 
 @torch.inference_mode()
-def sequence_logits(model, ids: list[int], kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def sequence_logits(
+    model, ids: list[int], kv_dtype: torch.dtype = torch.float32, adapter: tuple[LoraRegistry, AdapterRef] | None = None
+) -> torch.Tensor:
     """(len(ids), vocab): row i predicts token i + 1. The prompt's attention reads its keys
-    and values back from a cache of kv_dtype, as a served prefill does."""
+    and values back from a cache of kv_dtype, as a served prefill does. With an adapter
+    (the registry that loaded it, its ref), every row runs under it."""
     n = len(ids)
     blocks = -(-n // BLOCK)
     args = model.args
@@ -39,7 +45,8 @@ def sequence_logits(model, ids: list[int], kv_dtype: torch.dtype = torch.float32
         query_lens_cpu=[n],
         seq_lens_cpu=[n],
     )
-    hidden = model(torch.tensor(ids), torch.arange(n), ForwardContext(meta, caches, TorchAttention()))
+    lora = adapter[0].step([(adapter[1], n)]) if adapter is not None else None
+    hidden = model(torch.tensor(ids), torch.arange(n), ForwardContext(meta, caches, TorchAttention(), lora=lora))
     return model.compute_logits(hidden)
 
 
@@ -49,13 +56,18 @@ def corpus(prompts_file: Path) -> str:
     return "\n\n".join(r for r in rows if len(r) > 200)
 
 
-def chunked_perplexity(model, chunks: list[list[int]], kv_dtype: torch.dtype = torch.float32) -> float:
+def chunked_perplexity(
+    model,
+    chunks: list[list[int]],
+    kv_dtype: torch.dtype = torch.float32,
+    adapter: tuple[LoraRegistry, AdapterRef] | None = None,
+) -> float:
     """exp(mean NLL) over the second half of each chunk: every scored token has at least
     half a chunk of context."""
     total, count = 0.0, 0
     for ids in chunks:
         first = len(ids) // 2
-        logits = sequence_logits(model, ids, kv_dtype)
+        logits = sequence_logits(model, ids, kv_dtype, adapter)
         total += F.cross_entropy(logits[first:-1], torch.tensor(ids[first + 1 :]), reduction="sum").item()
         count += len(ids) - 1 - first
     return math.exp(total / count)
