@@ -11,6 +11,9 @@ For each server: the interactive stream alone, then both tenants together. Serve
 default tenant, as a new user starts it); `tenants` a config that names the two tenants
 and nothing else (requests say which with X-Tenant); `--peer URL` adds an OpenAI-compatible
 server already running there (vLLM's CPU build from ../shared/peers/, model `smollm2`).
+With --lora, each tenant runs on its own rank-16 LoRA adapter (all seven projections, made
+as bench/lora.py makes them), loaded with --lora-modules and named by `model` in every
+request, instead of the base model (not with --peer).
 Prints, per server, the interactive tenant's TTFT p99, TPOT p50 and end-to-end p99 alone
 and mixed (and their ratio), the reasoning tenant's TTFT p50 and end-to-end p50, and when
 the whole mixed load was done. Also --all-long: --clients closed-loop clients sending only
@@ -104,7 +107,9 @@ async def one(
     return result
 
 
-async def drive(url: str, model: str | None, headers: tuple[str | None, str | None], ns, mixed: bool) -> list[Result]:
+async def drive(
+    url: str, models: tuple[str | None, str | None], headers: tuple[str | None, str | None], ns, mixed: bool
+) -> list[Result]:
     short_msgs, long_msgs = PROMPTS
     rng = random.Random(7)
     arrivals, t = [], 0.0
@@ -121,7 +126,10 @@ async def drive(url: str, model: str | None, headers: tuple[str | None, str | No
             return await coro
 
         tasks = [
-            at(a, one(session, url, model, "interactive", headers[0], short_msgs[i % len(short_msgs)], 32, False, t0))
+            at(
+                a,
+                one(session, url, models[0], "interactive", headers[0], short_msgs[i % len(short_msgs)], 32, False, t0),
+            )
             for i, a in enumerate(arrivals)
         ]
         tasks += [
@@ -130,7 +138,7 @@ async def drive(url: str, model: str | None, headers: tuple[str | None, str | No
                 one(
                     session,
                     url,
-                    model,
+                    models[1],
                     "reasoning",
                     headers[1],
                     long_msgs[j % len(long_msgs)],
@@ -179,22 +187,23 @@ def stats(results: list[Result], tenant: str) -> dict:
 
 def run_server(name: str, ns) -> dict:
     """Alone and mixed against a fresh server each (a peer: the one at --peer)."""
-    out = {"server": name + (f" {ns.headroom_args}" if ns.headroom_args and name != "peer" else "")}
+    extra = ns.headroom_args.split() + ns.lora_args
+    out = {"server": name + (f" {' '.join(extra)}" if extra and name != "peer" else "")}
     for mixed in (False, True):
         config_path, proc = None, None
         if name == "peer":
-            url, model = ns.peer, ns.peer_model
+            url, models = ns.peer, (ns.peer_model, ns.peer_model)
         else:
             if name == "tenants":
                 with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
                     f.write(TENANTS_TOML)
                 config_path = f.name
             port = free_port()
-            proc = start_server(port, "auto", config_path, True, ns.headroom_args.split())
-            url, model = f"http://127.0.0.1:{port}", None
+            proc = start_server(port, "auto", config_path, True, extra)
+            url, models = f"http://127.0.0.1:{port}", ns.models
         headers = ("interactive", "reasoning") if name == "tenants" else (None, None)
         try:
-            results = asyncio.run(drive(url, model, headers, ns, mixed))
+            results = asyncio.run(drive(url, models, headers, ns, mixed))
         finally:
             if proc is not None:
                 stop_server(proc)
@@ -245,8 +254,19 @@ def main() -> None:
         help="extra flags for `headroom serve` (a variant, measured after the defaults; not with "
         "--servers tenants if they name a --config)",
     )
+    p.add_argument("--lora", action="store_true", help="each tenant on its own rank-16 adapter")
+    p.add_argument("--adapters-dir", default="/tmp/headroom-lora-bench")
     p.add_argument("--json", default=None)
     ns = p.parse_args()
+    ns.models, ns.lora_args = (None, None), []
+    if ns.lora:
+        if ns.all_long or ns.peer:
+            p.error("--lora measures headroom's servers in the tenants scenario only")
+        from bench.lora import make_adapters
+
+        made = make_adapters(Path(ns.adapters_dir), 2, 16)
+        ns.models = tuple(name for name, _ in made)
+        ns.lora_args = ["--lora-modules", *(f"{name}={path}" for name, path in made)]
     PROMPTS = load_prompts()
     print(cpu_line())
     summaries = []
