@@ -5,6 +5,7 @@ CUDA graphs. Built once at start; the engine then only calls `runner.execute`.""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -62,7 +63,7 @@ class Executor:
             device,
             loaded.names,
             max_loras=config.scheduler.max_loras,
-            kernels=kernels if device.type == "cpu" and dtype == torch.float32 else None,
+            kernels=lora_kernels(device, dtype, kernels),
         )
         for name, path in config.lora:
             try:
@@ -106,3 +107,16 @@ class Executor:
             f"backend={self.backend.name} block_size={self.block_size} kv_blocks={self.num_blocks} "
             f"({self.num_blocks * self.block_size} tokens) cuda_graphs={self.cuda_graphs}"
         )
+
+
+def lora_kernels(device: torch.device, dtype: torch.dtype, cpu: ModuleType | None) -> ModuleType | None:
+    """The kernel that runs a step's adapter groups in one call a projection: headroom's
+    C++ one in float32 on the CPU, its Triton one on a GPU (triton is the GPU extra's, so
+    imported only there); None leaves them to torch's matmuls."""
+    if device.type == "cuda":
+        try:
+            from headroom.kernels import lora_triton
+        except ImportError:
+            return None
+        return lora_triton
+    return cpu if device.type == "cpu" and dtype == torch.float32 else None

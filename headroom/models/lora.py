@@ -6,12 +6,12 @@ gate_up, down), one A that stacks the A of every targeted part, and one B as wid
 fused output with each part's B in its own block (zeros elsewhere), PEFT's scaling
 folded in. A step's rows are grouped by adapter (Punica's SGMV shape), and base rows
 cost nothing. When the step's adapters fit the max_loras slots, which hold their weights
-stacked, every group runs at once: in float32 on the CPU through headroom's kernel (one
-call a projection, nothing padded); elsewhere, where the rows are even (decode), gathered
-into one padded block per slot, two batched matmuls a projection whatever the number of
-adapters. Otherwise (a prefill chunk under one adapter beside a few decodes, on the
-batched matmuls) each group is gathered, shrunk through its A, expanded through its B and
-added on its own.
+stacked, every group runs at once through a kernel, one call a projection with nothing
+padded: headroom's C++ kernel in float32 on the CPU, its Triton kernel on the GPU.
+Elsewhere, where the rows are even (decode), they are gathered into one padded block per
+slot, two batched matmuls a projection whatever the number of adapters. Otherwise (a
+prefill chunk under one adapter beside a few decodes, on the batched matmuls) each group
+is gathered, shrunk through its A, expanded through its B and added on its own.
 """
 
 from __future__ import annotations
@@ -292,8 +292,9 @@ class PaddedRows:
 
 @dataclass
 class SlotRows:
-    """A step's adapter rows grouped by slot, for headroom's CPU kernel, which runs every
-    group of a projection in one call and pads nothing."""
+    """A step's adapter rows grouped by slot, for a kernel that runs every group of a
+    projection in one call and pads nothing (kernels/linear/lora_add.cpp on the CPU,
+    kernels/lora_triton.py on the GPU: the same call)."""
 
     slots: LoraSlots
     kernels: ModuleType
@@ -343,7 +344,8 @@ class LoraRegistry:
         max_loras: int = 8,
         kernels: ModuleType | None = None,
     ):
-        """kernels: headroom's CPU kernels, to run the slots' groups with (float32 on the CPU)."""
+        """kernels: a module whose lora_add_ runs the slots' groups (headroom's C++ kernels
+        for float32 on the CPU, kernels/lora_triton on the GPU); None: torch's matmuls."""
         self.args, self.max_rank, self.dtype, self.device = args, max_rank, dtype, device
         self.kernels = kernels
         self.slots = LoraSlots(max_loras)

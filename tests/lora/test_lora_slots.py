@@ -167,10 +167,21 @@ def test_place_refuses_more_than_capacity():
 
 
 @pytest.fixture(scope="module")
-def kernels():
+def cpp():
     module, why = cpu_kernels()
     assert module is not None, why  # test_cpu_kernels: every machine that tests has a compiler
     return module
+
+
+# The C++ kernel (float32 on the CPU) and the Triton one (the GPU's; here through Triton's
+# interpreter, which tests/conftest.py selects without a GPU) take the same call.
+@pytest.fixture(scope="module", params=["c++", pytest.param("triton", marks=pytest.mark.triton)])
+def kernels(request, cpp):
+    if request.param == "c++":
+        return cpp
+    from headroom.kernels import lora_triton
+
+    return lora_triton
 
 
 # The kernel pads nothing, so uneven groups, a prefill chunk and odd row counts all run in
@@ -211,7 +222,8 @@ def test_the_kernel_step_with_more_adapters_than_slots_runs_group_by_group(defau
         torch.testing.assert_close(out, expected(loras, DECODE, 3, projection, x), rtol=1e-5, atol=1e-5)
 
 
-def test_the_kernel_adds_into_strided_rows_and_refuses_bad_indices(kernels):
+def test_the_kernel_adds_into_strided_rows_and_refuses_bad_indices(cpp):
+    kernels = cpp
     torch.manual_seed(0)
     a, b = torch.randn(3, 20, 13), torch.randn(3, 13, 37)
     x = torch.randn(6, 20)
@@ -227,7 +239,37 @@ def test_the_kernel_adds_into_strided_rows_and_refuses_bad_indices(kernels):
     assert torch.equal(wide[:, :5], before[:, :5]) and torch.equal(wide[:, 42:], before[:, 42:])
     with pytest.raises(RuntimeError, match="row 6 is outside the batch"):
         kernels.lora_add_(out, x, a, b, torch.tensor([6, 0, 2, 5]), starts, slots)
+    with pytest.raises(RuntimeError, match="row 0 is in more than one group"):
+        kernels.lora_add_(out, x, a, b, torch.tensor([0, 0, 2, 5]), starts, slots)
     with pytest.raises(RuntimeError, match="group 1: bad start or slot"):
         kernels.lora_add_(out, x, a, b, rows, starts, torch.tensor([2, 3]))
     with pytest.raises(RuntimeError, match="shapes do not agree"):
         kernels.lora_add_(out, x, a, b[:, :, :36].contiguous(), rows, starts, slots)
+
+
+@pytest.mark.triton
+def test_the_triton_kernel_adds_in_bfloat16_into_strided_rows():
+    """The GPU's dtype: bf16 weights and rows, the sums in float32, the shrunk rows rounded
+    to bf16 before the expand (as torch's bmm of the padded path does); a group of more
+    rows than one program takes, rows of no group and columns outside out left alone."""
+    from headroom.kernels import lora_triton
+
+    torch.manual_seed(0)
+    a, b = (torch.randn(3, 40, 13) / 4).bfloat16(), (torch.randn(3, 13, 70) / 4).bfloat16()
+    x = torch.randn(40, 40).bfloat16()
+    wide = torch.randn(40, 90).bfloat16()
+    out, before = wide[:, 5:75], wide.clone()  # rows 90 apart
+    others = [i for i in range(39, -1, -1) if i not in (7, 30, 1, 12)]
+    groups = {2: [7], 0: [30, 1, 12], 1: others[:33]}  # 33 rows: three programs; 3 rows in none
+    rows = torch.tensor([i for r in groups.values() for i in r])
+    starts = torch.tensor([0, 1, 4, 37])
+    lora_triton.lora_add_(out, x, a, b, rows, starts, torch.tensor(list(groups)))
+    want = before[:, 5:75].float()
+    for slot, members in groups.items():
+        for i in members:
+            t = (x[i].float() @ a[slot].float()).bfloat16().float()
+            want[i] += t @ b[slot].float()
+    torch.testing.assert_close(out, want.bfloat16(), rtol=1.6e-2, atol=1e-2)
+    untouched = sorted(set(range(40)) - set(rows.tolist()))
+    assert untouched and torch.equal(wide[untouched], before[untouched])
+    assert torch.equal(wide[:, :5], before[:, :5]) and torch.equal(wide[:, 75:], before[:, 75:])

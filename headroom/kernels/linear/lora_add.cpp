@@ -106,7 +106,7 @@ void check_float(const torch::Tensor& t, int64_t dim, const char* name) {
 // out: (N, O) float32, updated in place; x: (N, I); a: (S, I, R) and b: (S, R, O), each
 // slot's A and B (contiguous); rows: (K,) int64, the batch rows grouped by adapter;
 // starts: (G + 1,) int64, where each group begins in rows; slots: (G,) int64, each
-// group's slot. A row is in at most one group.
+// group's slot. A row is in at most one group (checked).
 void lora_add_(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor rows,
                torch::Tensor starts, torch::Tensor slots) {
   check_float(out, 2, "out");
@@ -126,7 +126,13 @@ void lora_add_(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tenso
   TORCH_CHECK(sp[0] == 0 && sp[G] == K, "starts must run from 0 to the number of rows");
   for (int64_t g = 0; g < G; ++g)
     TORCH_CHECK(sp[g] <= sp[g + 1] && gp[g] >= 0 && gp[g] < S, "group ", g, ": bad start or slot");
-  for (int64_t i = 0; i < K; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < N, "row ", rp[i], " is outside the batch");
+  // Tasks of different groups write their rows at once: a row in two groups would race.
+  std::vector<uint8_t> taken(N, 0);
+  for (int64_t i = 0; i < K; ++i) {
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < N, "row ", rp[i], " is outside the batch");
+    TORCH_CHECK(!taken[rp[i]], "row ", rp[i], " is in more than one group");
+    taken[rp[i]] = 1;
+  }
   if (K == 0 || R == 0) return;
 
   const float *xp = x.data_ptr<float>(), *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
