@@ -241,6 +241,12 @@ class SchedulerConfig:
     max_loras: AtLeast1 = Field(
         8, description="the most distinct LoRA adapters running at once, so in one step (SGLang's max-loras-per-batch)"
     )
+    max_cpu_loras: AtLeast1 | None = Field(
+        None,
+        description="the most LoRA adapters whose weights stay in memory, least recently used out first; "
+        "the others reload from their folder when a step needs them (vLLM's --max-cpu-loras; "
+        "default: every adapter loaded), at least max_loras",
+    )
     max_num_batched_tokens: int = Field(
         512,
         description="tokens one engine step may process across all sequences (decodes + prefill chunks), "
@@ -295,6 +301,11 @@ class SchedulerConfig:
     long_kv_share: Share = 0.6
 
     def __post_init__(self) -> None:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(
+                "max_cpu_loras must be >= max_loras, so that a step's adapters are all in memory "
+                f"({self.max_cpu_loras} < {self.max_loras})"
+            )
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(
                 "max_num_batched_tokens must be >= max_num_seqs so every running decode "

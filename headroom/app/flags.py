@@ -45,6 +45,7 @@ _FLAGS = {
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "max_loras": ("scheduler", "max_loras"),
+    "max_cpu_loras": ("scheduler", "max_cpu_loras"),
     "chunked_prefill": ("scheduler", "enable_chunked_prefill"),
     "seed": (None, "seed"),
     "host": ("server", "host"),

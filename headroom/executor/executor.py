@@ -63,6 +63,7 @@ class Executor:
             device,
             loaded.names,
             max_loras=config.scheduler.max_loras,
+            max_cpu_loras=config.scheduler.max_cpu_loras,
             kernels=lora_kernels(device, dtype, kernels),
         )
         for name, path in config.lora:

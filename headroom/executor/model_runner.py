@@ -188,7 +188,7 @@ class ModelRunner:
             logits_rows=to(torch.tensor(logits_rows, dtype=torch.int64)),
             sample_indices=sample_indices,
             lora=self.loras.step([(r.lora, n) for r, n in zip(out.requests, out.num_scheduled_tokens, strict=True)])
-            if self.loras is not None and self.loras.adapters
+            if self.loras is not None and self.loras.refs
             else None,
         )
 

@@ -23,6 +23,7 @@ import math
 import os
 import re
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -330,9 +331,11 @@ class LoraStep:
 
 
 class LoraRegistry:
-    """The adapters loaded, by name (what clients ask for) and by the uid each load gets
-    (what a request's AdapterRef carries). Loads and unloads come from the event loop's
-    side while the engine thread reads: each is one dict assignment."""
+    """The adapters registered, by name (what clients ask for) and by the uid each load gets
+    (what a request's AdapterRef carries), with the weights of at most max_cpu_loras of them
+    in memory: the least recently used leave first, and are read again from their folder
+    when a request or a step needs them. Loads come from the event loop's side, unloads and
+    steps from the engine thread; the lock orders their writes."""
 
     def __init__(
         self,
@@ -343,15 +346,20 @@ class LoraRegistry:
         base_names=(),
         max_loras: int = 8,
         kernels: ModuleType | None = None,
+        max_cpu_loras: int | None = None,
     ):
         """kernels: a module whose lora_add_ runs the slots' groups (headroom's C++ kernels
-        for float32 on the CPU, kernels/lora_triton on the GPU); None: torch's matmuls."""
+        for float32 on the CPU, kernels/lora_triton on the GPU); None: torch's matmuls.
+        max_cpu_loras: the most adapters whose weights stay in memory (None: all)."""
         self.args, self.max_rank, self.dtype, self.device = args, max_rank, dtype, device
         self.kernels = kernels
         self.slots = LoraSlots(max_loras)
+        self.max_cpu_loras = max_cpu_loras
         self.base_names = frozenset(base_names)
         self.refs: dict[str, AdapterRef] = {}
-        self.adapters: dict[int, LoraAdapter] = {}
+        self.folders: dict[int, tuple[str, str]] = {}  # uid -> (name, folder) of every adapter registered
+        self.adapters: OrderedDict[int, LoraAdapter] = OrderedDict()  # uid -> weights in memory, oldest use first
+        self.reloads = 0  # weights read again after they left memory
         self._uids = itertools.count(1)
         self._lock = threading.Lock()  # two loads of one name: the second is refused
 
@@ -364,8 +372,10 @@ class LoraRegistry:
         with self._lock:
             self._check_free(name)
             ref = AdapterRef(name, next(self._uids), cost)
+            self.folders[ref.uid] = (name, adapter.path)
             self.adapters[ref.uid] = adapter
             self.refs[name] = ref
+            self._evict(keep={ref.uid})
         return ref
 
     def _check_free(self, name: str) -> None:
@@ -375,16 +385,53 @@ class LoraRegistry:
     def unload(self, name: str) -> None:
         with self._lock:
             ref = self.refs.pop(name)
-            del self.adapters[ref.uid]
+            del self.folders[ref.uid]
+            self.adapters.pop(ref.uid, None)
         self.slots.forget(ref.uid)  # unloads run on the engine thread, between steps
 
     def loaded(self) -> dict[str, str]:
-        """name -> folder of every adapter loaded."""
+        """name -> folder of every adapter registered (in memory or not)."""
         with self._lock:
-            return {name: self.adapters[ref.uid].path for name, ref in self.refs.items()}
+            return {name: self.folders[ref.uid][1] for name, ref in self.refs.items()}
 
     def ref(self, name: str) -> AdapterRef | None:
         return self.refs.get(name)
+
+    def registered(self, uid: int) -> bool:
+        return uid in self.folders
+
+    def weights(self, uids) -> dict[int, LoraAdapter]:
+        """Each uid's weights, read again from its folder where they had left memory (on the
+        engine thread: the step waits for the read); then the least recently used others
+        beyond max_cpu_loras leave. Raises LoraError where a folder no longer reads."""
+        # Read outside the lock, so that a read from disk never holds up /v1/models; only
+        # this thread unloads, so the folders cannot go meanwhile.
+        read = {
+            uid: load_peft_adapter(*self.folders[uid], self.args, self.max_rank, self.dtype, self.device)
+            for uid in uids
+            if uid not in self.adapters
+        }
+        with self._lock:
+            found = {}
+            for uid in uids:
+                found[uid] = self.adapters.get(uid) or read.get(uid)
+                if found[uid] is None:  # dropped by a load between the read and here
+                    found[uid] = read[uid] = load_peft_adapter(
+                        *self.folders[uid], self.args, self.max_rank, self.dtype, self.device
+                    )
+                self.adapters[uid] = found[uid]
+                self.adapters.move_to_end(uid)
+            self.reloads += len(read)
+            self._evict(keep=found.keys())
+            return found
+
+    def _evict(self, keep) -> None:
+        """Drop the least recently used weights beyond max_cpu_loras, never those in keep.
+        An adapter's slot keeps its copy: the same folder gives the same weights."""
+        if self.max_cpu_loras is None:
+            return
+        for uid in [u for u in self.adapters if u not in keep][: max(0, len(self.adapters) - self.max_cpu_loras)]:
+            del self.adapters[uid]
 
     def step(self, rows: list[tuple[AdapterRef | None, int]]) -> LoraStep | None:
         """The step's LoRA work from each sequence's (adapter, rows in the batch), in
@@ -398,34 +445,35 @@ class LoraRegistry:
                 spans.setdefault(ref.uid, []).extend(range(start, start + n))
             start += n
         as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=self.device)
+        adapters = self.weights(spans)
         if self.kernels is not None:
-            grouped = self._group(spans, as_tensor)
+            grouped = self._group(spans, adapters, as_tensor)
             if grouped is not None:
                 return LoraStep([], grouped)
-            return LoraStep([(self.adapters[uid], as_tensor(r)) for uid, r in spans.items()])
+            return LoraStep([(adapters[uid], as_tensor(r)) for uid, r in spans.items()])
         # Groups of a few rows (decodes) run together through the slots; a group far larger
         # than the typical one (a prefill chunk) runs on its own, where one matmul over its
         # rows is already efficient and padding the others to its size would not be.
         sizes = sorted(len(r) for r in spans.values())
         typical = sizes[(len(sizes) - 1) // 2]
         small = {uid: r for uid, r in spans.items() if len(r) <= 2 * typical}
-        padded = self._pad(small, as_tensor) if len(small) >= 2 else None
+        padded = self._pad(small, adapters, as_tensor) if len(small) >= 2 else None
         alone = spans if padded is None else {uid: r for uid, r in spans.items() if uid not in small}
-        return LoraStep([(self.adapters[uid], as_tensor(r)) for uid, r in alone.items()], padded)
+        return LoraStep([(adapters[uid], as_tensor(r)) for uid, r in alone.items()], padded)
 
-    def _group(self, spans: dict[int, list[int]], as_tensor) -> SlotRows | None:
+    def _group(self, spans: dict[int, list[int]], adapters: dict[int, LoraAdapter], as_tensor) -> SlotRows | None:
         """Every row of `spans` by slot for the kernel; None when the slots cannot take them."""
-        placed = self.slots.place([(uid, self.adapters[uid]) for uid in spans])
+        placed = self.slots.place([(uid, adapters[uid]) for uid in spans])
         if placed is None:
             return None
         starts = [0, *itertools.accumulate(len(r) for r in spans.values())]
         rows = [i for r in spans.values() for i in r]
         return SlotRows(self.slots, self.kernels, as_tensor(rows), as_tensor(starts), as_tensor(placed))
 
-    def _pad(self, spans: dict[int, list[int]], as_tensor) -> PaddedRows | None:
+    def _pad(self, spans: dict[int, list[int]], adapters: dict[int, LoraAdapter], as_tensor) -> PaddedRows | None:
         """The rows of `spans` laid out by slot; None when the slots cannot take them or
         padding would cost more than it saves."""
-        placed = self.slots.place([(uid, self.adapters[uid]) for uid in spans])
+        placed = self.slots.place([(uid, adapters[uid]) for uid in spans])
         if placed is None:
             return None
         width, depth = max(placed) + 1, max(len(r) for r in spans.values())

@@ -26,7 +26,7 @@ from headroom.executor.grammar import Grammars
 from headroom.executor.model_runner import ModelOutput
 from headroom.executor.sampler import Sampler, SampleResult, TokenLogprob
 from headroom.models.loader import LoadedModel
-from headroom.models.lora import LoraInUse
+from headroom.models.lora import LoraError, LoraInUse
 from headroom.runtime import actions
 from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.commands import Abort, Add, Command, Control, SetLongLaneFactor, UnloadLora
@@ -154,10 +154,17 @@ class EngineCore:
         future.set_result(None)
 
     def _add(self, request: Request, sink: OutputSink) -> None:
-        if request.lora is not None and request.lora.uid not in self.executor.loras.adapters:
+        if request.lora is not None and not self.executor.loras.registered(request.lora.uid):
             # Built under an adapter that was unloaded while it waited (in admission).
             self.output_processor.reject(request, sink, f"the LoRA adapter {request.lora.name!r} was unloaded")
             return
+        if request.lora is not None:
+            try:  # weights that left memory (max_cpu_loras) come back now, so a folder gone fails here alone
+                self.executor.loras.weights([request.lora.uid])
+            except LoraError as exc:
+                log.warning("LoRA adapter %s could not be read again: %s", request.lora.name, exc)
+                self.output_processor.reject(request, sink, f"the LoRA adapter could not be read: {exc}")
+                return
         if request.request_id in self.output_processor:
             # Never let a duplicate id replace a live request's sink and detokenizer
             # (the scheduler would then raise here and end the engine thread).

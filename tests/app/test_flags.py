@@ -43,7 +43,7 @@ SERVE = [
     *("--host", "0.0.0.0", "--port", "9000", "--max-body-bytes", "4096", "--max-queue-len", "5"),
     *("--drain-timeout", "3", "--unknown-fields", "accept", "--request-metrics", "--seed", "7"),
     *("--admission", "off", "--log-format", "json", "--log-prompts"),
-    *("--lora-modules", "a=/x", "b=/y/z=1", "--max-lora-rank", "32", "--max-loras", "3"),
+    *("--lora-modules", "a=/x", "b=/y/z=1", "--max-lora-rank", "32", "--max-loras", "3", "--max-cpu-loras", "5"),
 ]
 
 

@@ -3,9 +3,11 @@ each prompt alone (float32, the unquantised reference path), on both CPU attenti
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
-from headroom.config import Config
+from headroom.config import Config, SchedulerConfig
 from headroom.contracts.request import SamplingParams
 from headroom.runtime.engine import Engine
 from tests.lora.conftest import ADAPTERS, peft_model
@@ -52,4 +54,55 @@ def test_mixed_batch_equals_peft(default_model, adapter_dirs, prompts, reference
         if name is not None:
             assert request.output_token_ids == reference[name][i], (name, i)
             assert request.output_token_ids != base[i], f"{name} gave the base model's tokens on prompt {i}"
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_adapters_that_leave_memory_come_back_exact(default_model, adapter_dirs, prompts, reference):
+    """max_cpu_loras=1: each adapter's weights leave memory when another one runs, and are
+    read again from their folder for its next step; every token is still peft's."""
+    config = Config(
+        scheduler=SchedulerConfig(max_loras=1, max_cpu_loras=1),
+        lora=[f"{n}={p}" for n, p in adapter_dirs.items()],
+    )
+    engine = Engine(config, loaded=default_model)
+    loras = engine.executor.loras
+    assert list(loras.adapters) == [loras.ref(list(adapter_dirs)[-1]).uid]  # the last loaded, alone
+    rows = [(name, i) for i in range(len(prompts)) for name in ADAPTERS]
+    outputs = []
+    requests = engine.generate(
+        [prompts[i] for _, i in rows],
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+        sink=outputs.append,
+        lora=[name for name, _ in rows],
+    )
+    assert [o.error for o in outputs if o.error] == []
+    for (name, i), request in zip(rows, requests, strict=True):
+        assert request.output_token_ids == reference[name][i], (name, i)
+    assert loras.reloads >= len(ADAPTERS)  # every adapter was out of memory at least once
+    assert len(loras.adapters) == 1
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_an_adapter_whose_folder_went_fails_alone(default_model, adapter_dirs, prompts, reference, tmp_path):
+    """An adapter out of memory whose folder was deleted: its request fails with the reason
+    when the engine takes it, and the other adapter's request runs to the end."""
+    gone = shutil.copytree(adapter_dirs["attn-r8"], tmp_path / "gone")
+    config = Config(
+        scheduler=SchedulerConfig(max_loras=1, max_cpu_loras=1),
+        lora=[f"gone={gone}", f"mlp-r16={adapter_dirs['mlp-r16']}"],
+    )
+    engine = Engine(config, loaded=default_model)
+    shutil.rmtree(gone)  # "gone" left memory when mlp-r16 loaded after it
+    outputs = []
+    failed, kept = engine.generate(
+        [prompts[0], prompts[0]],
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+        sink=outputs.append,
+        lora=["gone", "mlp-r16"],
+    )
+    errors = [o.error for o in outputs if o.error]
+    assert errors == [f"the LoRA adapter could not be read: LoRA adapter folder not found: {gone}"]
+    assert failed.output_token_ids == [] and failed.is_finished
+    assert kept.output_token_ids == reference["mlp-r16"][0]
+    assert engine.executor.loras.ref("gone") is not None  # still registered: an unload is the operator's call
     assert engine.block_manager.num_used_blocks == 0

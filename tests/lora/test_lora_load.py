@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from headroom.config import ConfigError, SchedulerConfig
 from headroom.models.lora import LoraError, LoraRegistry, load_peft_adapter
 
 CONFIG = "adapter_config.json"
@@ -460,9 +461,32 @@ def test_lora_alpha_that_is_not_a_positive_number(adapter_dirs, tmp_path, args, 
 
 
 def test_a_bad_adapter_in_the_config_stops_the_start_with_a_config_error(default_model, tmp_path):
-    from headroom.config import Config, ConfigError
+    from headroom.config import Config
     from headroom.runtime.engine import Engine
 
     missing = tmp_path / "gone"
     with pytest.raises(ConfigError, match=f"^{re.escape(f'lora: LoRA adapter folder not found: {missing}')}$"):
         Engine(Config(lora=[f"x={missing}"]), loaded=default_model)
+
+
+def test_weights_beyond_max_cpu_loras_leave_memory_least_recently_used_first(default_model, adapter_dirs):
+    loras = LoraRegistry(
+        default_model.args, 64, torch.float32, torch.device("cpu"), default_model.names, max_cpu_loras=2
+    )
+    a, b, c = (loras.load(n, adapter_dirs[n]) for n in ("attn-r8", "mlp-r16", "all-r4-rs"))
+    assert list(loras.adapters) == [b.uid, c.uid] and loras.reloads == 0  # a, the oldest, left
+    assert set(loras.loaded()) == {"attn-r8", "mlp-r16", "all-r4-rs"}  # still registered, all three
+    found = loras.weights([a.uid])
+    assert loras.reloads == 1 and list(loras.adapters) == [c.uid, a.uid]  # b, now the oldest, left
+    assert found[a.uid].targets == ("q_proj", "v_proj") and found[a.uid] is loras.adapters[a.uid]
+    assert loras.weights([c.uid])[c.uid] is loras.adapters[c.uid] and loras.reloads == 1  # in memory: no read
+    assert list(loras.adapters) == [a.uid, c.uid]  # c used last
+    loras.weights([a.uid, b.uid, c.uid])  # a step's own adapters never leave for each other
+    assert set(loras.adapters) == {a.uid, b.uid, c.uid} and loras.reloads == 2
+    loras.unload("mlp-r16")
+    assert not loras.registered(b.uid) and b.uid not in loras.adapters
+
+
+def test_max_cpu_loras_below_max_loras_is_refused():
+    with pytest.raises(ConfigError, match=r"max_cpu_loras must be >= max_loras, .* \(2 < 4\)"):
+        SchedulerConfig(max_loras=4, max_cpu_loras=2)
