@@ -71,6 +71,7 @@ class Executor:
                 loras.load(name, path)
             except LoraError as exc:
                 raise ConfigError(f"lora: {exc}") from None
+        loras.warm()
         runner = ModelRunner(
             loaded.model,
             backend,

@@ -128,14 +128,17 @@ def lora_add_(
     x: torch.Tensor,
     a: torch.Tensor,
     b: torch.Tensor,
+    spans: torch.Tensor,
     rows: torch.Tensor,
     starts: torch.Tensor,
     slots: torch.Tensor,
 ) -> None:
     """out: (N, O), updated in place; x: (N, I); a: (S, I, R) and b: (S, R, O), each slot's
-    A and B; rows: (K,) int64, the batch rows grouped by adapter; starts: (G + 1,) int64,
-    where each group begins in rows; slots: (G,) int64, each group's slot. A row is in at
-    most one group. The arguments of headroom's C++ lora_add_, for tensors on the GPU."""
+    A and B; spans: where each row of B may be non-zero (the C++ kernel skips the rest;
+    here a tile's dot costs the same with zeros, so they are not read); rows: (K,) int64,
+    the batch rows grouped by adapter; starts: (G + 1,) int64, where each group begins in
+    rows; slots: (G,) int64, each group's slot. A row is in at most one group. The
+    arguments of headroom's C++ lora_add_, for tensors on the GPU."""
     if x.dim() != 2 or out.dim() != 2 or x.stride(1) != 1 or out.stride(1) != 1:
         raise ValueError("out and x must be 2-D with contiguous rows")
     if a.dim() != 3 or b.dim() != 3 or not (a.is_contiguous() and b.is_contiguous()):

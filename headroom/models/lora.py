@@ -85,6 +85,7 @@ class FusedLora:
     a: torch.Tensor  # (R, in): the targeted parts' A stacked
     b: torch.Tensor  # (out, R): each part's B * scaling in its block, zeros elsewhere
     parameters: int  # the parts' own weights: b's zeros are layout, not arithmetic
+    spans: torch.Tensor  # (R, 2) int64 on the CPU: the output columns [lo, hi) of each rank's part
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         return (x @ self.a.t()) @ self.b.t()
@@ -195,21 +196,24 @@ def _fuse(
 ) -> FusedLora:
     total_r = sum(a.shape[0] for _, a, _ in parts)
     b = torch.zeros(sum(outs), total_r)
+    spans = torch.zeros(total_r, 2, dtype=torch.int64)
     r0 = 0
     for part, a, part_b in parts:
         o0 = sum(outs[:part])
         b[o0 : o0 + outs[part], r0 : r0 + a.shape[0]] = part_b
+        spans[r0 : r0 + a.shape[0]] = torch.tensor([o0, o0 + outs[part]])
         r0 += a.shape[0]
     parameters = sum(a.numel() + part_b.numel() for _, a, part_b in parts)
     a = torch.cat([a for _, a, _ in parts])
-    return FusedLora(a.to(device, dtype).contiguous(), b.to(device, dtype).contiguous(), parameters)
+    return FusedLora(a.to(device, dtype).contiguous(), b.to(device, dtype).contiguous(), parameters, spans)
 
 
 class LoraSlots:
     """max_loras slots, each holding one adapter's weights in stacks per projection (the
     A of slot s at a[key][s] as (in, R), its B at b[key][s] as (R, out), zero-padded to the
-    widest rank placed), so that one batched matmul serves every adapter of a step. Owned
-    by the engine thread: written only while it prepares a step, never during one."""
+    widest rank placed, and at spans[key][s] the columns where each row of that B may be
+    non-zero), so that one call serves every adapter of a step. Owned by the engine
+    thread: written only while it prepares a step, never during one."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -217,6 +221,7 @@ class LoraSlots:
         self.last_used: dict[int, int] = {}  # uid -> the placement that last used it (LRU)
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
+        self.spans: dict[tuple[int, str], torch.Tensor] = {}  # (S, R, 2) int64 on the CPU
         self._clock = 0
 
     def place(self, adapters: list[tuple[int, LoraAdapter]]) -> list[int] | None:
@@ -250,26 +255,38 @@ class LoraSlots:
     def _write(self, slot: int, adapter: LoraAdapter) -> None:
         for key, fused in adapter.layers.items():
             r = fused.a.shape[0]
-            if key not in self.a or self.a[key].shape[2] < r:
-                self._widen(key, fused, r)
-            a, b = self.a[key][slot], self.b[key][slot]
-            a.zero_()
-            b.zero_()
+            self._grow(key, fused.a.shape[1], fused.b.shape[0], slot + 1, r, fused.a)
+            a, b, spans = self.a[key][slot], self.b[key][slot], self.spans[key][slot]
+            a[:, r:].zero_()
+            b[r:].zero_()
+            spans.zero_()
             a[:, :r] = fused.a.t()
             b[:r] = fused.b.t()
+            spans[:r] = fused.spans
         for key in self.a.keys() - adapter.layers.keys():  # projections it leaves alone
+            a = self.a[key]
+            self._grow(key, a.shape[1], self.b[key].shape[2], slot + 1, a.shape[2], a)
             self.a[key][slot].zero_()
             self.b[key][slot].zero_()
+            self.spans[key][slot].zero_()
 
-    def _widen(self, key: tuple[int, str], fused: FusedLora, r: int) -> None:
-        (out, _), (_, fan_in) = fused.b.shape, fused.a.shape
-        a = fused.a.new_zeros(self.capacity, fan_in, r)
-        b = fused.b.new_zeros(self.capacity, r, out)
+    def _grow(self, key: tuple[int, str], fan_in: int, out: int, slots: int, r: int, like: torch.Tensor) -> None:
+        """Make key's stacks at least `slots` slots deep and r ranks wide, keeping what they
+        hold. Only the slots in use are allocated (place fills the lowest free ones first):
+        a stack's zeros are written page by page, at a cost the step that first needs them pays."""
+        if key in self.a and self.a[key].shape[0] >= slots and self.a[key].shape[2] >= r:
+            return
         if key in self.a:
-            old = self.a[key].shape[2]
-            a[:, :, :old] = self.a[key]
-            b[:, :old] = self.b[key]
-        self.a[key], self.b[key] = a, b
+            slots, r = max(slots, self.a[key].shape[0]), max(r, self.a[key].shape[2])
+        a = like.new_zeros(slots, fan_in, r)
+        b = like.new_zeros(slots, r, out)
+        spans = torch.zeros(slots, r, 2, dtype=torch.int64)
+        if key in self.a:
+            held, old = self.a[key].shape[0], self.a[key].shape[2]
+            a[:held, :, :old] = self.a[key]
+            b[:held, :old] = self.b[key]
+            spans[:held, :old] = self.spans[key]
+        self.a[key], self.b[key], self.spans[key] = a, b, spans
 
 
 @dataclass
@@ -304,7 +321,8 @@ class SlotRows:
     held: torch.Tensor  # (groups,) the slot of each group
 
     def add(self, key: tuple[int, str], x: torch.Tensor, out: torch.Tensor) -> None:
-        self.kernels.lora_add_(out, x, self.slots.a[key], self.slots.b[key], self.rows, self.starts, self.held)
+        slots = self.slots
+        self.kernels.lora_add_(out, x, slots.a[key], slots.b[key], slots.spans[key], self.rows, self.starts, self.held)
 
 
 @dataclass
@@ -377,6 +395,13 @@ class LoraRegistry:
             self.refs[name] = ref
             self._evict(keep={ref.uid})
         return ref
+
+    def warm(self) -> None:
+        """Write the adapters in memory into the slots now, as many as there are slots, so
+        that the first steps under them allocate nothing (the engine's start calls it)."""
+        with self._lock:
+            held = list(self.adapters.items())[-self.slots.capacity :]
+        self.slots.place(held)
 
     def _check_free(self, name: str) -> None:
         if name in self.refs or name in self.base_names:

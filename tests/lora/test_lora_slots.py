@@ -143,13 +143,29 @@ def test_a_wider_rank_widens_the_stack_and_keeps_what_it_holds(default_model, ad
     small, large = loras.adapters[loras.ref("all-r4-rs").uid], loras.adapters[loras.ref("mlp-r16").uid]
     slots = loras.slots
     slots.place([(1, small)])
-    assert slots.a[(0, "down")].shape == (2, 1536, 4)
+    assert slots.a[(0, "down")].shape == (1, 1536, 4)  # only the slots in use are allocated
     slots.place([(1, small), (2, large)])
     assert slots.a[(0, "down")].shape == (2, 1536, 16) and slots.b[(0, "down")].shape == (2, 16, 576)
+    assert slots.spans[(0, "down")].shape == (2, 16, 2)
+    assert slots.spans[(0, "down")][0, :4].tolist() == [[0, 576]] * 4  # down's one part, all its columns
+    assert slots.spans[(0, "down")][0, 4:].abs().max().item() == 0  # the ranks small lacks
     kept = small.layers[(0, "down")]
     assert torch.equal(slots.a[(0, "down")][0, :, :4], kept.a.t())
     assert slots.a[(0, "down")][0, :, 4:].abs().max().item() == 0.0
     assert torch.equal(slots.b[(0, "down")][0, :4], kept.b.t())
+
+
+def test_warm_writes_the_adapters_so_that_the_first_steps_allocate_nothing(default_model, adapter_dirs):
+    loras = registry(default_model, adapter_dirs, max_loras=2)
+    loras.warm()  # the two loaded last, as many as the slots
+    assert loras.slots.uids == [loras.ref("mlp-r16").uid, loras.ref("all-r4-rs").uid]
+    stacks = {key: (a.data_ptr(), loras.slots.b[key].data_ptr()) for key, a in loras.slots.a.items()}
+    step = loras.step([(loras.ref("all-r4-rs"), 1), (loras.ref("mlp-r16"), 2)])
+    assert {key: (a.data_ptr(), loras.slots.b[key].data_ptr()) for key, a in loras.slots.a.items()} == stacks
+    plan = [("all-r4-rs", 1), ("mlp-r16", 2)]
+    for projection in PROJECTIONS:
+        x, out = run(step, loras, 5, projection, 3)
+        torch.testing.assert_close(out, expected(loras, plan, 5, projection, x), rtol=1e-5, atol=1e-5)
 
 
 def test_unload_empties_the_slot(default_model, adapter_dirs):
@@ -226,11 +242,12 @@ def test_the_kernel_adds_into_strided_rows_and_refuses_bad_indices(cpp):
     kernels = cpp
     torch.manual_seed(0)
     a, b = torch.randn(3, 20, 13), torch.randn(3, 13, 37)
+    spans = torch.tensor([0, 37]).repeat(3, 13, 1)  # every row of every B may reach every column
     x = torch.randn(6, 20)
     wide = torch.randn(6, 50)
     out, before = wide[:, 5:42], wide.clone()  # rows 50 floats apart
     rows, starts, slots = torch.tensor([4, 0, 2, 5]), torch.tensor([0, 1, 4]), torch.tensor([2, 0])
-    kernels.lora_add_(out, x, a, b, rows, starts, slots)
+    kernels.lora_add_(out, x, a, b, spans, rows, starts, slots)
     want = before[:, 5:42].clone()
     want[4] += x[4] @ a[2] @ b[2]
     for i in (0, 2, 5):
@@ -238,13 +255,53 @@ def test_the_kernel_adds_into_strided_rows_and_refuses_bad_indices(cpp):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
     assert torch.equal(wide[:, :5], before[:, :5]) and torch.equal(wide[:, 42:], before[:, 42:])
     with pytest.raises(RuntimeError, match="row 6 is outside the batch"):
-        kernels.lora_add_(out, x, a, b, torch.tensor([6, 0, 2, 5]), starts, slots)
+        kernels.lora_add_(out, x, a, b, spans, torch.tensor([6, 0, 2, 5]), starts, slots)
     with pytest.raises(RuntimeError, match="row 0 is in more than one group"):
-        kernels.lora_add_(out, x, a, b, torch.tensor([0, 0, 2, 5]), starts, slots)
+        kernels.lora_add_(out, x, a, b, spans, torch.tensor([0, 0, 2, 5]), starts, slots)
     with pytest.raises(RuntimeError, match="group 1: bad start or slot"):
-        kernels.lora_add_(out, x, a, b, rows, starts, torch.tensor([2, 3]))
+        kernels.lora_add_(out, x, a, b, spans, rows, starts, torch.tensor([2, 3]))
     with pytest.raises(RuntimeError, match="shapes do not agree"):
-        kernels.lora_add_(out, x, a, b[:, :, :36].contiguous(), rows, starts, slots)
+        kernels.lora_add_(out, x, a, b[:, :, :36].contiguous(), spans, rows, starts, slots)
+    with pytest.raises(RuntimeError, match="spans must be a contiguous int64 .S, R, 2. tensor"):
+        kernels.lora_add_(out, x, a, b, spans[:, :12].contiguous(), rows, starts, slots)
+
+
+def test_the_kernel_skips_b_outside_the_spans_and_a_past_the_rank(cpp):
+    """A fused B is block-placed and a slot may be wider than its adapter. The expand skips
+    a row of B in every block of 32 columns (then each column past the last block) that its
+    span misses, and the shrink stops at the slot's last row with a span: NaN in all those
+    places must not reach the output (any read of one would)."""
+    torch.manual_seed(1)
+    a, b = torch.randn(2, 24, 40), torch.randn(2, 40, 70)
+    spans = torch.zeros(2, 40, 2, dtype=torch.int64)
+    nan = float("nan")
+    parts = [  # slot, rank rows, span, B's columns that are skipped, B's zeros that are read
+        (0, slice(0, 8), (0, 32), [slice(32, 70)], []),
+        (0, slice(8, 12), (48, 59), [slice(0, 32), slice(64, 70)], [slice(32, 48), slice(59, 64)]),
+        (0, slice(12, 20), (59, 70), [slice(0, 32)], [slice(32, 59)]),
+        (1, slice(0, 4), (3, 67), [], [slice(0, 3), slice(67, 70)]),  # rank 4, edges inside blocks
+    ]
+    clean_a, clean_b = a.clone(), b.clone()
+    for slot, ranks, span, skipped, zeros in parts:
+        spans[slot, ranks] = torch.tensor(span)
+        for cols in skipped:
+            b[slot, ranks, cols], clean_b[slot, ranks, cols] = nan, 0.0
+        for cols in zeros:
+            b[slot, ranks, cols] = clean_b[slot, ranks, cols] = 0.0
+    b[0, 20:] = b[1, 4:] = nan  # rows with no span
+    a[0, :, 20:] = a[1, :, 4:] = nan  # rank columns past the slot's adapter
+    clean_b[0, 20:] = clean_b[1, 4:] = clean_a[0, :, 20:] = clean_a[1, :, 4:] = 0.0
+    x = torch.randn(9, 24)
+    out = torch.zeros(9, 70)
+    rows, starts, slots = torch.tensor([0, 1, 2, 3, 4, 8, 5, 6]), torch.tensor([0, 5, 8]), torch.tensor([0, 1])
+    cpp.lora_add_(out, x, a, b, spans, rows, starts, slots)
+    want = torch.zeros(9, 70)
+    for g, s in enumerate(slots.tolist()):
+        for i in rows[starts[g] : starts[g + 1]].tolist():
+            want[i] = x[i] @ clean_a[s] @ clean_b[s]
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+    assert out[7].abs().max().item() == 0.0 and out[0].abs().max().item() > 0.0
 
 
 @pytest.mark.triton
@@ -263,7 +320,8 @@ def test_the_triton_kernel_adds_in_bfloat16_into_strided_rows():
     groups = {2: [7], 0: [30, 1, 12], 1: others[:33]}  # 33 rows: three programs; 3 rows in none
     rows = torch.tensor([i for r in groups.values() for i in r])
     starts = torch.tensor([0, 1, 4, 37])
-    lora_triton.lora_add_(out, x, a, b, rows, starts, torch.tensor(list(groups)))
+    spans = torch.tensor([0, 70]).repeat(3, 13, 1)
+    lora_triton.lora_add_(out, x, a, b, spans, rows, starts, torch.tensor(list(groups)))
     want = before[:, 5:75].float()
     for slot, members in groups.items():
         for i in members:

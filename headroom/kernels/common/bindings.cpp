@@ -21,8 +21,8 @@ torch::Tensor qdot_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
                           int64_t bits);
 bool qdot_available();
 torch::Tensor qgemm_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, torch::Tensor mins);
-void lora_add_(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor rows,
-               torch::Tensor starts, torch::Tensor slots);
+void lora_add_(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor spans,
+               torch::Tensor rows, torch::Tensor starts, torch::Tensor slots);
 
 // Every kernel runs without the GIL, as PyTorch's own ops do: the engine thread spends most
 // of a step in them, and the event loop must be able to stream tokens meanwhile.
@@ -54,7 +54,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         no_gil, py::arg("x"), py::arg("tiles"), py::arg("scales"), py::arg("mins"));
   m.def("lora_add_", &lora_add_,
         "out[rows] += x[rows] @ A[slot] @ B[slot] in place, for groups of rows each under one slot's LoRA weights",
-        no_gil, py::arg("out"), py::arg("x"), py::arg("a"), py::arg("b"), py::arg("rows"), py::arg("starts"),
-        py::arg("slots"));
+        no_gil, py::arg("out"), py::arg("x"), py::arg("a"), py::arg("b"), py::arg("spans"), py::arg("rows"),
+        py::arg("starts"), py::arg("slots"));
   m.def("qdot_available", &qdot_available, "whether this build has the AVX-512 VNNI integer-dot linear");
 }

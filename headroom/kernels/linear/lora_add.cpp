@@ -5,6 +5,10 @@
 // a BLAS to be efficient. Here both products are written as row updates (t += x[c] * A[c],
 // y += t[r] * B[r]) whose sums stay in registers along a contiguous row of the weights, so
 // a group reads its slot's A and B once for all its rows and nothing is padded.
+// A fused projection's B is block-placed (q's rank rows feed q's columns only, and so on)
+// and a slot is as wide as the widest adapter placed: spans[slot][r] gives the columns
+// where B's row r may be non-zero, and the products skip the rest (most of B, and every
+// rank row past the slot's own adapter's).
 #include "tensor.h"
 
 #include "pool.h"
@@ -42,11 +46,13 @@ void shrink_block(const float* const* xr, const float* A, int64_t I, int64_t R, 
 }
 
 template <int NR, int NV>
-void expand_block(const float* t, int64_t R, const float* B, int64_t O, int64_t j, float* const* yr) {
+void expand_block(const float* t, int64_t R, const float* B, const int64_t* span, int64_t O, int64_t j,
+                  float* const* yr) {
   __m256 acc[NR][NV];
   for (int n = 0; n < NR; ++n)
     for (int v = 0; v < NV; ++v) acc[n][v] = _mm256_loadu_ps(yr[n] + j + 8 * v);
   for (int64_t r = 0; r < R; ++r) {
+    if (span[2 * r + 1] <= j || span[2 * r] >= j + 8 * NV) continue;  // B's row r is zero here
     const float* b = B + r * O + j;
     for (int n = 0; n < NR; ++n) {
       const __m256 tv = _mm256_broadcast_ss(t + n * R + r);
@@ -58,16 +64,18 @@ void expand_block(const float* t, int64_t R, const float* B, int64_t O, int64_t 
 }
 #endif
 
+// The first `used` of the R columns of t (A's row stride stays R).
 template <int NR>
-void shrink(const float* x, int64_t xs, const int64_t* rows, const float* A, int64_t I, int64_t R, float* t) {
+void shrink(const float* x, int64_t xs, const int64_t* rows, const float* A, int64_t I, int64_t R, int64_t used,
+            float* t) {
   const float* xr[NR];
   for (int n = 0; n < NR; ++n) xr[n] = x + rows[n] * xs;
   int64_t r0 = 0;
 #ifdef HEADROOM_AVX2
-  for (; r0 + 8 * kVectors <= R; r0 += 8 * kVectors) shrink_block<NR, kVectors>(xr, A, I, R, r0, t);
-  for (; r0 + 8 <= R; r0 += 8) shrink_block<NR, 1>(xr, A, I, R, r0, t);
+  for (; r0 + 8 * kVectors <= used; r0 += 8 * kVectors) shrink_block<NR, kVectors>(xr, A, I, R, r0, t);
+  for (; r0 + 8 <= used; r0 += 8) shrink_block<NR, 1>(xr, A, I, R, r0, t);
 #endif
-  for (; r0 < R; ++r0) {  // columns past the last full register block
+  for (; r0 < used; ++r0) {  // columns past the last full register block
     for (int n = 0; n < NR; ++n) {
       float s = 0.f;
       for (int64_t c = 0; c < I; ++c) s += xr[n][c] * A[c * R + r0];
@@ -79,19 +87,20 @@ void shrink(const float* x, int64_t xs, const int64_t* rows, const float* A, int
 // y[rows[n], j0:j1] += t[n] @ B[:, j0:j1] for NR rows (B: (R, O)), the sums of a block of
 // columns kept in registers across R.
 template <int NR>
-void expand(const float* t, int64_t R, const float* B, int64_t O, int64_t j0, int64_t j1, float* y, int64_t ys,
-            const int64_t* rows) {
+void expand(const float* t, int64_t R, const float* B, const int64_t* span, int64_t O, int64_t j0, int64_t j1,
+            float* y, int64_t ys, const int64_t* rows) {
   float* yr[NR];
   for (int n = 0; n < NR; ++n) yr[n] = y + rows[n] * ys;
   int64_t j = j0;
 #ifdef HEADROOM_AVX2
-  for (; j + 8 * kVectors <= j1; j += 8 * kVectors) expand_block<NR, kVectors>(t, R, B, O, j, yr);
-  for (; j + 8 <= j1; j += 8) expand_block<NR, 1>(t, R, B, O, j, yr);
+  for (; j + 8 * kVectors <= j1; j += 8 * kVectors) expand_block<NR, kVectors>(t, R, B, span, O, j, yr);
+  for (; j + 8 <= j1; j += 8) expand_block<NR, 1>(t, R, B, span, O, j, yr);
 #endif
   for (; j < j1; ++j) {  // columns past the last full register block
     for (int n = 0; n < NR; ++n) {
       float s = yr[n][j];
-      for (int64_t r = 0; r < R; ++r) s += t[n * R + r] * B[r * O + j];
+      for (int64_t r = 0; r < R; ++r)
+        if (span[2 * r] <= j && j < span[2 * r + 1]) s += t[n * R + r] * B[r * O + j];
       yr[n][j] = s;
     }
   }
@@ -104,11 +113,13 @@ void check_float(const torch::Tensor& t, int64_t dim, const char* name) {
 }  // namespace
 
 // out: (N, O) float32, updated in place; x: (N, I); a: (S, I, R) and b: (S, R, O), each
-// slot's A and B (contiguous); rows: (K,) int64, the batch rows grouped by adapter;
+// slot's A and B (contiguous); spans: (S, R, 2) int64, the columns [lo, hi) where each row
+// of each slot's B may be non-zero (lo = hi: a zero row, whose rank column is never
+// computed past the slot's last non-zero row); rows: (K,) int64, the batch rows grouped by adapter;
 // starts: (G + 1,) int64, where each group begins in rows; slots: (G,) int64, each
 // group's slot. A row is in at most one group (checked).
-void lora_add_(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor rows,
-               torch::Tensor starts, torch::Tensor slots) {
+void lora_add_(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor spans,
+               torch::Tensor rows, torch::Tensor starts, torch::Tensor slots) {
   check_float(out, 2, "out");
   check_float(x, 2, "x");
   TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.is_contiguous() && b.is_contiguous() &&
@@ -120,6 +131,9 @@ void lora_add_(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tenso
   for (const auto* t : {&rows, &starts, &slots})
     TORCH_CHECK(t->dim() == 1 && t->scalar_type() == torch::kInt64 && t->is_contiguous(),
                 "rows, starts and slots must be contiguous int64 vectors");
+  TORCH_CHECK(spans.dim() == 3 && spans.size(0) == S && spans.size(1) == R && spans.size(2) == 2 &&
+                  spans.scalar_type() == torch::kInt64 && spans.is_contiguous(),
+              "spans must be a contiguous int64 (S, R, 2) tensor, one column range per row of B");
   const int64_t G = slots.numel(), K = rows.numel();
   TORCH_CHECK(starts.numel() == G + 1, "starts must hold one more entry than slots");
   const int64_t *rp = rows.data_ptr<int64_t>(), *sp = starts.data_ptr<int64_t>(), *gp = slots.data_ptr<int64_t>();
@@ -136,6 +150,16 @@ void lora_add_(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tenso
   if (K == 0 || R == 0) return;
 
   const float *xp = x.data_ptr<float>(), *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
+  const int64_t* spp = spans.data_ptr<int64_t>();
+  // Each group's rank: the rows of its slot up to the last one with columns (the rank
+  // columns past it are never computed, nor read: their spans are empty).
+  std::vector<int64_t> rank(G, 0);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t r = R; r > 0; --r)
+      if (spp[(gp[g] * R + r - 1) * 2 + 1] > spp[(gp[g] * R + r - 1) * 2]) {
+        rank[g] = r;
+        break;
+      }
   float* yp = out.data_ptr<float>();
   const int64_t xs = x.stride(0), ys = out.stride(0);
   auto shrunk = torch::empty({K, R}, x.options());
@@ -160,10 +184,11 @@ void lora_add_(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tenso
   // t = x @ A: each row of the slot's A meets a column of two rows at once.
   headroom::parallel_rows(K, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t task = t0; task < t1; ++task) {
-      const float* A = ap + gp[task_group[task]] * I * R;
+      const int64_t g = task_group[task];
+      const float* A = ap + gp[g] * I * R;
       rows_of(task, [&](int64_t i, int n) {
-        if (n == 2) shrink<2>(xp, xs, rp + i, A, I, R, tp + i * R);
-        else shrink<1>(xp, xs, rp + i, A, I, R, tp + i * R);
+        if (n == 2) shrink<2>(xp, xs, rp + i, A, I, R, rank[g], tp + i * R);
+        else shrink<1>(xp, xs, rp + i, A, I, R, rank[g], tp + i * R);
       });
     }
   });
@@ -173,10 +198,12 @@ void lora_add_(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tenso
   headroom::parallel_rows(K, T * chunks, 1, [&](int64_t w0, int64_t w1) {
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t task = w / chunks, j0 = (w % chunks) * kColumns, j1 = std::min(O, j0 + kColumns);
-      const float* B = bp + gp[task_group[task]] * R * O;
+      const int64_t slot = gp[task_group[task]];
+      const float* B = bp + slot * R * O;
+      const int64_t* span = spp + slot * R * 2;
       rows_of(task, [&](int64_t i, int n) {
-        if (n == 2) expand<2>(tp + i * R, R, B, O, j0, j1, yp, ys, rp + i);
-        else expand<1>(tp + i * R, R, B, O, j0, j1, yp, ys, rp + i);
+        if (n == 2) expand<2>(tp + i * R, R, B, span, O, j0, j1, yp, ys, rp + i);
+        else expand<1>(tp + i * R, R, B, span, O, j0, j1, yp, ys, rp + i);
       });
     }
   });
