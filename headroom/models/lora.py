@@ -222,6 +222,7 @@ class LoraSlots:
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
         self.spans: dict[tuple[int, str], torch.Tensor] = {}  # (S, R, 2) int64 on the CPU
+        self.depth = 0  # the slots the stacks hold: 1 + the highest slot written
         self._clock = 0
 
     def place(self, adapters: list[tuple[int, LoraAdapter]]) -> list[int] | None:
@@ -253,9 +254,12 @@ class LoraSlots:
         self.last_used.pop(uid, None)
 
     def _write(self, slot: int, adapter: LoraAdapter) -> None:
+        # Every stack is as deep as the deepest slot written: a projection first placed at
+        # slot 1 still serves a step whose other adapter sits in slot 5 (as zeros there).
+        self.depth = max(self.depth, slot + 1)
         for key, fused in adapter.layers.items():
             r = fused.a.shape[0]
-            self._grow(key, fused.a.shape[1], fused.b.shape[0], slot + 1, r, fused.a)
+            self._grow(key, fused.a.shape[1], fused.b.shape[0], self.depth, r, fused.a)
             a, b, spans = self.a[key][slot], self.b[key][slot], self.spans[key][slot]
             a[:, r:].zero_()
             b[r:].zero_()
@@ -265,7 +269,7 @@ class LoraSlots:
             spans[:r] = fused.spans
         for key in self.a.keys() - adapter.layers.keys():  # projections it leaves alone
             a = self.a[key]
-            self._grow(key, a.shape[1], self.b[key].shape[2], slot + 1, a.shape[2], a)
+            self._grow(key, a.shape[1], self.b[key].shape[2], self.depth, a.shape[2], a)
             self.a[key][slot].zero_()
             self.b[key][slot].zero_()
             self.spans[key][slot].zero_()

@@ -155,6 +155,23 @@ def test_a_wider_rank_widens_the_stack_and_keeps_what_it_holds(default_model, ad
     assert torch.equal(slots.b[(0, "down")][0, :4], kept.b.t())
 
 
+def test_a_projection_first_placed_in_a_low_slot_serves_a_step_with_a_higher_one(default_model, adapter_dirs, kernels):
+    """attn-r8 twice (slots 0 and 1, qkv only), then mlp-r16 over slot 0 creates the MLP
+    stacks; a step of mlp-r16 beside the second attn-r8 in slot 1 reads those stacks at
+    slot 1 too, which must exist (as zeros)."""
+    loras = registry(default_model, adapter_dirs, max_loras=2, kernels=kernels)
+    twin = loras.load("attn-twin", adapter_dirs["attn-r8"])
+    loras.step([(loras.ref("attn-r8"), 1)])
+    loras.step([(loras.ref("attn-r8"), 1), (twin, 1)])
+    plan = [("mlp-r16", 2), ("attn-twin", 1)]
+    step = loras.step([(loras.ref(n), k) for n, k in plan])
+    assert loras.slots.uids == [loras.ref("mlp-r16").uid, twin.uid]
+    assert {a.shape[0] for a in loras.slots.a.values()} == {2}
+    for projection in PROJECTIONS:
+        x, out = run(step, loras, 4, projection, 3)
+        torch.testing.assert_close(out, expected(loras, plan, 4, projection, x), rtol=1e-5, atol=1e-5)
+
+
 def test_warm_writes_the_adapters_so_that_the_first_steps_allocate_nothing(default_model, adapter_dirs):
     loras = registry(default_model, adapter_dirs, max_loras=2)
     loras.warm()  # the two loaded last, as many as the slots
