@@ -27,6 +27,19 @@ BLOCK_N = 64  # output columns per expand program
 
 
 @triton.jit
+def _group_tile(rows_ptr, starts_ptr, slots_ptr, BLOCK_M: tl.constexpr):
+    # This program's tile of its group (program_id 0) rows (program_id 1): whether it holds
+    # any, their places n in rows, which of them are in the group, their batch rows, the slot.
+    group = tl.program_id(0)
+    first = tl.load(starts_ptr + group) + tl.program_id(1) * BLOCK_M
+    end = tl.load(starts_ptr + group + 1)
+    n = first + tl.arange(0, BLOCK_M)
+    n_ok = n < end
+    row = tl.load(rows_ptr + n, mask=n_ok, other=0).to(tl.int64)
+    return first < end, n, n_ok, row, tl.load(slots_ptr + group).to(tl.int64)
+
+
+@triton.jit
 def shrink_kernel(
     x_ptr,
     a_ptr,
@@ -47,14 +60,9 @@ def shrink_kernel(
     DOT_FP32: tl.constexpr,
 ):
     # One program per (group, BLOCK_M of its rows): t[n] = x[rows[n]] @ A[slot].
-    group = tl.program_id(0)
-    first = tl.load(starts_ptr + group) + tl.program_id(1) * BLOCK_M
-    end = tl.load(starts_ptr + group + 1)
-    if first < end:
-        n = first + tl.arange(0, BLOCK_M)
-        n_ok = n < end
-        row = tl.load(rows_ptr + n, mask=n_ok, other=0).to(tl.int64)
-        a_slot = a_ptr + tl.load(slots_ptr + group).to(tl.int64) * stride_as
+    busy, n, n_ok, row, slot = _group_tile(rows_ptr, starts_ptr, slots_ptr, BLOCK_M)
+    if busy:
+        a_slot = a_ptr + slot * stride_as
         r = tl.arange(0, BLOCK_R)
         r_ok = r < R
         acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
@@ -95,14 +103,9 @@ def expand_kernel(
     # One program per (group, BLOCK_M of its rows, BLOCK_N output columns):
     # out[rows[n], cols] += t[n] @ B[slot][:, cols]. A row is in one group only, so no two
     # programs write the same place.
-    group = tl.program_id(0)
-    first = tl.load(starts_ptr + group) + tl.program_id(1) * BLOCK_M
-    end = tl.load(starts_ptr + group + 1)
-    if first < end:
-        n = first + tl.arange(0, BLOCK_M)
-        n_ok = n < end
-        row = tl.load(rows_ptr + n, mask=n_ok, other=0).to(tl.int64)
-        b_slot = b_ptr + tl.load(slots_ptr + group).to(tl.int64) * stride_bs
+    busy, n, n_ok, row, slot = _group_tile(rows_ptr, starts_ptr, slots_ptr, BLOCK_M)
+    if busy:
+        b_slot = b_ptr + slot * stride_bs
         r = tl.arange(0, BLOCK_R)
         r_ok = r < R
         j = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
