@@ -433,26 +433,23 @@ class LoraRegistry:
         """Each uid's weights, read again from its folder where they had left memory (on the
         engine thread: the step waits for the read); then the least recently used others
         beyond max_cpu_loras leave. Raises LoraError where a folder no longer reads."""
-        # Read outside the lock, so that a read from disk never holds up /v1/models; only
-        # this thread unloads, so the folders cannot go meanwhile.
+        # The adapters in memory held by reference, the others read outside the lock (a read
+        # from disk never holds up /v1/models); a load meanwhile may evict what is held here,
+        # and putting it back is then right. Only this thread unloads: the folders stay.
+        held = {uid: self.adapters.get(uid) for uid in uids}
         read = {
             uid: load_peft_adapter(*self.folders[uid], self.args, self.max_rank, self.dtype, self.device)
-            for uid in uids
-            if uid not in self.adapters
+            for uid, adapter in held.items()
+            if adapter is None
         }
+        found = {uid: adapter or read[uid] for uid, adapter in held.items()}
         with self._lock:
-            found = {}
-            for uid in uids:
-                found[uid] = self.adapters.get(uid) or read.get(uid)
-                if found[uid] is None:  # dropped by a load between the read and here
-                    found[uid] = read[uid] = load_peft_adapter(
-                        *self.folders[uid], self.args, self.max_rank, self.dtype, self.device
-                    )
-                self.adapters[uid] = found[uid]
+            for uid, adapter in found.items():
+                self.adapters[uid] = adapter
                 self.adapters.move_to_end(uid)
             self.reloads += len(read)
             self._evict(keep=found.keys())
-            return found
+        return found
 
     def _evict(self, keep) -> None:
         """Drop the least recently used weights beyond max_cpu_loras, never those in keep.

@@ -154,11 +154,11 @@ class EngineCore:
         future.set_result(None)
 
     def _add(self, request: Request, sink: OutputSink) -> None:
-        if request.lora is not None and not self.executor.loras.registered(request.lora.uid):
-            # Built under an adapter that was unloaded while it waited (in admission).
-            self.output_processor.reject(request, sink, f"the LoRA adapter {request.lora.name!r} was unloaded")
-            return
         if request.lora is not None:
+            if not self.executor.loras.registered(request.lora.uid):
+                # Built under an adapter that was unloaded while it waited (in admission).
+                self.output_processor.reject(request, sink, f"the LoRA adapter {request.lora.name!r} was unloaded")
+                return
             try:  # weights that left memory (max_cpu_loras) come back now, so a folder gone fails here alone
                 self.executor.loras.weights([request.lora.uid])
             except LoraError as exc:
