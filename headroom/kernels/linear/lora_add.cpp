@@ -52,7 +52,8 @@ void expand_block(const float* t, int64_t R, const float* B, const int64_t* span
   for (int n = 0; n < NR; ++n)
     for (int v = 0; v < NV; ++v) acc[n][v] = _mm256_loadu_ps(yr[n] + j + 8 * v);
   for (int64_t r = 0; r < R; ++r) {
-    if (span[2 * r + 1] <= j || span[2 * r] >= j + 8 * NV) continue;  // B's row r is zero here
+    const int64_t lo = span[2 * r], hi = span[2 * r + 1];
+    if (hi <= lo || hi <= j || lo >= j + 8 * NV) continue;  // B's row r is zero here (or everywhere)
     const float* b = B + r * O + j;
     for (int n = 0; n < NR; ++n) {
       const __m256 tv = _mm256_broadcast_ss(t + n * R + r);
