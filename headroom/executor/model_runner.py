@@ -31,11 +31,14 @@ class ModelOutput:
         sample_indices: list[int],
         timer: StepTimer,
         hidden: dict[int, torch.Tensor] | None = None,
+        lora_failed: dict[int, str] | None = None,
     ):
         self.logits = logits  # (S, V) float32 for the S sampling requests
         self.sample_indices = sample_indices  # positions in SchedulerOutput.requests that sample
         self.timer = timer  # device time of the forward pass
         self.hidden = hidden or {}  # layer -> (S, hidden): residual stream after it, as logits
+        # LoRA uid -> why its weights could not be read: its rows ran as the base model's.
+        self.lora_failed = lora_failed or {}
 
 
 class StepTimer:
@@ -224,4 +227,5 @@ class ModelRunner:
         else:
             hidden = self.model(batch.input_ids, batch.positions, ctx)
         logits = self.model.compute_logits(hidden[batch.logits_rows]) if batch.sample_indices else hidden[:0]
-        return ModelOutput(logits, batch.sample_indices, timer.stop(), ctx.hidden)
+        failed = batch.lora.failed if batch.lora is not None else None
+        return ModelOutput(logits, batch.sample_indices, timer.stop(), ctx.hidden, failed)

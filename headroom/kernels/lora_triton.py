@@ -141,7 +141,10 @@ def lora_add_(
     here a tile's dot costs the same with zeros, so they are not read); rows: (K,) int64,
     the batch rows grouped by adapter; starts: (G + 1,) int64, where each group begins in
     rows; slots: (G,) int64, each group's slot. A row is in at most one group. The
-    arguments of headroom's C++ lora_add_, for tensors on the GPU."""
+    arguments of headroom's C++ lora_add_, for tensors on the GPU. Unlike the C++ kernel,
+    this one does not check the indices (rows < N, in one group each, slots < S): reading
+    them back would stall the host every projection, so the caller vouches for them, as
+    LoraRegistry does by building them from the slots it placed."""
     if x.dim() != 2 or out.dim() != 2 or x.stride(1) != 1 or out.stride(1) != 1:
         raise ValueError("out and x must be 2-D with contiguous rows")
     if a.dim() != 3 or b.dim() != 3 or not (a.is_contiguous() and b.is_contiguous()):

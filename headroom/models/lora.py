@@ -336,6 +336,9 @@ class LoraStep:
 
     groups: list[tuple[LoraAdapter, torch.Tensor]]  # (adapter, row indices (n,) int64), each run alone
     padded: PaddedRows | SlotRows | None = None  # the groups that run together, from the slots
+    # uid -> why its weights could not be read again: its rows run as the base model's,
+    # and the engine fails their sequences instead of sending what they sampled.
+    failed: dict[int, str] = field(default_factory=dict)
 
     def add(self, layer: int, projection: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out[rows] += the adapter's delta of x[rows], for each adapter of the step."""
@@ -382,6 +385,9 @@ class LoraRegistry:
         self.folders: dict[int, tuple[str, str]] = {}  # uid -> (name, folder) of every adapter registered
         self.adapters: OrderedDict[int, LoraAdapter] = OrderedDict()  # uid -> weights in memory, oldest use first
         self.reloads = 0  # weights read again after they left memory
+        # The adapters of the running sequences, as the engine last scheduled them: their
+        # weights never leave memory (the scheduler holds them to max_loras <= max_cpu_loras).
+        self.running: frozenset[int] = frozenset()
         self._uids = itertools.count(1)
         self._lock = threading.Lock()  # two loads of one name: the second is refused
 
@@ -433,30 +439,42 @@ class LoraRegistry:
         """Each uid's weights, read again from its folder where they had left memory (on the
         engine thread: the step waits for the read); then the least recently used others
         beyond max_cpu_loras leave. Raises LoraError where a folder no longer reads."""
+        found, failed = self._weights(uids)
+        for error in failed.values():
+            raise error
+        return found
+
+    def _weights(self, uids) -> tuple[dict[int, LoraAdapter], dict[int, LoraError]]:
+        """weights(), with the uids whose folder no longer reads apart, each with its error."""
         # The adapters in memory held by reference, the others read outside the lock (a read
         # from disk never holds up /v1/models); a load meanwhile may evict what is held here,
         # and putting it back is then right. Only this thread unloads: the folders stay.
         held = {uid: self.adapters.get(uid) for uid in uids}
-        read = {
-            uid: load_peft_adapter(*self.folders[uid], self.args, self.max_rank, self.dtype, self.device)
-            for uid, adapter in held.items()
-            if adapter is None
-        }
-        found = {uid: adapter or read[uid] for uid, adapter in held.items()}
+        found, failed = {}, {}
+        for uid, adapter in held.items():
+            try:
+                found[uid] = adapter or load_peft_adapter(
+                    *self.folders[uid], self.args, self.max_rank, self.dtype, self.device
+                )
+            except LoraError as exc:
+                failed[uid] = exc
         with self._lock:
             for uid, adapter in found.items():
                 self.adapters[uid] = adapter
                 self.adapters.move_to_end(uid)
-            self.reloads += len(read)
+            self.reloads += sum(held[uid] is None for uid in found)
             self._evict(keep=found.keys())
-        return found
+        return found, failed
 
     def _evict(self, keep) -> None:
-        """Drop the least recently used weights beyond max_cpu_loras, never those in keep.
-        An adapter's slot keeps its copy: the same folder gives the same weights."""
+        """Drop the least recently used weights beyond max_cpu_loras, never those in keep nor
+        the running sequences' (a load beside max_loras running adapters may hold one more
+        until the next step). An adapter's slot keeps its copy: the same folder gives the
+        same weights."""
         if self.max_cpu_loras is None:
             return
-        for uid in [u for u in self.adapters if u not in keep][: max(0, len(self.adapters) - self.max_cpu_loras)]:
+        kept = keep | self.running
+        for uid in [u for u in self.adapters if u not in kept][: max(0, len(self.adapters) - self.max_cpu_loras)]:
             del self.adapters[uid]
 
     def step(self, rows: list[tuple[AdapterRef | None, int]]) -> LoraStep | None:
@@ -471,12 +489,16 @@ class LoraRegistry:
                 spans.setdefault(ref.uid, []).extend(range(start, start + n))
             start += n
         as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=self.device)
-        adapters = self.weights(spans)
+        adapters, errors = self._weights(spans)
+        failed = {uid: str(exc) for uid, exc in errors.items()}
+        spans = {uid: r for uid, r in spans.items() if uid not in failed}
+        if not spans:
+            return LoraStep([], failed=failed)
         if self.kernels is not None:
             grouped = self._group(spans, adapters, as_tensor)
             if grouped is not None:
-                return LoraStep([], grouped)
-            return LoraStep([(adapters[uid], as_tensor(r)) for uid, r in spans.items()])
+                return LoraStep([], grouped, failed)
+            return LoraStep([(adapters[uid], as_tensor(r)) for uid, r in spans.items()], failed=failed)
         # Groups of a few rows (decodes) run together through the slots; a group far larger
         # than the typical one (a prefill chunk) runs on its own, where one matmul over its
         # rows is already efficient and padding the others to its size would not be.
@@ -485,7 +507,7 @@ class LoraRegistry:
         small = {uid: r for uid, r in spans.items() if len(r) <= 2 * typical}
         padded = self._pad(small, adapters, as_tensor) if len(small) >= 2 else None
         alone = spans if padded is None else {uid: r for uid, r in spans.items() if uid not in small}
-        return LoraStep([(adapters[uid], as_tensor(r)) for uid, r in alone.items()], padded)
+        return LoraStep([(adapters[uid], as_tensor(r)) for uid, r in alone.items()], padded, failed)
 
     def _group(self, spans: dict[int, list[int]], adapters: dict[int, LoraAdapter], as_tensor) -> SlotRows | None:
         """Every row of `spans` by slot for the kernel; None when the slots cannot take them."""

@@ -191,6 +191,8 @@ class EngineCore:
             actions.enforce_deadlines(self.scheduler, self.output_processor, self.stats)
             started = time.perf_counter()
             out = self.scheduler.schedule()
+            if self.executor.loras.refs:
+                self.executor.loras.running = frozenset(r.lora.uid for r in self.scheduler.running if r.lora)
             self.stats.preemptions += len(out.preempted)
             if out.is_empty:
                 return
@@ -209,11 +211,21 @@ class EngineCore:
                     self.output_processor.abort(request.request_id, "engine_error", self.stats, f"engine error: {exc}")
             return
         with self._state_lock:
+            self._fail_lora_rows(out, model_out.lora_failed)
             try:
                 self._complete_step(out, model_out, samples, started)
             except Exception:
                 self.output_processor.close_finished(out.requests, self.stats)
                 raise
+
+    def _fail_lora_rows(self, out: SchedulerOutput, failed: dict[int, str]) -> None:
+        """Fail the sequences whose adapter could not be read for the step (it ran them as the
+        base model): the update that follows skips them, as it does an abort mid-step."""
+        for request in out.requests:
+            if request.lora is not None and request.lora.uid in failed:
+                error = f"the LoRA adapter could not be read: {failed[request.lora.uid]}"
+                log.warning("failing %s: %s", request.request_id, error)
+                self.output_processor.abort(request.request_id, "engine_error", self.stats, error)
 
     def _complete_step(
         self, out: SchedulerOutput, model_out: ModelOutput, samples: SampleResult, started: float

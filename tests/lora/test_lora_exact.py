@@ -106,3 +106,41 @@ def test_an_adapter_whose_folder_went_fails_alone(default_model, adapter_dirs, p
     assert kept.output_token_ids == reference["mlp-r16"][0]
     assert engine.executor.loras.ref("gone") is not None  # still registered: an unload is the operator's call
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_an_adapter_whose_folder_went_while_it_waited_fails_alone_at_its_step(
+    default_model, adapter_dirs, prompts, reference, tmp_path
+):
+    """The adapter read when its request entered, then out of memory while the request
+    waited for the one slot, and its folder deleted: the step that first runs it cannot
+    read it again. Only its request fails; the base sequence in that same step and the
+    other adapter's request give their exact tokens."""
+    gone = shutil.copytree(adapter_dirs["attn-r8"], tmp_path / "gone")
+    config = Config(
+        scheduler=SchedulerConfig(max_loras=1, max_cpu_loras=1),
+        lora=[f"gone={gone}", f"mlp-r16={adapter_dirs['mlp-r16']}"],
+    )
+    engine = Engine(config, loaded=default_model)
+    loras = engine.executor.loras
+    outputs = []
+
+    def sink(output):
+        outputs.append(output)
+        if output.request.lora is not None and output.request.lora.name == "mlp-r16" and gone.exists():
+            shutil.rmtree(gone)  # "gone" entered with "mlp-r16", and waits for its slot
+
+    long = SamplingParams(max_tokens=3 * MAX_TOKENS, temperature=0.0, ignore_eos=True)  # past the failing step
+    kept, failed, base = engine.generate(
+        [prompts[0], prompts[0], prompts[0]],
+        [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)] * 2 + [long],
+        sink=sink,
+        lora=["mlp-r16", "gone", None],
+    )
+    errors = [o.error for o in outputs if o.error]
+    assert errors == [f"the LoRA adapter could not be read: LoRA adapter folder not found: {gone}"]
+    assert failed.output_token_ids == [] and failed.abort_cause == "engine_error"
+    assert kept.output_token_ids == reference["mlp-r16"][0]
+    (alone,) = engine.generate([prompts[0]], long)
+    assert base.output_token_ids == alone.output_token_ids and len(alone.output_token_ids) == 3 * MAX_TOKENS
+    assert loras.reloads == 2  # "gone" at its entry, "mlp-r16" at its first step
+    assert engine.block_manager.num_used_blocks == 0

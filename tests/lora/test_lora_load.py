@@ -485,6 +485,9 @@ def test_weights_beyond_max_cpu_loras_leave_memory_least_recently_used_first(def
     assert set(loras.adapters) == {a.uid, b.uid, c.uid} and loras.reloads == 2
     loras.unload("mlp-r16")
     assert not loras.registered(b.uid) and b.uid not in loras.adapters
+    loras.running = frozenset({a.uid})  # a runs: a load beyond the cap takes c, used after it
+    d = loras.load("again", adapter_dirs["mlp-r16"])
+    assert list(loras.adapters) == [a.uid, d.uid] and loras.reloads == 2
 
 
 def test_max_cpu_loras_below_max_loras_is_refused():
