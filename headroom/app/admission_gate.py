@@ -33,6 +33,8 @@ FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 FAIRNESS_HEADERS = ("x-llm-d-inference-fairness-id", FAIRNESS_HEADER)
 OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", OBJECTIVE_HEADER)
+# llm-d's router may also pass the request's time-to-first-token objective, in milliseconds.
+TTFT_OBJECTIVE_HEADER = "x-llm-d-slo-ttft-ms"
 MAX_TENANT_NAME = 128
 
 
@@ -99,19 +101,51 @@ class AdmissionGate:
         objective = None if self.config.auth else _first(request, OBJECTIVE_HEADERS)
         return (objective and self.config.objective_tier(objective)) or tenant.config.tier
 
+    def ttft_objective_s(self, request: web.Request) -> float | None:
+        """The gateway's TTFT objective for the request, in seconds (with auth off, as its
+        other headers: with auth on a client could use it to pass others of its tier)."""
+        value = None if self.config.auth else request.headers.get(TTFT_OBJECTIVE_HEADER)
+        if value is None:
+            return None
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = math.nan
+        if not (0 < ms < math.inf):
+            raise BadRequest(
+                f"{TTFT_OBJECTIVE_HEADER} must be a positive number of milliseconds, got {value[:32]!r}",
+                param=TTFT_OBJECTIVE_HEADER,
+                code="invalid_ttft_objective",
+            )
+        return ms / 1000
+
     async def admit(
-        self, tenant: Tenant, engine_requests: list[Request], messages: list[dict], tier: str | None = None
+        self,
+        tenant: Tenant,
+        engine_requests: list[Request],
+        messages: list[dict],
+        tier: str | None = None,
+        ttft_objective_s: float | None = None,
     ) -> Admitted:
         """Predict, classify and wait for admission; writes each request's admission record,
         once, however it ends.
         The n choices of one request share a prompt and parameters: one prediction, and
         one admission of n sequences at n times the cost (all or none, so that two
         requests can never each hold part of what both need). tier: the tier they run in
-        (None: the tenant's).
+        (None: the tenant's). ttft_objective_s: the gateway's TTFT objective, which orders
+        them within the tier, earliest first token due first.
         Raises an APIError (429 with Retry-After, 400, 503) when they may not run."""
         admitted = Admitted(tenant)
         config = tenant.config
-        record = AdmissionRecord(tenant.name, tier or config.tier, loop_policy=config.loop_policy, ladder=config.ladder)
+        # The n choices arrived together; with admission off (FCFS) no objective orders them.
+        due = None if ttft_objective_s is None or self.admission is None else engine_requests[0].arrival_time
+        record = AdmissionRecord(
+            tenant.name,
+            tier or config.tier,
+            first_token_due=None if due is None else due + ttft_objective_s,
+            loop_policy=config.loop_policy,
+            ladder=config.ladder,
+        )
         if self.admission is None or self.predictor is None:
             _write(engine_requests, record)
             return admitted

@@ -312,7 +312,9 @@ async def respond(
         prompt=messages if request.app[keys.CONFIG].observability.log_prompts else None,
     )
     # n choices: n sequences, admitted at once
-    admitted = await gate.admit(tenant, engine_requests, messages, gate.tier(request, tenant))
+    admitted = await gate.admit(
+        tenant, engine_requests, messages, gate.tier(request, tenant), gate.ttft_objective_s(request)
+    )
     if admitted.route is not None:
         return await proxy(request, admitted.route, request.app[keys.HTTP_CLIENT])
     done = False

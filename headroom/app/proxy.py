@@ -9,7 +9,7 @@ import logging
 import aiohttp
 from aiohttp import web
 
-from headroom.app.admission_gate import FAIRNESS_HEADERS, OBJECTIVE_HEADERS
+from headroom.app.admission_gate import FAIRNESS_HEADERS, OBJECTIVE_HEADERS, TTFT_OBJECTIVE_HEADER
 from headroom.app.errors import APIError
 
 log = logging.getLogger("headroom.proxy")
@@ -21,6 +21,7 @@ FORWARDED = (
     "X-Tenant",
     *FAIRNESS_HEADERS,
     *OBJECTIVE_HEADERS,
+    TTFT_OBJECTIVE_HEADER,
     "traceparent",
     "tracestate",
 )

@@ -164,6 +164,9 @@ class AdmissionRecord:
     predicted_output_tokens_p90: float | None = None
     decision: str | None = None  # admit | wait | reject | route
     deadline: float | None = None  # time.monotonic() by which it must finish (wall-clock budget)
+    # time.monotonic() by which its first token is due: the gateway's TTFT objective
+    # (x-llm-d-slo-ttft-ms), which orders it within its tier, earliest first.
+    first_token_due: float | None = None
     # Loops (contracts/repetition.py): the tenant's policy and remediation ladder (None: the server's).
     loop_policy: str | None = None
     ladder: tuple[str, ...] | None = None

@@ -1,7 +1,9 @@
 """Who goes first and who is preempted: the scheduler's policy, kept apart from its
 mechanics.
 
-Order: tier priority first, then predicted-shortest-remaining first with ageing (the
+Order: tier priority first; within a tier, the requests whose first token has a due time
+(the gateway's TTFT objective) and has not come yet, earliest due first; then the others,
+predicted-shortest-remaining first with ageing (the
 estimated remaining output tokens, the length probe's once it has seen a sequence
 run, minus ageing_tokens_per_s per second waited, so nothing starves; without
 predictions that is FCFS). Victims: lowest priority, then the longest estimated
@@ -26,7 +28,8 @@ class SchedulingPolicy:
     def order_key(self, request: Request, now: float, probed: bool = True) -> tuple:
         waited = now - request.arrival_time
         rank = (request.estimated_remaining_tokens(probed) or 0.0) - self.config.ageing_tokens_per_s * waited
-        return (*request.priority.first(), rank, request.submit_order)
+        due = request.admission.first_token_due if request.first_token_time is None else None
+        return (*request.priority.first(), due is None, due or 0.0, rank, request.submit_order)
 
     def victim_key(self, request: Request, probed: bool = True) -> tuple:
         """min() of this is the preemption victim."""

@@ -10,7 +10,7 @@ import pytest
 from aiohttp.test_utils import make_mocked_request
 
 from headroom.admission.tenants import MAX_AUTO_TENANTS
-from headroom.app.admission_gate import FAIRNESS_HEADER, OBJECTIVE_HEADER, AdmissionGate
+from headroom.app.admission_gate import FAIRNESS_HEADER, OBJECTIVE_HEADER, TTFT_OBJECTIVE_HEADER, AdmissionGate
 from headroom.app.errors import BadRequest
 from headroom.config import AdmissionConfig, Config, TenantConfig
 from headroom.contracts.request import Priority, Request, SamplingParams
@@ -107,3 +107,29 @@ async def test_the_objectives_tier_is_the_priority_the_engine_gets():
         admitted = await g.admit(tenant, [engine_request], [{"role": "user", "content": "hi"}], g.tier(request, tenant))
         assert (engine_request.tier, engine_request.priority) == expected
         g.settle(admitted, [engine_request], None)
+
+
+# ---- the gateway's TTFT objective: the order within the tier --------------------------------
+
+
+@pytest.mark.asyncio
+async def test_the_ttft_objective_header_sets_when_the_first_token_is_due():
+    request = make_mocked_request("POST", "/v1/completions", headers={TTFT_OBJECTIVE_HEADER: "250"})
+    for g, due in ((AdmissionGate(Config(), 8, 40_000), 100.25), (gate(), None)):  # admission on, then off (FCFS)
+        assert g.ttft_objective_s(request) == 0.25
+        engine_request = Request("r", [1, 2, 3], SamplingParams(max_tokens=4), arrival_time=100.0)
+        admitted = await g.admit(g.tenant(request), [engine_request], [{"role": "user", "content": "hi"}], None, 0.25)
+        assert engine_request.admission.first_token_due == due
+        g.settle(admitted, [engine_request], None)
+    g = gate()
+    assert g.ttft_objective_s(make_mocked_request("POST", "/v1/completions")) is None
+    for bad in ("soon", "0", "-5", "inf", "nan", ""):
+        with pytest.raises(BadRequest) as caught:
+            g.ttft_objective_s(make_mocked_request("POST", "/v1/completions", headers={TTFT_OBJECTIVE_HEADER: bad}))
+        error = caught.value
+        assert (error.status, error.param, error.code) == (400, TTFT_OBJECTIVE_HEADER, "invalid_ttft_objective")
+        assert error.message == f"x-llm-d-slo-ttft-ms must be a positive number of milliseconds, got {bad!r}"
+    # With auth on, the API key alone says how a request is served: the header is ignored.
+    keyed = gate(auth=True, tenants=(TenantConfig("acme", api_keys=("sk-acme",)),), default_tenant="acme")
+    headers = {"Authorization": "Bearer sk-acme", TTFT_OBJECTIVE_HEADER: "soon"}
+    assert keyed.ttft_objective_s(make_mocked_request("POST", "/v1/completions", headers=headers)) is None

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from headroom.app.admission_gate import FAIRNESS_HEADER, OBJECTIVE_HEADER
+from headroom.app.admission_gate import FAIRNESS_HEADER, OBJECTIVE_HEADER, TTFT_OBJECTIVE_HEADER
 from headroom.app.background import BackgroundServer
 from headroom.config import AdminConfig, AdmissionConfig, CacheConfig, Config, SchedulerConfig, TenantConfig
 from headroom.runtime.engine import Engine
@@ -122,3 +122,21 @@ def by_label(samples, label: str) -> dict[str, float]:
         if sample.value and not sample.name.endswith("_created"):
             totals[sample.labels[label]] = totals.get(sample.labels[label], 0) + sample.value
     return totals
+
+
+def test_a_ttft_objective_that_is_not_a_number_of_milliseconds_is_a_400(server):
+    """llm-d's x-llm-d-slo-ttft-ms orders a request within its tier (tests/runtime/
+    test_policy.py); one that is not a positive number of milliseconds is refused."""
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        bad = client.post("/v1/completions", json=SHORT, headers={TTFT_OBJECTIVE_HEADER: "-3"})
+        good = client.post("/v1/completions", json=SHORT, headers={TTFT_OBJECTIVE_HEADER: "1500"})
+    assert bad.status_code == 400
+    assert bad.json() == {
+        "error": {
+            "message": "x-llm-d-slo-ttft-ms must be a positive number of milliseconds, got '-3'",
+            "type": "invalid_request_error",
+            "param": "x-llm-d-slo-ttft-ms",
+            "code": "invalid_ttft_objective",
+        }
+    }
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 4

@@ -3,6 +3,7 @@ Predictions stay under max_tokens, as admission's do: the estimate is capped by 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from headroom.contracts.request import Estimate, RequestStatus
@@ -50,6 +51,32 @@ def test_without_predictions_order_is_fcfs():
     s.add_request(first)
     out, _ = run_step(s)
     assert out.requests == [first]
+
+
+def due(request, seconds_from_now: float):
+    request.admission = dataclasses.replace(request.admission, first_token_due=time.monotonic() + seconds_from_now)
+    return request
+
+
+def test_a_ttft_objective_goes_first_within_its_tier_earliest_due_first():
+    """The gateway's x-llm-d-slo-ttft-ms: requests with a first token due go first within
+    their tier, earliest due first; the others keep predicted-short-first among themselves;
+    a higher tier still goes before any of them; once a request's first token is out, its
+    due time no longer counts."""
+    s = create_scheduler(max_num_seqs=1)
+    now = time.monotonic()
+    short = create_request(predicted=5, max_tokens=500, arrival=now - 30)
+    later = due(create_request(predicted=400, max_tokens=500, arrival=now), 2.0)
+    sooner = due(create_request(predicted=400, max_tokens=500, arrival=now), 0.5)
+    above = create_request(predicted=400, max_tokens=500, priority=1, arrival=now)
+    for r in (short, later, sooner, above):
+        s.add_request(r)
+    order = sorted(s.waiting, key=lambda r: s.policy.order_key(r, now))
+    assert order == [above, sooner, later, short]
+    sooner.first_token_time = now
+    assert sorted(s.waiting, key=lambda r: s.policy.order_key(r, now)) == [above, later, short, sooner]
+    out, _ = run_step(s)
+    assert out.requests == [above]
 
 
 def test_long_lane_concurrency_cap():
