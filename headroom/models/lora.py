@@ -435,17 +435,11 @@ class LoraRegistry:
     def registered(self, uid: int) -> bool:
         return uid in self.folders
 
-    def weights(self, uids) -> dict[int, LoraAdapter]:
+    def weights(self, uids) -> tuple[dict[int, LoraAdapter], dict[int, LoraError]]:
         """Each uid's weights, read again from its folder where they had left memory (on the
-        engine thread: the step waits for the read); then the least recently used others
-        beyond max_cpu_loras leave. Raises LoraError where a folder no longer reads."""
-        found, failed = self._weights(uids)
-        for error in failed.values():
-            raise error
-        return found
-
-    def _weights(self, uids) -> tuple[dict[int, LoraAdapter], dict[int, LoraError]]:
-        """weights(), with the uids whose folder no longer reads apart, each with its error."""
+        engine thread: the step waits for the read), and apart the uids whose folder no
+        longer reads, each with its error; then the least recently used others beyond
+        max_cpu_loras leave."""
         # The adapters in memory held by reference, the others read outside the lock (a read
         # from disk never holds up /v1/models); a load meanwhile may evict what is held here,
         # and putting it back is then right. Only this thread unloads: the folders stay.
@@ -489,7 +483,7 @@ class LoraRegistry:
                 spans.setdefault(ref.uid, []).extend(range(start, start + n))
             start += n
         as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=self.device)
-        adapters, errors = self._weights(spans)
+        adapters, errors = self.weights(spans)
         failed = {uid: str(exc) for uid, exc in errors.items()}
         spans = {uid: r for uid, r in spans.items() if uid not in failed}
         if not spans:

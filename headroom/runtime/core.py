@@ -26,7 +26,7 @@ from headroom.executor.grammar import Grammars
 from headroom.executor.model_runner import ModelOutput
 from headroom.executor.sampler import Sampler, SampleResult, TokenLogprob
 from headroom.models.loader import LoadedModel
-from headroom.models.lora import LoraError, LoraInUse
+from headroom.models.lora import LoraInUse
 from headroom.runtime import actions
 from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.commands import Abort, Add, Command, Control, SetLongLaneFactor, UnloadLora
@@ -154,17 +154,12 @@ class EngineCore:
         future.set_result(None)
 
     def _add(self, request: Request, sink: OutputSink) -> None:
-        if request.lora is not None:
-            if not self.executor.loras.registered(request.lora.uid):
-                # Built under an adapter that was unloaded while it waited (in admission).
-                self.output_processor.reject(request, sink, f"the LoRA adapter {request.lora.name!r} was unloaded")
-                return
-            try:  # weights that left memory (max_cpu_loras) come back now, so a folder gone fails here alone
-                self.executor.loras.weights([request.lora.uid])
-            except LoraError as exc:
-                log.warning("LoRA adapter %s could not be read again: %s", request.lora.name, exc)
-                self.output_processor.reject(request, sink, f"the LoRA adapter could not be read: {exc}")
-                return
+        # Weights that left memory (max_cpu_loras) are read again at the request's first step,
+        # off the state lock; a folder gone by then fails that adapter's sequences alone.
+        if request.lora is not None and not self.executor.loras.registered(request.lora.uid):
+            # Built under an adapter that was unloaded while it waited (in admission).
+            self.output_processor.reject(request, sink, f"the LoRA adapter {request.lora.name!r} was unloaded")
+            return
         if request.request_id in self.output_processor:
             # Never let a duplicate id replace a live request's sink and detokenizer
             # (the scheduler would then raise here and end the engine thread).
@@ -211,26 +206,19 @@ class EngineCore:
                     self.output_processor.abort(request.request_id, "engine_error", self.stats, f"engine error: {exc}")
             return
         with self._state_lock:
-            self._fail_lora_rows(out, model_out.lora_failed)
             try:
                 self._complete_step(out, model_out, samples, started)
             except Exception:
                 self.output_processor.close_finished(out.requests, self.stats)
                 raise
 
-    def _fail_lora_rows(self, out: SchedulerOutput, failed: dict[int, str]) -> None:
-        """Fail the sequences whose adapter could not be read for the step (it ran them as the
-        base model): the update that follows skips them, as it does an abort mid-step."""
-        for request in out.requests:
-            if request.lora is not None and request.lora.uid in failed:
-                error = f"the LoRA adapter could not be read: {failed[request.lora.uid]}"
-                log.warning("failing %s: %s", request.request_id, error)
-                self.output_processor.abort(request.request_id, "engine_error", self.stats, error)
-
     def _complete_step(
         self, out: SchedulerOutput, model_out: ModelOutput, samples: SampleResult, started: float
     ) -> None:
         self._running_step = None
+        # Blocks each request held for this step, read before anything below frees them.
+        held = [len(self.block_manager.block_table(r.request_id)) for r in out.requests]
+        failed = self._withdraw_unread_adapters(out, model_out.lora_failed)
         self._observe_hidden(out, model_out)
         # The tokens exist from here on; update_from_output stamps finished_time later.
         sampled_time = time.monotonic()
@@ -239,25 +227,46 @@ class EngineCore:
         for row, i in enumerate(model_out.sample_indices):
             sampled[i] = samples.token_ids[row]
             logprobs[out.requests[i].request_id] = samples.logprobs[row]
-        # Blocks each request held for this step, read before update_from_output frees
-        # those of the requests that finish in it.
-        held = [len(self.block_manager.block_table(r.request_id)) for r in out.requests]
         with_token = self.scheduler.update_from_output(out, sampled)
         actions.check_loops(self.loops, with_token, self.scheduler, self.stats)
 
         elapsed = time.perf_counter() - started
         self.accounting.step_done(self.stats, out, held, elapsed, model_out.timer)
+        for request, error in failed:  # after step_done: their last output carries the step they cost
+            self.output_processor.finish(request, self.stats, error)
         for request in with_token:
             if request.first_token_time is None:
                 request.first_token_time = sampled_time
             self.output_processor.token(request, logprobs.get(request.request_id), self.stats)
 
+    def _withdraw_unread_adapters(self, out: SchedulerOutput, failed: dict[int, str]) -> list[tuple[Request, str]]:
+        """The sequences whose adapter could not be read for the step ran as the base model:
+        abort them before the update, which then keeps none of their tokens or blocks."""
+        withdrawn = []
+        for request in out.requests:
+            if request.lora is None or request.lora.uid not in failed or request.is_finished:
+                continue
+            error = f"the LoRA adapter could not be read: {failed[request.lora.uid]}"
+            log.warning("failing %s: %s", request.request_id, error)
+            self.output_processor.withdraw(request.request_id, "engine_error", self.stats)
+            withdrawn.append((request, error))
+        return withdrawn
+
     def _observe_hidden(self, out: SchedulerOutput, model_out: ModelOutput) -> None:
-        if self.hidden_hook is not None and model_out.hidden:
-            try:
-                self.hidden_hook([out.requests[i] for i in model_out.sample_indices], model_out.hidden)
-            except Exception:  # an estimate is advice: losing one must not lose the step's tokens
-                log.exception("length probe failed; this step's sequences keep their estimates")
+        if self.hidden_hook is None or not model_out.hidden:
+            return
+        rows = [out.requests[i] for i in model_out.sample_indices]
+        kept = [j for j, request in enumerate(rows) if not request.is_finished]  # withdrawn above
+        if not kept:
+            return
+        hidden = model_out.hidden
+        if len(kept) < len(rows):
+            index = torch.tensor(kept, device=next(iter(hidden.values())).device)
+            rows, hidden = [rows[j] for j in kept], {layer: states[index] for layer, states in hidden.items()}
+        try:
+            self.hidden_hook(rows, hidden)
+        except Exception:  # an estimate is advice: losing one must not lose the step's tokens
+            log.exception("length probe failed; this step's sequences keep their estimates")
 
     # ---- called from any thread: observability ----------------------------------------
 

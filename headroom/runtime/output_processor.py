@@ -75,12 +75,19 @@ class OutputProcessor:
 
     def abort(self, request_id: str, cause: str, stats: EngineStats, error: str | None = None) -> None:
         """Abort a live request, counted by cause; an unknown or finished one is left be."""
+        request = self.withdraw(request_id, cause, stats)
+        if request is not None:
+            self.finish(request, stats, error)
+
+    def withdraw(self, request_id: str, cause: str, stats: EngineStats) -> Request | None:
+        """Abort a live request in the scheduler, counted by cause, and leave its last
+        output to the caller's `finish` (or to close_finished, should the caller crash)."""
         request = self.scheduler.requests.get(request_id)
         if request is None:
-            return
+            return None
         request.abort_cause = cause
         stats.aborts[cause] += 1
-        self.close(request_id, RequestStatus.FINISHED_ABORTED, stats, error)
+        return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
 
     def close_finished(self, requests: list[Request], stats: EngineStats) -> None:
         """After a crash past the scheduler's update, close the requests it had finished:

@@ -476,10 +476,10 @@ def test_weights_beyond_max_cpu_loras_leave_memory_least_recently_used_first(def
     a, b, c = (loras.load(n, adapter_dirs[n]) for n in ("attn-r8", "mlp-r16", "all-r4-rs"))
     assert list(loras.adapters) == [b.uid, c.uid] and loras.reloads == 0  # a, the oldest, left
     assert set(loras.loaded()) == {"attn-r8", "mlp-r16", "all-r4-rs"}  # still registered, all three
-    found = loras.weights([a.uid])
+    found, _ = loras.weights([a.uid])
     assert loras.reloads == 1 and list(loras.adapters) == [c.uid, a.uid]  # b, now the oldest, left
     assert found[a.uid].targets == ("q_proj", "v_proj") and found[a.uid] is loras.adapters[a.uid]
-    assert loras.weights([c.uid])[c.uid] is loras.adapters[c.uid] and loras.reloads == 1  # in memory: no read
+    assert loras.weights([c.uid])[0][c.uid] is loras.adapters[c.uid] and loras.reloads == 1  # in memory: no read
     assert list(loras.adapters) == [a.uid, c.uid]  # c used last
     loras.weights([a.uid, b.uid, c.uid])  # a step's own adapters never leave for each other
     assert set(loras.adapters) == {a.uid, b.uid, c.uid} and loras.reloads == 2
