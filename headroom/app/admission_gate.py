@@ -138,11 +138,13 @@ class AdmissionGate:
         admitted = Admitted(tenant)
         config = tenant.config
         # The n choices arrived together; with admission off (FCFS) no objective orders them.
-        due = None if ttft_objective_s is None or self.admission is None else engine_requests[0].arrival_time
+        due = None
+        if ttft_objective_s is not None and self.admission is not None:
+            due = engine_requests[0].arrival_time + ttft_objective_s
         record = AdmissionRecord(
             tenant.name,
             tier or config.tier,
-            first_token_due=None if due is None else due + ttft_objective_s,
+            first_token_due=due,
             loop_policy=config.loop_policy,
             ladder=config.ladder,
         )

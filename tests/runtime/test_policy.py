@@ -75,8 +75,12 @@ def test_a_ttft_objective_goes_first_within_its_tier_earliest_due_first():
     assert order == [above, sooner, later, short]
     sooner.first_token_time = now
     assert sorted(s.waiting, key=lambda r: s.policy.order_key(r, now)) == [above, later, short, sooner]
+    sooner.first_token_time = None
     out, _ = run_step(s)
     assert out.requests == [above]
+    s.finish_request(above.request_id, RequestStatus.FINISHED_ABORTED)
+    out, _ = run_step(s)
+    assert out.requests == [sooner]  # the step takes it before the shorter, older request too
 
 
 def test_long_lane_concurrency_cap():
