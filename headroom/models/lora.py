@@ -359,7 +359,7 @@ class LoraRegistry:
     """The adapters registered, by name (what clients ask for) and by the uid each load gets
     (what a request's AdapterRef carries), with the weights of at most max_cpu_loras of them
     in memory: the least recently used leave first, and are read again from their folder
-    when a request or a step needs them. Loads come from the event loop's side, unloads and
+    by the step that next runs them. Loads come from the event loop's side, unloads and
     steps from the engine thread; the lock orders their writes."""
 
     def __init__(

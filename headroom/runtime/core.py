@@ -259,11 +259,11 @@ class EngineCore:
         kept = [j for j, request in enumerate(rows) if not request.is_finished]  # withdrawn above
         if not kept:
             return
-        hidden = model_out.hidden
-        if len(kept) < len(rows):
-            index = torch.tensor(kept, device=next(iter(hidden.values())).device)
-            rows, hidden = [rows[j] for j in kept], {layer: states[index] for layer, states in hidden.items()}
         try:
+            hidden = model_out.hidden
+            if len(kept) < len(rows):
+                index = torch.tensor(kept, device=next(iter(hidden.values())).device)
+                rows, hidden = [rows[j] for j in kept], {layer: states[index] for layer, states in hidden.items()}
             self.hidden_hook(rows, hidden)
         except Exception:  # an estimate is advice: losing one must not lose the step's tokens
             log.exception("length probe failed; this step's sequences keep their estimates")

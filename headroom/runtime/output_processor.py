@@ -95,8 +95,9 @@ class OutputProcessor:
         scheduler holds, would leave their clients waiting."""
         for request in requests:
             if request.is_finished and request.request_id in self:
-                request.abort_cause = "engine_error"
-                stats.aborts["engine_error"] += 1
+                if request.abort_cause is None:  # one withdrawn in the step is counted already
+                    request.abort_cause = "engine_error"
+                    stats.aborts["engine_error"] += 1
                 self.finish(request, stats, "internal engine error")
 
     def reject(self, request: Request, sink: OutputSink, error: str) -> None:

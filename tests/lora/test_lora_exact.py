@@ -87,6 +87,33 @@ def test_adapters_that_leave_memory_come_back_exact(default_model, adapter_dirs,
     assert engine.block_manager.num_used_blocks == 0
 
 
+def test_an_adapter_whose_folder_went_fails_alone(default_model, adapter_dirs, prompts, reference, tmp_path):
+    """An adapter out of memory whose folder was deleted before its request came: the
+    request fails with the reason at the step that first runs it, and the other adapter's
+    request runs to the end."""
+    gone = shutil.copytree(adapter_dirs["attn-r8"], tmp_path / "gone")
+    config = Config(
+        scheduler=SchedulerConfig(max_loras=1, max_cpu_loras=1),
+        lora=[f"gone={gone}", f"mlp-r16={adapter_dirs['mlp-r16']}"],
+    )
+    engine = Engine(config, loaded=default_model)
+    shutil.rmtree(gone)  # "gone" left memory when mlp-r16 loaded after it
+    outputs = []
+    failed, kept = engine.generate(
+        [prompts[0], prompts[0]],
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+        sink=outputs.append,
+        lora=["gone", "mlp-r16"],
+    )
+    errors = [o.error for o in outputs if o.error]
+    assert errors == [f"the LoRA adapter could not be read: LoRA adapter folder not found: {gone}"]
+    assert failed.output_token_ids == [] and failed.is_finished
+    assert engine.stats.aborts == {"engine_error": 1}
+    assert kept.output_token_ids == reference["mlp-r16"][0]
+    assert engine.executor.loras.ref("gone") is not None  # still registered: an unload is the operator's call
+    assert engine.block_manager.num_used_blocks == 0
+
+
 def test_an_adapter_whose_folder_went_while_it_waited_fails_alone_at_its_step(
     default_model, adapter_dirs, prompts, reference, tmp_path
 ):
@@ -122,6 +149,7 @@ def test_an_adapter_whose_folder_went_while_it_waited_fails_alone_at_its_step(
     errors = [o.error for o in outputs if o.error]
     assert errors == [f"the LoRA adapter could not be read: LoRA adapter folder not found: {gone}"]
     assert failed.output_token_ids == [] and failed.abort_cause == "engine_error"
+    assert engine.stats.aborts == {"engine_error": 1} and engine.stats.finished["error"] == 1
     ((processed, peak, device_s),) = charged
     assert processed == failed.num_prompt_tokens and peak > 0 and device_s > 0
     # Its rows were the base model's: a length probe never sees them, and the rest keep theirs.
