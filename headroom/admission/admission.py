@@ -16,6 +16,9 @@ With a shared store (redis_store.py), a request that this replica would admit is
 checked and charged fleet-wide, in one round trip, before its ticket is granted: pump
 hands the head of a tenant's queue to a task that asks Redis while the global slot is
 held, and a refusal puts it back at the head until the store's retry hint has passed.
+The store keeps the refused heads of every replica as the tenant's fleet-wide queue and
+grants a place to the oldest of them first; a waiter that leaves unserved is forgotten
+there.
 While the store is unavailable, pump grants on the local buckets, which the store has
 scaled down to this replica's share.
 """
@@ -271,6 +274,8 @@ class Admission:
             self._timer = None
         waiters = list(self._confirming)
         for tenant in self.registry:
+            for waiter in tenant.queue:
+                self._forget(tenant, waiter)
             waiters.extend(tenant.queue)
             tenant.queue.clear()
         for waiter in waiters:  # one being confirmed gives its lease back when the answer comes
@@ -314,8 +319,10 @@ class Admission:
 
     async def _confirm_async(self, tenant: Tenant, waiter: Waiter) -> None:
         answer: str | float | None = None
+        if waiter.lease is None:
+            waiter.lease = self.store.new_lease()
         try:
-            answer = await self.store.reserve(tenant, waiter.cost)
+            answer = await self.store.reserve(tenant, waiter.cost, waiter.lease, self._now() - waiter.enqueued_at)
         except StoreUnavailable:
             pass  # the store is now unavailable: pump grants on the local share
         except Exception:
@@ -341,15 +348,26 @@ class Admission:
                     lease=answer,
                 )
                 waiter.future.set_result(ticket)
-        elif not waiter.future.done():
+        elif waiter.future.done():
+            self._forget(tenant, waiter)
+        else:
             if answer is not None:
-                tenant.hold_until = self._now() + max(answer, self._tick_s)
+                # Asked again when the hint says, not at a later tick: the fleet's oldest
+                # waiter is asked for soon, and a place freed meanwhile waits for it.
+                hold = answer if answer > 0 else self._tick_s
+                tenant.hold_until = self._now() + hold
+                asyncio.get_running_loop().call_later(hold, self.pump)
             if _decision(waiter) == "admit":
                 self.decisions["wait"] += 1
                 waiter.direct = False
             tenant.queue.appendleft(waiter)
             self._wake.set()
         self.pump()
+
+    def _forget(self, tenant: Tenant, waiter: Waiter) -> None:
+        """A waiter that leaves unserved gives up its place in the fleet-wide queue."""
+        if waiter.lease is not None and self.store is not None:
+            self._spawn(self.store.forget(tenant.name, waiter.lease))
 
     def _spawn(self, coro, then_pump: bool = False) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -392,8 +410,10 @@ class Admission:
         keep = []
         for waiter in tenant.queue:
             if waiter.future.done():  # cancelled; its task has not run its cleanup yet
+                self._forget(tenant, waiter)
                 continue
             if now is not None and now >= waiter.expires_at:
+                self._forget(tenant, waiter)
                 waiter.future.set_exception(
                     self._reject(
                         Rejected(
@@ -415,8 +435,9 @@ class Admission:
             if future.exception() is None:  # admitted just before the cancel landed
                 self.settle(future.result(), 0, 0)
             return
-        with contextlib.suppress(ValueError):
+        if waiter in tenant.queue:
             tenant.queue.remove(waiter)
+            self._forget(tenant, waiter)
         self.pump()  # the head may have been what held the others back
 
     def _retry_after(self, tenant: Tenant, cost: int) -> float:

@@ -1,12 +1,22 @@
 """Tenant budgets shared by a fleet of replicas, in Redis.
 
-Each tenant has three keys: a hash with the bucket (level, stamp, in_flight), a sorted
-set of leases by expiry and a hash of lease costs. Every change is one Lua script, so
-it is atomic on the server: reserve (check + charge + lease), settle (return the lease,
-refund what was reserved and not used), and sync (renew this replica's live leases,
-add the ones Redis does not know, drop the ones this replica no longer holds). Every
-script first reclaims expired leases, so the reservations of a replica that died come
-back within the lease TTL. Times are Redis's own clock (TIME), never a replica's.
+Each tenant has four keys: a hash with the bucket (level, stamp, in_flight), a sorted
+set of leases by expiry, a hash of lease costs, and a hash of its waiters across the
+fleet. Every change is one Lua script, so it is atomic on the server: reserve (check +
+charge + lease), settle (return the lease, refund what was reserved and not used), and
+sync (renew this replica's live leases, add the ones Redis does not know, drop the ones
+this replica no longer holds). Every script first reclaims expired leases, so the
+reservations of a replica that died come back within the lease TTL. Times are Redis's
+own clock (TIME), never a replica's.
+
+A tenant's queue is one queue across the fleet. A replica asks for its queue's head
+only, and a refused head stays registered among the tenant's waiters (since when it
+waits, its cost, and until when it counts as alive: WAITER_TTL_S past the retry its
+refusal hinted). A reserve is granted only when no older waiter would fit now (or has
+waited backfill_max_wait_s, when nobody passes it), as one replica's queue admits. So the
+replica whose request settles cannot take the freed place back for its own queue while
+another replica's request has waited longer: it goes to that one at its next retry. A
+waiter that leaves unserved is forgotten at once; one whose replica died lapses.
 
 The replica keeps its live leases here and syncs them every ttl/3. While Redis cannot
 be reached it is `available = False`: admission then runs on the local buckets scaled
@@ -33,6 +43,13 @@ from redis.exceptions import RedisError
 from headroom.admission.tenants import Tenant, TenantRegistry
 
 log = logging.getLogger("headroom.admission.store")
+
+# How long past its retry's due time a refused waiter stays in its tenant's fleet-wide
+# queue without asking again: what a replica that died holds the others back at most.
+WAITER_TTL_S = 2.0
+# How soon the tenant's oldest waiter in the fleet asks again while it waits for a place:
+# the place freed on another replica stays idle until it does.
+FIRST_RETRY_S = 0.01
 
 _PRELUDE = """
 local function now_ms()
@@ -62,7 +79,8 @@ local function refill(now, rate, burst)
 end
 """
 
-# ARGV: cost, rate, burst, max_in_flight, lease, ttl_ms -> {granted, wait_ms, in_flight}
+# ARGV: cost, rate, burst, max_in_flight, lease, ttl_ms, waited_ms, backfill_ms,
+# waiter_ttl_ms -> {granted, wait_ms, in_flight, first (no older waiter goes ahead)}
 RESERVE = (
     _PRELUDE
     + """
@@ -71,18 +89,35 @@ reclaim(now)
 local cost, rate, burst, cap = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local level, stamp = refill(now, rate, burst)
 local in_flight = tonumber(redis.call('HGET', KEYS[1], 'in_flight') or 0)
-if redis.call('ZSCORE', KEYS[2], ARGV[5]) then return {1, 0, in_flight} end  -- a resend: granted already
-local need = math.min(cost, burst)
-if level >= need and in_flight + cost <= cap then
+if redis.call('ZSCORE', KEYS[2], ARGV[5]) then return {1, 0, in_flight, 1} end  -- a resend: granted already
+local function fits(c) return level >= math.min(c, burst) and in_flight + c <= cap end
+-- An older waiter of this tenant, on any replica, goes first where it fits now, or where
+-- it has waited the backfill bound (then nobody passes it); lapsed waiters are dropped.
+local since, backfill = now - tonumber(ARGV[7]), tonumber(ARGV[8])
+local ahead = false
+local waiters = redis.call('HGETALL', KEYS[4])
+for i = 1, #waiters, 2 do
+  local t, c, alive = string.match(waiters[i + 1], '^(%d+):(%d+):(%d+)$')
+  t, c, alive = tonumber(t), tonumber(c), tonumber(alive)
+  if alive < now then
+    redis.call('HDEL', KEYS[4], waiters[i])
+  elseif waiters[i] ~= ARGV[5] and t < since and (fits(c) or now - t >= backfill) then
+    ahead = true
+  end
+end
+if not ahead and fits(cost) then
   redis.call('HSET', KEYS[1], 'level', level - cost, 'stamp', stamp, 'in_flight', in_flight + cost)
   redis.call('ZADD', KEYS[2], now + tonumber(ARGV[6]), ARGV[5])
   redis.call('HSET', KEYS[3], ARGV[5], cost)
-  return {1, 0, in_flight + cost}
+  redis.call('HDEL', KEYS[4], ARGV[5])
+  return {1, 0, in_flight + cost, 1}
 end
 redis.call('HSET', KEYS[1], 'level', level, 'stamp', stamp, 'in_flight', in_flight)
 local wait = 0
-if level < need then wait = math.ceil((need - level) / rate * 1000) end
-return {0, wait, in_flight}
+if level < math.min(cost, burst) then wait = math.ceil((math.min(cost, burst) - level) / rate * 1000) end
+redis.call('HSET', KEYS[4], ARGV[5], string.format('%d:%d:%d', since, cost, now + wait + tonumber(ARGV[9])))
+if ahead then return {0, wait, in_flight, 0} end
+return {0, wait, in_flight, 1}
 """
 )
 
@@ -212,14 +247,17 @@ class RedisStore:
 
     # --- the three atomic operations --------------------------------------------
 
-    async def reserve(self, tenant: Tenant, cost: int) -> str | float:
-        """Check and charge `cost` for `tenant` fleet-wide. Returns the lease id when
-        granted, else the seconds until a retry may succeed. Raises StoreUnavailable."""
-        lease = self._new_lease()
+    async def reserve(self, tenant: Tenant, cost: int, lease: str, waited_s: float = 0.0) -> str | float:
+        """Check and charge `cost` for `tenant` fleet-wide, for a request that has waited
+        `waited_s` in this replica's queue, under `lease` (new_lease(); the same one on each
+        retry, which is also its place among the tenant's waiters). Returns the lease id
+        when granted, else the seconds until a retry may succeed (0: unknown, a place
+        must be freed first; FIRST_RETRY_S for the fleet's oldest waiter, which takes it).
+        Raises StoreUnavailable."""
         c = tenant.config
         self.pending.add(lease)
         try:
-            granted, wait_ms, _ = await self._call(
+            granted, wait_ms, _, first = await self._call(
                 self._reserve,
                 tenant.name,
                 cost,
@@ -228,18 +266,35 @@ class RedisStore:
                 tenant.max_in_flight_tokens,
                 lease,
                 self.lease_ttl_ms,
+                int(waited_s * 1000),
+                int(tenant.backfill_max_wait_s * 1000),
+                int(WAITER_TTL_S * 1000),
             )
             if granted:
                 self.live[lease] = Lease(tenant.name, cost)
                 return lease
+            if first and not wait_ms:  # next in the fleet: it takes the next place freed
+                return FIRST_RETRY_S
             return wait_ms / 1000
         finally:
             self.pending.discard(lease)
 
+    async def forget(self, tenant: str, lease: str) -> None:
+        """Take a waiter that leaves unserved (cancelled, timed out) out of the tenant's
+        fleet-wide queue, so that it holds nobody back until it would lapse."""
+        if not self.available:
+            return
+        with contextlib.suppress(StoreUnavailable):
+            try:
+                await self.client.hdel(self._keys(tenant)[3], lease)
+            except RedisError as exc:
+                self._lost(exc)
+                raise StoreUnavailable(str(exc)) from None
+
     def hold_locally(self, tenant: Tenant, cost: int) -> str:
         """A lease for a reservation made on the local share while Redis is away; the
         sync on recovery adds it to the fleet's count (without charging the bucket)."""
-        lease = self._new_lease()
+        lease = self.new_lease()
         self.live[lease] = Lease(tenant.name, cost)
         return lease
 
@@ -330,7 +385,7 @@ class RedisStore:
 
     async def snapshot(self, tenant: str) -> dict[str, float]:
         """Redis's view of one tenant: level, in_flight and the sum of its lease costs."""
-        bucket_key, _, cost_key = self._keys(tenant)
+        bucket_key, _, cost_key, _ = self._keys(tenant)
         async with self.client.pipeline(transaction=True) as pipe:
             bucket, costs = await pipe.hgetall(bucket_key).hvals(cost_key).execute()
         return {
@@ -384,12 +439,12 @@ class RedisStore:
 
     def _keys(self, tenant: str) -> list[str]:
         base = f"{self.prefix}:tenant:{tenant}"
-        return [f"{base}:bucket", f"{base}:lease_expiry", f"{base}:lease_cost"]
+        return [f"{base}:bucket", f"{base}:lease_expiry", f"{base}:lease_cost", f"{base}:waiters"]
 
     def _lease_prefix(self) -> str:
         return f"{self.replica_id}|"
 
-    def _new_lease(self) -> str:
+    def new_lease(self) -> str:
         self._next_id += 1
         return f"{self._lease_prefix()}{self._epoch}.{self._next_id - 1}"
 

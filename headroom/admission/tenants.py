@@ -121,6 +121,9 @@ class Waiter:
     # it and a ticket: it counts as admitted at once unless the store refuses it.
     direct: bool = False
     seqs: int = 1  # global slots it needs
+    # With a shared store: its lease id, from its first ask on (its place in the
+    # tenant's fleet-wide queue while refused).
+    lease: str | None = None
 
 
 @dataclass(eq=False)

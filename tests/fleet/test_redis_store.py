@@ -29,13 +29,15 @@ def config(fleet_size: int = 3, **limits) -> AdmissionConfig:
     )
 
 
-async def replica(redis_server, name: str, cfg: AdmissionConfig | None = None, ttl_s: float = 10.0) -> Admission:
+async def replica(
+    redis_server, name: str, cfg: AdmissionConfig | None = None, ttl_s: float = 10.0, tick_s: float = 0.01
+) -> Admission:
     cfg = cfg or config()
     registry = TenantRegistry(cfg)
     store = RedisStore(redis_server.url, registry, replica_id=name, fleet_size=cfg.fleet_size, lease_ttl_s=ttl_s)
     await store.start()
     assert store.available
-    adm = Admission(cfg, registry, max_in_flight_seqs=64, tick_s=0.01, store=store)
+    adm = Admission(cfg, registry, max_in_flight_seqs=64, tick_s=tick_s, store=store)
     adm.start()
     RUNNING[adm] = asyncio.create_task(store.run())  # renewals, and recovery after a loss
     return adm
@@ -153,6 +155,98 @@ async def test_concurrent_flood_from_three_replicas_stays_within_the_cap(redis_s
     await shutdown(*replicas)
 
 
+HOLD_S = 0.1  # each admitted request runs this long, then settles
+TICK_S = 0.05  # the server's retry tick
+
+
+async def test_a_place_freed_anywhere_goes_to_the_tenants_oldest_waiter_in_the_fleet(redis_server):
+    """Four places (120 tokens at 30 a request) and twelve closed-loop clients, four on each
+    of three replicas. Fleet-wide FIFO bounds every wait by the requests ahead of it: at
+    most 8 others wait, so two turns of the four places, each a hold plus a handoff (the
+    winner's replica asks again within its tick) and a round trip. Without the fleet-wide
+    queue the replica whose request settles asks at once while the others wait for their
+    tick, so it takes the place back for its own queue, and the others wait for as long as
+    its clients keep coming."""
+    cfg = config(max_in_flight_tokens=120)
+    replicas = [await replica(redis_server, f"r{i}", cfg, tick_s=TICK_S) for i in range(3)]
+    waits: dict[int, list[float]] = {i: [] for i in range(3)}
+    peak = 0
+
+    async def client(i: int) -> None:
+        nonlocal peak
+        adm = replicas[i]
+        for _ in range(10):
+            ticket = await adm.acquire(adm.registry.get("flood"), 30)
+            waits[i].append(ticket.queued_s)
+            peak = max(peak, redis_view(redis_server, "flood")[0])
+            await asyncio.sleep(HOLD_S)
+            adm.settle(ticket, 10, 20)
+
+    await asyncio.gather(*(client(i) for i in range(3) for _ in range(4)))
+    bound = 2 * (HOLD_S + TICK_S) + 0.2  # 0.2: round trips and the event loop, three replicas in one
+    worst = {i: round(max(w), 2) for i, w in waits.items()}
+    assert peak == 120 and all(w <= bound for w in worst.values()), (worst, bound)
+    await until(lambda: redis_view(redis_server, "flood") == (0, 0))
+    assert redis_server.client().hlen("headroom:tenant:flood:waiters") == 0
+    await shutdown(*replicas)
+
+
+def waiters(redis_server, tenant: str) -> dict[str, tuple[int, int, int]]:
+    """The tenant's fleet-wide waiters: lease -> (waiting since, cost, alive until), ms of Redis's clock."""
+    entries = redis_server.client().hgetall(f"headroom:tenant:{tenant}:waiters")
+    return {k.decode(): tuple(int(x) for x in v.decode().split(":")) for k, v in entries.items()}
+
+
+async def test_a_dead_replicas_waiter_holds_the_others_back_only_until_it_lapses(redis_server):
+    dead, alive = await replica(redis_server, "dead"), await replica(redis_server, "alive")
+    held = await alive.acquire(alive.registry.get("flood"), 700)
+    older = asyncio.create_task(dead.acquire(dead.registry.get("flood"), 500))
+    await until(lambda: len(waiters(redis_server, "flood")) == 1)
+    # The dead replica asks nothing again: no timer, no pump, no renewal.
+    dead._timer.cancel()
+    dead.pump = lambda: None
+    await kill(dead)
+    await asyncio.sleep(0.05)
+    ((lease, (_, cost, lapses)),) = waiters(redis_server, "flood").items()
+    assert lease.startswith("dead|") and cost == 500
+    younger = asyncio.create_task(alive.acquire(alive.registry.get("flood"), 500))
+    await asyncio.sleep(0.1)
+    alive.settle(held, 0, 0)  # the place the dead replica's waiter would take first
+    ticket = await asyncio.wait_for(younger, 10)
+    granted = lease_expiry(redis_server, "flood", ticket.lease) - 10_000
+    assert lapses <= granted <= lapses + 500 and ticket.decision == "wait"
+    assert list(waiters(redis_server, "flood")) == []
+    alive.settle(ticket, 0, 0)
+    dead.store.available = False  # its cancelled waiter has nobody to tell
+    older.cancel()
+    await until(lambda: redis_view(redis_server, "flood") == (0, 0))
+    RUNNING.pop(dead, None)
+    await shutdown(alive)
+
+
+async def test_a_waiter_that_leaves_unserved_holds_nobody_back(redis_server):
+    a, b, c = [await replica(redis_server, name) for name in "abc"]
+    held = await c.acquire(c.registry.get("flood"), 700)
+    # Each fits its own replica's bucket, not the fleet's: both wait in Redis.
+    gone = asyncio.create_task(a.acquire(a.registry.get("flood"), 500, deadline_s=0.3))
+    await until(lambda: len(waiters(redis_server, "flood")) == 1)
+    cancelled = asyncio.create_task(b.acquire(b.registry.get("flood"), 400))
+    await until(lambda: len(waiters(redis_server, "flood")) == 2)
+    cancelled.cancel()
+    with pytest.raises(Rejected) as timed_out:
+        await gone
+    assert timed_out.value.code == "timeout"
+    await until(lambda: waiters(redis_server, "flood") == {}, timeout_s=1)  # lapsing would take 2 s
+    c.settle(held, 0, 0)
+    await until(lambda: redis_view(redis_server, "flood") == (0, 0))
+    # Nobody is left ahead: a new request is admitted at once.
+    ticket = await asyncio.wait_for(b.acquire(b.registry.get("flood"), 900), 1)
+    assert ticket.decision == "admit"
+    b.settle(ticket, 0, 0)
+    await until(lambda: redis_view(redis_server, "flood") == (0, 0))
+    await shutdown(a, b, c)
+
+
 async def test_settle_refunds_what_was_reserved_and_not_used(redis_server):
     cfg = config(rate_tokens_per_s=1.0, burst_tokens=1000)  # ~no refill during the test
     a = await replica(redis_server, "a", cfg)
@@ -181,9 +275,9 @@ async def test_a_dead_replicas_reservations_come_back_within_the_ttl(redis_serve
     attempts: list[tuple[int, str | float]] = []  # (Redis time when sent, answer) of each reserve
     reserve = alive.store.reserve
 
-    async def timed_reserve(tenant, cost):
+    async def timed_reserve(*args):
         sent = redis_ms(redis_server)
-        answer = await reserve(tenant, cost)
+        answer = await reserve(*args)
         attempts.append((sent, answer))
         return answer
 
