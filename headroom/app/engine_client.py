@@ -71,7 +71,8 @@ class AsyncEngine:
         # On a thread that ends with the load: torch's work there starts OpenMP workers, and
         # a lasting thread that has them slows every later step of the engine (openmp.py).
         registry = self._engine.executor.loras
-        await asyncio.get_running_loop().run_in_executor(None, in_passing_thread, registry.load, name, path)
+        ref = await asyncio.get_running_loop().run_in_executor(None, in_passing_thread, registry.load, name, path)
+        self._engine.warm_lora(ref.uid)
 
     async def unload_lora(self, name: str) -> None:
         """Raises LoraInUse while sequences run under it, KeyError where it is not loaded."""

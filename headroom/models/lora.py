@@ -23,6 +23,7 @@ import math
 import os
 import re
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -51,6 +52,9 @@ WEIGHT_KEY = re.compile(
 BLOCKS = {module: "self_attn" if fused in ("qkv", "o") else "mlp" for module, (fused, _) in PARTS.items()}
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+# How long a failed read of an adapter's folder refuses its requests at entry: a folder
+# gone fails each one at once instead of after its prefill, and one put back serves again.
+UNREADABLE_FOR_S = 5.0
 
 
 class LoraError(ValueError):
@@ -253,6 +257,12 @@ class LoraSlots:
             self.uids[self.uids.index(uid)] = None
         self.last_used.pop(uid, None)
 
+    def make_room(self, adapter: LoraAdapter) -> None:
+        """Grow the stacks so that `adapter` can be written over any slot in use without
+        allocating."""
+        for key, fused in adapter.layers.items():
+            self._grow(key, fused.a.shape[1], fused.b.shape[0], self.depth, fused.a.shape[0], fused.a)
+
     def _write(self, slot: int, adapter: LoraAdapter) -> None:
         # Every stack is as deep as the deepest slot written: a projection first placed at
         # slot 1 still serves a step whose other adapter sits in slot 5 (as zeros there).
@@ -385,6 +395,10 @@ class LoraRegistry:
         self.folders: dict[int, tuple[str, str]] = {}  # uid -> (name, folder) of every adapter registered
         self.adapters: OrderedDict[int, LoraAdapter] = OrderedDict()  # uid -> weights in memory, oldest use first
         self.reloads = 0  # weights read again after they left memory
+        # uid -> (monotonic time, error) of its last failed read: for unreadable_for_s after
+        # it, a request under it is refused when it enters instead of failing after a prefill.
+        self.failed_reads: dict[int, tuple[float, str]] = {}
+        self.unreadable_for_s = UNREADABLE_FOR_S
         # The adapters of the running sequences, as the engine last scheduled them: their
         # weights never leave memory (the scheduler holds them to max_loras <= max_cpu_loras).
         self.running: frozenset[int] = frozenset()
@@ -413,6 +427,19 @@ class LoraRegistry:
             held = list(self.adapters.items())[-self.slots.capacity :]
         self.slots.place(held)
 
+    def warm_loaded(self, uid: int) -> None:
+        """Write an adapter loaded at run time into a free slot, or where none is free,
+        make the stacks wide enough for it, so that its first step allocates nothing; no
+        adapter in a slot leaves (the engine thread calls it between steps)."""
+        with self._lock:
+            adapter = self.adapters.get(uid)
+        if adapter is None:  # unloaded, or already out of memory again
+            return
+        if None in self.slots.uids:
+            self.slots.place([(uid, adapter)])
+        else:
+            self.slots.make_room(adapter)
+
     def _check_free(self, name: str) -> None:
         if name in self.refs or name in self.base_names:
             raise LoraError(f"the name {name!r} is already taken by a loaded model or adapter")
@@ -421,6 +448,7 @@ class LoraRegistry:
         with self._lock:
             ref = self.refs.pop(name)
             del self.folders[ref.uid]
+            self.failed_reads.pop(ref.uid, None)
             self.adapters.pop(ref.uid, None)
         self.slots.forget(ref.uid)  # unloads run on the engine thread, between steps
 
@@ -434,6 +462,14 @@ class LoraRegistry:
 
     def registered(self, uid: int) -> bool:
         return uid in self.folders
+
+    def unreadable(self, uid: int) -> str | None:
+        """Why uid's weights could not be read, where a read failed within unreadable_for_s
+        (engine thread: the steps' reads write it)."""
+        failure = self.failed_reads.get(uid)
+        if failure is None or time.monotonic() - failure[0] >= self.unreadable_for_s:
+            return None
+        return failure[1]
 
     def weights(self, uids) -> tuple[dict[int, LoraAdapter], dict[int, LoraError]]:
         """Each uid's weights, read again from its folder where they had left memory (on the
@@ -452,6 +488,9 @@ class LoraRegistry:
                 )
             except LoraError as exc:
                 failed[uid] = exc
+                self.failed_reads[uid] = (time.monotonic(), str(exc))
+        for uid in found:
+            self.failed_reads.pop(uid, None)
         with self._lock:
             for uid, adapter in found.items():
                 self.adapters[uid] = adapter

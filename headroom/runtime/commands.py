@@ -48,4 +48,12 @@ class UnloadLora:
     future: Future[None] = field(default_factory=Future)
 
 
-Command = Add | Abort | Control | SetLongLaneFactor | UnloadLora
+@dataclass(frozen=True)
+class WarmLora:
+    """Write a LoRA adapter loaded at run time into the slots between two steps, so that
+    the first step under it allocates nothing."""
+
+    uid: int
+
+
+Command = Add | Abort | Control | SetLongLaneFactor | UnloadLora | WarmLora

@@ -29,7 +29,7 @@ from headroom.models.loader import LoadedModel
 from headroom.models.lora import LoraInUse
 from headroom.runtime import actions
 from headroom.runtime.block_manager import BlockManager
-from headroom.runtime.commands import Abort, Add, Command, Control, SetLongLaneFactor, UnloadLora
+from headroom.runtime.commands import Abort, Add, Command, Control, SetLongLaneFactor, UnloadLora, WarmLora
 from headroom.runtime.loops import LoopWatch
 from headroom.runtime.output_processor import OutputProcessor
 from headroom.runtime.outputs import (
@@ -135,6 +135,8 @@ class EngineCore:
                         future.set_exception(exc)
                 case UnloadLora(name, future):
                     self._unload_lora(name, future)
+                case WarmLora(uid):
+                    self.executor.loras.warm_loaded(uid)
                 case SetLongLaneFactor(factor):
                     self.scheduler.lane.factor = factor
                 case _:
@@ -155,10 +157,14 @@ class EngineCore:
 
     def _add(self, request: Request, sink: OutputSink) -> None:
         # Weights that left memory (max_cpu_loras) are read again at the request's first step,
-        # off the state lock; a folder gone by then fails that adapter's sequences alone.
+        # off the state lock; a folder gone by then fails that adapter's sequences alone, and
+        # for a few seconds after, its requests at entry.
         if request.lora is not None and not self.executor.loras.registered(request.lora.uid):
             # Built under an adapter that was unloaded while it waited (in admission).
             self.output_processor.reject(request, sink, f"the LoRA adapter {request.lora.name!r} was unloaded")
+            return
+        if request.lora is not None and (unreadable := self.executor.loras.unreadable(request.lora.uid)):
+            self.output_processor.reject(request, sink, f"the LoRA adapter could not be read: {unreadable}")
             return
         if request.request_id in self.output_processor:
             # Never let a duplicate id replace a live request's sink and detokenizer
@@ -219,7 +225,7 @@ class EngineCore:
         # Blocks each request held for this step, read before anything below frees them.
         held = [len(self.block_manager.block_table(r.request_id)) for r in out.requests]
         failed = self._withdraw_unread_adapters(out, model_out.lora_failed)
-        self._observe_hidden(out, model_out)
+        self._observe_hidden(out, model_out, bool(failed))
         # The tokens exist from here on; update_from_output stamps finished_time later.
         sampled_time = time.monotonic()
         sampled: list[int | None] = [None] * len(out.requests)
@@ -242,6 +248,8 @@ class EngineCore:
     def _withdraw_unread_adapters(self, out: SchedulerOutput, failed: dict[int, str]) -> list[tuple[Request, str]]:
         """The sequences whose adapter could not be read for the step ran as the base model:
         abort them before the update, which then keeps none of their tokens or blocks."""
+        if not failed:  # every step but one whose read failed
+            return []
         withdrawn = []
         for request in out.requests:
             if request.lora is None or request.lora.uid not in failed or request.is_finished:
@@ -252,11 +260,12 @@ class EngineCore:
             withdrawn.append((request, error))
         return withdrawn
 
-    def _observe_hidden(self, out: SchedulerOutput, model_out: ModelOutput) -> None:
+    def _observe_hidden(self, out: SchedulerOutput, model_out: ModelOutput, withdrawn: bool) -> None:
+        """withdrawn: some of the step's sequences were withdrawn (their rows ran as the base)."""
         if self.hidden_hook is None or not model_out.hidden:
             return
         rows = [out.requests[i] for i in model_out.sample_indices]
-        kept = [j for j, request in enumerate(rows) if not request.is_finished]  # withdrawn above
+        kept = [j for j, request in enumerate(rows) if not request.is_finished] if withdrawn else range(len(rows))
         if not kept:
             return
         try:

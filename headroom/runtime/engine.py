@@ -14,7 +14,7 @@ from headroom.config import Config
 from headroom.contracts.request import Request, SamplingParams
 from headroom.models.loader import LoadedModel
 from headroom.runtime import actions
-from headroom.runtime.commands import Abort, Add, Command, Control, SetLongLaneFactor, UnloadLora
+from headroom.runtime.commands import Abort, Add, Command, Control, SetLongLaneFactor, UnloadLora, WarmLora
 from headroom.runtime.core import EngineCore
 from headroom.runtime.lane import HolFeedback
 from headroom.runtime.outputs import OutputSink, SequenceSnapshot
@@ -57,6 +57,10 @@ class Engine(EngineCore):
         command = UnloadLora(name)
         self._command(command)
         return command.future
+
+    def warm_lora(self, uid: int) -> None:
+        """Write an adapter just loaded into the slots at the start of the next step."""
+        self._command(WarmLora(uid))
 
     def set_long_lane_factor(self, factor: float) -> None:
         """Scale the long lane's per-step prefill allowance (the head-of-line loop's lever)."""

@@ -88,6 +88,13 @@ def test_load_select_stream_bind_and_unload(server, adapter_dirs, expected):
     assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'attn-r8' added successfully.")
     r = post(server, "/v1/load_lora_adapter", {"lora_name": "mlp-r16", "lora_path": adapter_dirs["mlp-r16"]})
     assert r.status_code == 200
+    # The engine writes each into a free slot before any request runs under it.
+    loras = server.engine.executor.loras
+    loaded = {loras.ref("attn-r8").uid, loras.ref("mlp-r16").uid}
+    deadline = time.monotonic() + 10
+    while not loaded <= set(loras.slots.uids):
+        assert time.monotonic() < deadline, f"never written into the slots: {loras.slots.uids}"
+        time.sleep(0.01)
     again = post(server, "/v1/load_lora_adapter", body)
     assert again.status_code == 400 and again.json()["error"] == {
         "message": "the name 'attn-r8' is already taken by a loaded model or adapter",

@@ -185,6 +185,40 @@ def test_warm_writes_the_adapters_so_that_the_first_steps_allocate_nothing(defau
         torch.testing.assert_close(out, expected(loras, plan, 5, projection, x), rtol=1e-5, atol=1e-5)
 
 
+def test_an_adapter_loaded_at_run_time_is_written_in_before_its_first_step(default_model, adapter_dirs, cpp):
+    """Into a free slot where there is one; where every slot is in use, the stacks are
+    widened for its rank and projections at once. Either way its first step allocates nothing."""
+    loras = registry(default_model, adapter_dirs, max_loras=2, kernels=cpp)
+    loras.unload("all-r4-rs")
+    loras.step([(loras.ref("attn-r8"), 1)])  # attn-r8 in slot 0; the MLP stacks do not exist yet
+    wide = loras.load("wide", adapter_dirs["mlp-r16"])
+    loras.warm_loaded(wide.uid)
+    assert loras.slots.uids == [loras.ref("attn-r8").uid, wide.uid]
+
+    def stacks():
+        return {key: (a.data_ptr(), loras.slots.b[key].data_ptr()) for key, a in loras.slots.a.items()}
+
+    before = stacks()
+    plan = [("attn-r8", 2), ("wide", 1)]
+    step = loras.step([(loras.ref(n), k) for n, k in plan])
+    assert stacks() == before
+    for projection in PROJECTIONS:
+        x, out = run(step, loras, 3, projection, 3)
+        torch.testing.assert_close(out, expected(loras, plan, 3, projection, x), rtol=1e-5, atol=1e-5)
+    # Both slots in use: the next one (rank 4, every projection) widens nothing it would need
+    # at its first step over the least recently used slot.
+    late = loras.load("late", adapter_dirs["all-r4-rs"])
+    loras.warm_loaded(late.uid)
+    assert late.uid not in loras.slots.uids
+    before = stacks()
+    plan = [("wide", 1), ("late", 2)]
+    step = loras.step([(loras.ref(n), k) for n, k in plan])
+    assert stacks() == before and loras.slots.uids == [late.uid, wide.uid]
+    for projection in PROJECTIONS:
+        x, out = run(step, loras, 3, projection, 3)
+        torch.testing.assert_close(out, expected(loras, plan, 3, projection, x), rtol=1e-5, atol=1e-5)
+
+
 def test_unload_empties_the_slot(default_model, adapter_dirs):
     loras = registry(default_model, adapter_dirs, max_loras=8)
     loras.step([(loras.ref(n) if n else None, k) for n, k in DECODE])
