@@ -114,13 +114,14 @@ def test_an_adapter_whose_folder_went_fails_alone(default_model, adapter_dirs, p
     assert engine.block_manager.num_used_blocks == 0
     # The next request under it is refused at entry, with the same reason, before any step.
     steps, outputs = engine.stats.steps, []
-    (refused,) = engine.generate([prompts[0]], SamplingParams(max_tokens=MAX_TOKENS), sink=outputs.append, lora=["gone"])
+    once = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    (refused,) = engine.generate([prompts[0]], once, sink=outputs.append, lora=["gone"])
     assert [o.error for o in outputs] == errors and refused.resources.num_processed_tokens == 0
     assert engine.stats.steps == steps and engine.stats.aborts == {"engine_error": 1}
     # Its folder back, and the failure forgotten (unreadable_for_s later): it serves again.
     shutil.copytree(adapter_dirs["attn-r8"], gone)
     engine.executor.loras.unreadable_for_s = 0.0
-    (back,) = engine.generate([prompts[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), lora=["gone"])
+    (back,) = engine.generate([prompts[0]], once, lora=["gone"])
     assert back.output_token_ids == reference["attn-r8"][0]
     assert engine.executor.loras.failed_reads == {}
 
