@@ -111,6 +111,7 @@ class Admission:
         self.store = store
         self._confirming: set[Waiter] = set()
         self._tasks: set[asyncio.Task] = set()  # reserve and settle round trips to the store
+        self._retries: dict[str, asyncio.TimerHandle] = {}  # per tenant: its head's next ask
 
     # --- the decision -------------------------------------------------------------
 
@@ -254,6 +255,11 @@ class Admission:
             waiter.future.set_result(ticket)
         for tenant in self.registry:
             self._prune(tenant, now)
+            if tenant.queue and self._shared() and tenant.head_free():
+                # Due to ask but not asked (no global slot, or not within this replica's
+                # share): it must not hold the tenant's other replicas back meanwhile.
+                for waiter in tenant.queue:
+                    self._forget(tenant, waiter)
 
     # --- lifecycle ----------------------------------------------------------------
 
@@ -267,6 +273,9 @@ class Admission:
         """Stop the timer and reject every waiter; later acquires are rejected too.
         Tickets already granted may still be settled."""
         self._closed = True
+        for retry in self._retries.values():
+            retry.cancel()
+        self._retries.clear()
         if self._timer is not None:
             self._timer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -319,10 +328,10 @@ class Admission:
 
     async def _confirm_async(self, tenant: Tenant, waiter: Waiter) -> None:
         answer: str | float | None = None
-        if waiter.lease is None:
-            waiter.lease = self.store.new_lease()
+        if waiter.key is None:
+            waiter.key = self.store.new_waiter()
         try:
-            answer = await self.store.reserve(tenant, waiter.cost, waiter.lease, self._now() - waiter.enqueued_at)
+            answer = await self.store.reserve(tenant, waiter.cost, waiter.key, self._now() - waiter.enqueued_at)
         except StoreUnavailable:
             pass  # the store is now unavailable: pump grants on the local share
         except Exception:
@@ -332,6 +341,7 @@ class Admission:
             tenant.confirming = False
             self._confirming.discard(waiter)
             self.in_flight_seqs -= waiter.seqs
+        waiter.registered = isinstance(answer, float)  # the store keeps a refused waiter
         if isinstance(answer, str):
             if waiter.future.done():  # cancelled, or the server closed, while Redis answered
                 self._spawn(self.store.settle(answer, waiter.cost, 0, True), then_pump=True)
@@ -356,7 +366,10 @@ class Admission:
                 # waiter is asked for soon, and a place freed meanwhile waits for it.
                 hold = answer if answer > 0 else self._tick_s
                 tenant.hold_until = self._now() + hold
-                asyncio.get_running_loop().call_later(hold, self.pump)
+                retry = self._retries.pop(tenant.name, None)
+                if retry is not None:
+                    retry.cancel()
+                self._retries[tenant.name] = asyncio.get_running_loop().call_later(hold, self.pump)
             if _decision(waiter) == "admit":
                 self.decisions["wait"] += 1
                 waiter.direct = False
@@ -365,9 +378,11 @@ class Admission:
         self.pump()
 
     def _forget(self, tenant: Tenant, waiter: Waiter) -> None:
-        """A waiter that leaves unserved gives up its place in the fleet-wide queue."""
-        if waiter.lease is not None and self.store is not None:
-            self._spawn(self.store.forget(tenant.name, waiter.lease))
+        """A waiter that leaves unserved, or cannot ask now, gives up its place in the
+        fleet-wide queue (it takes it back, by its age, when it next asks)."""
+        if waiter.registered:
+            waiter.registered = False
+            self._spawn(self.store.forget(tenant.name, waiter.key))
 
     def _spawn(self, coro, then_pump: bool = False) -> None:
         task = asyncio.get_running_loop().create_task(coro)

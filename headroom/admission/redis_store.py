@@ -10,13 +10,15 @@ reservations of a replica that died come back within the lease TTL. Times are Re
 own clock (TIME), never a replica's.
 
 A tenant's queue is one queue across the fleet. A replica asks for its queue's head
-only, and a refused head stays registered among the tenant's waiters (since when it
-waits, its cost, and until when it counts as alive: WAITER_TTL_S past the retry its
-refusal hinted). A reserve is granted only when no older waiter would fit now (or has
-waited backfill_max_wait_s, when nobody passes it), as one replica's queue admits. So the
-replica whose request settles cannot take the freed place back for its own queue while
-another replica's request has waited longer: it goes to that one at its next retry. A
-waiter that leaves unserved is forgotten at once; one whose replica died lapses.
+only, and a refused head stays registered among the tenant's waiters under a key of its
+own (since when it waits, its cost, and until when it counts as alive: WAITER_TTL_S past
+the retry its refusal hinted; each grant is a new lease all the same, so that a sync's
+snapshot never mistakes it for an old one). A reserve is granted only when no older
+waiter would fit now (or has waited backfill_max_wait_s, when nobody passes it), as one
+replica's queue admits. So the replica whose request settles cannot take the freed
+place back for its own queue while another replica's request has waited longer: it goes
+to that one at its next retry. A waiter that leaves unserved, or cannot ask when due, is
+forgotten at once; one whose replica died lapses.
 
 The replica keeps its live leases here and syncs them every ttl/3. While Redis cannot
 be reached it is `available = False`: admission then runs on the local buckets scaled
@@ -79,8 +81,9 @@ local function refill(now, rate, burst)
 end
 """
 
-# ARGV: cost, rate, burst, max_in_flight, lease, ttl_ms, waited_ms, backfill_ms,
-# waiter_ttl_ms -> {granted, wait_ms, in_flight, first (no older waiter goes ahead)}
+# ARGV: cost, rate, burst, max_in_flight, lease, ttl_ms, waiter (its key among the tenant's
+# waiters: the same on every retry, where the lease is new each time), waited_ms,
+# backfill_ms, waiter_ttl_ms -> {granted, wait_ms, in_flight, first (no older waiter goes ahead)}
 RESERVE = (
     _PRELUDE
     + """
@@ -93,7 +96,7 @@ if redis.call('ZSCORE', KEYS[2], ARGV[5]) then return {1, 0, in_flight, 1} end  
 local function fits(c) return level >= math.min(c, burst) and in_flight + c <= cap end
 -- An older waiter of this tenant, on any replica, goes first where it fits now, or where
 -- it has waited the backfill bound (then nobody passes it); lapsed waiters are dropped.
-local since, backfill = now - tonumber(ARGV[7]), tonumber(ARGV[8])
+local waiter, since, backfill = ARGV[7], now - tonumber(ARGV[8]), tonumber(ARGV[9])
 local ahead = false
 local waiters = redis.call('HGETALL', KEYS[4])
 for i = 1, #waiters, 2 do
@@ -101,7 +104,7 @@ for i = 1, #waiters, 2 do
   t, c, alive = tonumber(t), tonumber(c), tonumber(alive)
   if alive < now then
     redis.call('HDEL', KEYS[4], waiters[i])
-  elseif waiters[i] ~= ARGV[5] and t < since and (fits(c) or now - t >= backfill) then
+  elseif waiters[i] ~= waiter and t < since and (fits(c) or now - t >= backfill) then
     ahead = true
   end
 end
@@ -109,13 +112,13 @@ if not ahead and fits(cost) then
   redis.call('HSET', KEYS[1], 'level', level - cost, 'stamp', stamp, 'in_flight', in_flight + cost)
   redis.call('ZADD', KEYS[2], now + tonumber(ARGV[6]), ARGV[5])
   redis.call('HSET', KEYS[3], ARGV[5], cost)
-  redis.call('HDEL', KEYS[4], ARGV[5])
+  redis.call('HDEL', KEYS[4], waiter)
   return {1, 0, in_flight + cost, 1}
 end
 redis.call('HSET', KEYS[1], 'level', level, 'stamp', stamp, 'in_flight', in_flight)
 local wait = 0
 if level < math.min(cost, burst) then wait = math.ceil((math.min(cost, burst) - level) / rate * 1000) end
-redis.call('HSET', KEYS[4], ARGV[5], string.format('%d:%d:%d', since, cost, now + wait + tonumber(ARGV[9])))
+redis.call('HSET', KEYS[4], waiter, string.format('%d:%d:%d', since, cost, now + wait + tonumber(ARGV[10])))
 if ahead then return {0, wait, in_flight, 0} end
 return {0, wait, in_flight, 1}
 """
@@ -239,6 +242,7 @@ class RedisStore:
         self.live: dict[str, Lease] = {}
         self.pending: set[str] = set()  # reserves sent, answer not yet back
         self._next_id = 0
+        self._next_waiter = 0
         self._epoch = f"{time.time_ns():x}"
         self.available = False
         self.reason: str | None = "not connected yet"
@@ -247,13 +251,14 @@ class RedisStore:
 
     # --- the three atomic operations --------------------------------------------
 
-    async def reserve(self, tenant: Tenant, cost: int, lease: str, waited_s: float = 0.0) -> str | float:
+    async def reserve(self, tenant: Tenant, cost: int, waiter: str, waited_s: float = 0.0) -> str | float:
         """Check and charge `cost` for `tenant` fleet-wide, for a request that has waited
-        `waited_s` in this replica's queue, under `lease` (new_lease(); the same one on each
-        retry, which is also its place among the tenant's waiters). Returns the lease id
+        `waited_s` in this replica's queue as `waiter` (new_waiter(); the same on every
+        retry: its place among the tenant's waiters while refused). Returns the lease id
         when granted, else the seconds until a retry may succeed (0: unknown, a place
         must be freed first; FIRST_RETRY_S for the fleet's oldest waiter, which takes it).
         Raises StoreUnavailable."""
+        lease = self._new_lease()
         c = tenant.config
         self.pending.add(lease)
         try:
@@ -266,6 +271,7 @@ class RedisStore:
                 tenant.max_in_flight_tokens,
                 lease,
                 self.lease_ttl_ms,
+                waiter,
                 int(waited_s * 1000),
                 int(tenant.backfill_max_wait_s * 1000),
                 int(WAITER_TTL_S * 1000),
@@ -279,14 +285,14 @@ class RedisStore:
         finally:
             self.pending.discard(lease)
 
-    async def forget(self, tenant: str, lease: str) -> None:
-        """Take a waiter that leaves unserved (cancelled, timed out) out of the tenant's
-        fleet-wide queue, so that it holds nobody back until it would lapse."""
+    async def forget(self, tenant: str, waiter: str) -> None:
+        """Take a waiter out of the tenant's fleet-wide queue (it left unserved, or cannot
+        ask now), so that it holds nobody back until it would lapse."""
         if not self.available:
             return
         with contextlib.suppress(StoreUnavailable):
             try:
-                await self.client.hdel(self._keys(tenant)[3], lease)
+                await self.client.hdel(self._keys(tenant)[3], waiter)
             except RedisError as exc:
                 self._lost(exc)
                 raise StoreUnavailable(str(exc)) from None
@@ -294,7 +300,7 @@ class RedisStore:
     def hold_locally(self, tenant: Tenant, cost: int) -> str:
         """A lease for a reservation made on the local share while Redis is away; the
         sync on recovery adds it to the fleet's count (without charging the bucket)."""
-        lease = self.new_lease()
+        lease = self._new_lease()
         self.live[lease] = Lease(tenant.name, cost)
         return lease
 
@@ -378,6 +384,8 @@ class RedisStore:
         if self.available:
             with contextlib.suppress(StoreUnavailable):
                 await self.sync()
+        self.available = False  # closed: a late forget has nobody to tell
+        self.reason = "closed"
         await self.client.aclose()
 
     def stats(self) -> StoreStats:
@@ -444,9 +452,13 @@ class RedisStore:
     def _lease_prefix(self) -> str:
         return f"{self.replica_id}|"
 
-    def new_lease(self) -> str:
+    def _new_lease(self) -> str:
         self._next_id += 1
         return f"{self._lease_prefix()}{self._epoch}.{self._next_id - 1}"
+
+    def new_waiter(self) -> str:
+        self._next_waiter += 1
+        return f"{self._lease_prefix()}{self._epoch}.w{self._next_waiter}"
 
     def _where(self) -> str:
         pool = self.client.connection_pool.connection_kwargs

@@ -121,9 +121,10 @@ class Waiter:
     # it and a ticket: it counts as admitted at once unless the store refuses it.
     direct: bool = False
     seqs: int = 1  # global slots it needs
-    # With a shared store: its lease id, from its first ask on (its place in the
-    # tenant's fleet-wide queue while refused).
-    lease: str | None = None
+    # With a shared store: its key among the tenant's waiters there, from its first ask
+    # on, and whether it is registered there now (refused, and not forgotten since).
+    key: str | None = None
+    registered: bool = False
 
 
 @dataclass(eq=False)

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from headroom.admission.admission import Admission, Rejected, Ticket
-from headroom.admission.redis_store import RedisStore
+from headroom.admission.redis_store import WAITER_TTL_S, RedisStore
 from headroom.admission.tenants import TenantRegistry
 from headroom.config import AdmissionConfig, TenantConfig
 
@@ -161,12 +161,13 @@ TICK_S = 0.05  # the server's retry tick
 
 async def test_a_place_freed_anywhere_goes_to_the_tenants_oldest_waiter_in_the_fleet(redis_server):
     """Four places (120 tokens at 30 a request) and twelve closed-loop clients, four on each
-    of three replicas. Fleet-wide FIFO bounds every wait by the requests ahead of it: at
-    most 8 others wait, so two turns of the four places, each a hold plus a handoff (the
-    winner's replica asks again within its tick) and a round trip. Without the fleet-wide
-    queue the replica whose request settles asks at once while the others wait for their
-    tick, so it takes the place back for its own queue, and the others wait for as long as
-    its clients keep coming."""
+    of three replicas. In fleet-wide order a client that settles and asks again finds eight
+    others ahead of it: it waits at least one hold (the places they take must be freed
+    again) and at most two turns of the four places, each a hold plus a handoff (the
+    oldest waiter's replica asks again within FIRST_RETRY_S, the next within a tick).
+    Without the fleet-wide queue the replica whose request settles asks at once while the
+    others wait for their tick: it takes the place back for its own queue, so its clients
+    wait next to nothing and the other replicas' wait for as long as they keep coming."""
     cfg = config(max_in_flight_tokens=120)
     replicas = [await replica(redis_server, f"r{i}", cfg, tick_s=TICK_S) for i in range(3)]
     waits: dict[int, list[float]] = {i: [] for i in range(3)}
@@ -178,16 +179,19 @@ async def test_a_place_freed_anywhere_goes_to_the_tenants_oldest_waiter_in_the_f
         for _ in range(10):
             ticket = await adm.acquire(adm.registry.get("flood"), 30)
             waits[i].append(ticket.queued_s)
-            peak = max(peak, redis_view(redis_server, "flood")[0])
+            peak = max(peak, sum(r.registry.get("flood").bucket.in_flight for r in replicas))
             await asyncio.sleep(HOLD_S)
             adm.settle(ticket, 10, 20)
 
     await asyncio.gather(*(client(i) for i in range(3) for _ in range(4)))
     bound = 2 * (HOLD_S + TICK_S) + 0.2  # 0.2: round trips and the event loop, three replicas in one
     worst = {i: round(max(w), 2) for i, w in waits.items()}
+    # Past each client's first request (the queue forming), nobody goes ahead of its turn.
+    least = {i: round(min(w[4:]), 2) for i, w in waits.items()}
     assert peak == 120 and all(w <= bound for w in worst.values()), (worst, bound)
+    assert all(w >= HOLD_S / 2 for w in least.values()), least
     await until(lambda: redis_view(redis_server, "flood") == (0, 0))
-    assert redis_server.client().hlen("headroom:tenant:flood:waiters") == 0
+    assert waiters(redis_server, "flood") == {}
     await shutdown(*replicas)
 
 
@@ -202,8 +206,10 @@ async def test_a_dead_replicas_waiter_holds_the_others_back_only_until_it_lapses
     held = await alive.acquire(alive.registry.get("flood"), 700)
     older = asyncio.create_task(dead.acquire(dead.registry.get("flood"), 500))
     await until(lambda: len(waiters(redis_server, "flood")) == 1)
-    # The dead replica asks nothing again: no timer, no pump, no renewal.
+    # The dead replica asks nothing again: no timer, no retry, no pump, no renewal.
     dead._timer.cancel()
+    for retry in dead._retries.values():
+        retry.cancel()
     dead.pump = lambda: None
     await kill(dead)
     await asyncio.sleep(0.05)
@@ -245,6 +251,35 @@ async def test_a_waiter_that_leaves_unserved_holds_nobody_back(redis_server):
     b.settle(ticket, 0, 0)
     await until(lambda: redis_view(redis_server, "flood") == (0, 0))
     await shutdown(a, b, c)
+
+
+async def test_a_waiter_that_cannot_ask_holds_nobody_back(redis_server):
+    """The oldest waiter's replica has no global slot left to ask with (another tenant's
+    request took its last one): it leaves the fleet's queue, and a younger waiter on
+    another replica takes the freed place at once (it would otherwise wait for the
+    registration to lapse, WAITER_TTL_S)."""
+    full = await replica(redis_server, "full")
+    full.max_in_flight_seqs = 2
+    b, c = await replica(redis_server, "b"), await replica(redis_server, "c")
+    held = await b.acquire(b.registry.get("flood"), 800)
+    other = await full.acquire(full.registry.get("other"), 10)
+    oldest = asyncio.create_task(full.acquire(full.registry.get("flood"), 500))
+    await until(lambda: len(waiters(redis_server, "flood")) == 1)
+    last = await full.acquire(full.registry.get("other"), 10)  # taken while the oldest is refused
+    assert full.in_flight_seqs == 2
+    younger = asyncio.create_task(c.acquire(c.registry.get("flood"), 500))
+    await until(lambda: any(key.startswith("c|") for key in waiters(redis_server, "flood")))
+    b.settle(held, 0, 0)
+    started = time.monotonic()
+    ticket = await asyncio.wait_for(younger, 5)
+    assert time.monotonic() - started < WAITER_TTL_S / 4 and not oldest.done()
+    c.settle(ticket, 0, 0)
+    full.settle(other, 0, 0)
+    full.settle(last, 0, 0)  # a slot again: the oldest asks, and is admitted
+    assert (await asyncio.wait_for(oldest, 5)).lease.startswith("full|")
+    full.settle(oldest.result(), 0, 0)
+    await until(lambda: redis_view(redis_server, "flood") == (0, 0) and redis_view(redis_server, "other") == (0, 0))
+    await shutdown(full, b, c)
 
 
 async def test_settle_refunds_what_was_reserved_and_not_used(redis_server):
@@ -369,6 +404,42 @@ async def test_a_sync_never_drops_a_newer_lease_nor_puts_back_a_settled_one(redi
     a.settle(ticket, 0, 0)
     await until(lambda: redis_view(redis_server, "flood") == (0, 0))
     await shutdown(a)
+
+
+async def test_a_retry_granted_while_a_sync_is_under_way_keeps_its_lease(redis_server):
+    """A waiter asks again under the same key, but each grant is a new lease, numbered after
+    any sync's snapshot: the sync that was under way leaves it alone (a reused lease id,
+    numbered before the snapshot, was dropped as no longer held, and the fleet then took
+    the whole cap again)."""
+    registry = TenantRegistry(config())
+    store = RedisStore(redis_server.url, registry, replica_id="a", fleet_size=3)
+    await store.start()
+    flood, waiter = registry.get("flood"), store.new_waiter()
+    blocker = await store.reserve(flood, 800, store.new_waiter())
+    assert isinstance(await store.reserve(flood, 500, waiter, 0.1), float)  # refused: 800 + 500 > 1000
+    await store.settle(blocker, 800, 800, True)
+    granted = []
+    pipeline = store.client.pipeline
+
+    def racing(*args, **kwargs):  # the retry lands between the sync's snapshot and its script
+        pipe = pipeline(*args, **kwargs)
+        execute = pipe.execute
+
+        async def retried_then_execute(*a, **kw):
+            granted.append(await store.reserve(flood, 500, waiter, 0.2))
+            return await execute(*a, **kw)
+
+        pipe.execute = retried_then_execute
+        return pipe
+
+    store.client.pipeline = racing
+    await store.sync()
+    store.client.pipeline = pipeline
+    assert granted and granted[0] in store.live
+    assert redis_view(redis_server, "flood") == (500, 500)
+    await store.settle(granted[0], 500, 0, True)
+    assert redis_view(redis_server, "flood") == (0, 0)
+    await store.close()
 
 
 async def test_a_lost_redis_is_logged_once_per_loss_not_per_request(redis_server, caplog):
