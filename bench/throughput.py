@@ -63,6 +63,12 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument(
+        "--tune-threads",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the engine measures and picks its thread count (the default, as the server's)",
+    )
     ns = p.parse_args()
     if ns.threads:
         torch.set_num_threads(ns.threads)
@@ -90,7 +96,12 @@ def run_levels(
 ) -> list[dict]:
     config = Config(
         model=ModelConfig(
-            model=ns.model, device=ns.device, dtype=ns.dtype, quantization=ns.quantization, enforce_eager=enforce_eager
+            model=ns.model,
+            device=ns.device,
+            dtype=ns.dtype,
+            quantization=ns.quantization,
+            enforce_eager=enforce_eager,
+            tune_threads=ns.tune_threads,
         ),
         cache=CacheConfig(
             kv_cache_memory_gib=2.0, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype or ns.kv_cache_dtype
@@ -115,13 +126,19 @@ def run_levels(
     rng = random.Random(0)
     run_once(engine, 2, 16, 4, rng)  # warm-up
     results = []
-    print(f"{'conc':>5} {'out tok/s':>10} {'elapsed s':>10} {'TTFT s':>8} {'TPOT ms':>8} {'overhead':>9} {'steps':>6}")
+    print(
+        f"{'conc':>5} {'out tok/s':>10} {'elapsed s':>10} {'TTFT s':>8} {'TPOT ms':>8} {'overhead':>9} {'steps':>6}"
+        f" {'threads':>8}"
+    )
+    tuner = engine.threads
     for c in levels:
         r = run_once(engine, c, ns.prompt_len, ns.output_len, rng)
         results.append(r)
+        # The count the engine ran at by the end, and its switches so far (runtime/threads.py).
+        threads = f"{tuner.current} ({tuner.switches})" if tuner is not None else "-"
         print(
             f"{c:>5} {r['output_tok_s']:>10.1f} {r['elapsed_s']:>10.2f} {r['mean_ttft_s']:>8.2f} "
-            f"{r['mean_tpot_ms']:>8.1f} {r['overhead_share']:>8.1%} {r['steps']:>6}",
+            f"{r['mean_tpot_ms']:>8.1f} {r['overhead_share']:>8.1%} {r['steps']:>6} {threads:>8}",
             flush=True,
         )
     base = results[0]["output_tok_s"]

@@ -211,6 +211,12 @@ class ModelConfig:
     max_lora_rank: AtLeast1 = Field(
         64, description="the largest LoRA rank an adapter may have (vLLM's --max-lora-rank)"
     )
+    # A neighbour on a shared VM can make two threads far slower than one (runtime/threads.py).
+    tune_threads: bool = Field(
+        True,
+        description="on the CPU, now and then time a few steps at one thread (or back at all of them) and "
+        "keep the count whose steps cost less",
+    )
 
 
 @config_errors("cache.")

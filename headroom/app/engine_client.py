@@ -114,6 +114,7 @@ class AsyncEngine:
                 "block_size": ex.block_size,
             },
             "cuda_graphs": ex.cuda_graphs,
+            "threads": self.threads(),
             "weights": {
                 "dtype": str(ex.dtype).removeprefix("torch."),
                 "quantization": ex.loaded.quantization,
@@ -121,6 +122,13 @@ class AsyncEngine:
                 "kv_cache": {"dtype": str(ex.kv_dtype).removeprefix("torch."), "reason": ex.kv_dtype_reason},
             },
         }
+
+    def threads(self) -> dict | None:
+        """The CPU thread count the steps run at, as the engine measured and chose it (None on a GPU)."""
+        tuner = self._engine.threads
+        if tuner is None:
+            return None
+        return {"current": tuner.current, "configured": tuner.most, "tuned": tuner.enabled, "switches": tuner.switches}
 
     def start(self) -> None:
         if not self._engine.running:  # `headroom serve` hands over an engine already stepping (Engine.started)

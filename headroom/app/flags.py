@@ -37,6 +37,7 @@ _FLAGS = {
     "lora_modules": (None, "lora"),
     "max_lora_rank": ("model", "max_lora_rank"),
     "enforce_eager": ("model", "enforce_eager"),
+    "tune_threads": ("model", "tune_threads"),
     "block_size": ("cache", "block_size"),
     "num_kv_blocks": ("cache", "num_blocks"),
     "kv_cache_memory_gib": ("cache", "kv_cache_memory_gib"),

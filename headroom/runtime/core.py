@@ -43,6 +43,7 @@ from headroom.runtime.outputs import (
 from headroom.runtime.probe import LengthProbe, ProbeRefiner
 from headroom.runtime.scheduler import Scheduler
 from headroom.runtime.stats import StepAccounting, engine_counters, engine_snapshot, long_lane_state
+from headroom.runtime.threads import ThreadTuner
 from headroom.runtime.warmup import measure_step_cost
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,12 @@ class EngineCore:
 
         self.output_processor = OutputProcessor(self.tokenizer.hf, self.scheduler, self.sampler)
         self.accounting = StepAccounting(self.scheduler.cost)
+        # On the CPU, the thread count the steps run at is measured and chosen (threads.py).
+        self.threads = (
+            ThreadTuner(torch.get_num_threads(), torch.set_num_threads)
+            if config.model.tune_threads and self.executor.device.type == "cpu"
+            else None
+        )
         self._inbox: list[Command] = []
         self._wakeup = threading.Condition()
         self._state_lock = threading.Lock()
@@ -198,6 +205,9 @@ class EngineCore:
             if out.is_empty:
                 return
             self._running_step = (out, started)
+            predicted = None
+            if self.threads is not None and self.threads.measuring():
+                predicted = self.scheduler.cost.predict(out.total_tokens, out.attention_pairs, out.decode_pairs)
         try:
             model_out = self.runner.execute(
                 out, self.block_manager, keep_hidden=self.hidden_due is None or self.hidden_due(out)
@@ -213,14 +223,20 @@ class EngineCore:
             return
         with self._state_lock:
             try:
-                self._complete_step(out, model_out, samples, started)
+                self._complete_step(out, model_out, samples, started, predicted)
             except Exception:
                 self.output_processor.close_finished(out.requests, self.stats)
                 raise
 
     def _complete_step(
-        self, out: SchedulerOutput, model_out: ModelOutput, samples: SampleResult, started: float
+        self,
+        out: SchedulerOutput,
+        model_out: ModelOutput,
+        samples: SampleResult,
+        started: float,
+        predicted: float | None = None,
     ) -> None:
+        """predicted: the step's cost as the model predicted it, where the thread tuner measures it."""
         self._running_step = None
         # Blocks each request held for this step, read before anything below frees them.
         held = [len(self.block_manager.block_table(r.request_id)) for r in out.requests]
@@ -237,7 +253,11 @@ class EngineCore:
         actions.check_loops(self.loops, with_token, self.scheduler, self.stats)
 
         elapsed = time.perf_counter() - started
-        self.accounting.step_done(self.stats, out, held, elapsed, model_out.timer)
+        # A trial step at another thread count would teach the cost model a price not in use.
+        trial = predicted is not None and self.threads.trying
+        self.accounting.step_done(self.stats, out, held, elapsed, model_out.timer, learn=not trial)
+        if predicted is not None:
+            self.threads.step_done(elapsed, predicted)
         for request, error in failed:  # after step_done: their last output carries the step they cost
             self.output_processor.finish(request, self.stats, error)
         for request in with_token:

@@ -36,13 +36,21 @@ class StepAccounting:
         self._timers: deque[StepTimer] = deque()  # forward passes whose device time is not yet read
 
     def step_done(
-        self, stats: EngineStats, out: SchedulerOutput, held: list[int], elapsed: float, timer: StepTimer
+        self,
+        stats: EngineStats,
+        out: SchedulerOutput,
+        held: list[int],
+        elapsed: float,
+        timer: StepTimer,
+        learn: bool = True,
     ) -> None:
-        """`held`: the blocks each request of `out` held for the step."""
+        """`held`: the blocks each request of `out` held for the step; learn: whether the
+        step-cost model learns from it."""
         total = out.total_tokens
         stats.steps += 1
         stats.step_time_s += elapsed
-        self.cost.observe(total, out.attention_pairs, elapsed, out.decode_pairs)
+        if learn:
+            self.cost.observe(total, out.attention_pairs, elapsed, out.decode_pairs)
         # Read without waiting: a step that sampled nothing may still be on the device.
         self._timers.append(timer)
         while self._timers and self._timers[0].ready():

@@ -108,7 +108,9 @@ Pool& pool() {
 void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
   if (n <= 0) return;
   Pool& p = pool();
-  if (n > grain && p.size() > 1) {
+  // The engine may run its steps at fewer threads than the pool has (runtime/threads.py):
+  // at one, its regions run here alone.
+  if (n > grain && p.size() > 1 && at::get_num_threads() > 1) {
     // A few chunks per thread, so a descheduled thread delays the job by one chunk only.
     const int64_t chunk = std::max(grain, (n + 4 * p.size() - 1) / (4 * p.size()));
     if (p.try_run(n, chunk, fn)) return;
