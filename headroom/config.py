@@ -214,8 +214,8 @@ class ModelConfig:
     # A neighbour on a shared VM can make two threads far slower than one (runtime/threads.py).
     tune_threads: bool = Field(
         True,
-        description="on the CPU, now and then time a few steps at one thread (or back at all of them) and "
-        "keep the count whose steps cost less",
+        description="on the CPU, now and then time a few steps at one thread fewer (or back at all of them) "
+        "and keep the count whose steps cost less",
     )
 
 

@@ -206,8 +206,10 @@ class EngineCore:
                 return
             self._running_step = (out, started)
             predicted = None
-            if self.threads is not None and self.threads.measuring():
-                predicted = self.scheduler.cost.predict(out.total_tokens, out.attention_pairs, out.decode_pairs)
+            if self.threads is not None:
+                self.threads.begin_step()
+                if self.threads.measuring():
+                    predicted = self.scheduler.cost.predict(out.total_tokens, out.attention_pairs, out.decode_pairs)
         try:
             model_out = self.runner.execute(
                 out, self.block_manager, keep_hidden=self.hidden_due is None or self.hidden_due(out)

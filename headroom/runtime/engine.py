@@ -127,19 +127,23 @@ class Engine(EngineCore):
     def _steps(self) -> None:
         if self.executor.device.type == "cuda":
             torch.cuda.set_device(self.executor.device)  # the current device is per thread
-        while True:
-            with self._wakeup:
-                while not (self._inbox or self.scheduler.has_work() or self._stopping):
-                    self._wakeup.wait()
-                if self._stopping:
-                    return
-            try:
-                self.step()
-            except Exception:  # a bug outside the model call: fail what is in flight, keep serving
-                log.exception("engine step crashed; failing %d requests", len(self.scheduler.requests))
-                with self._state_lock:
-                    for request_id in list(self.scheduler.requests):
-                        self.output_processor.abort(request_id, "engine_error", self.stats, "internal engine error")
+        try:
+            while True:
+                with self._wakeup:
+                    while not (self._inbox or self.scheduler.has_work() or self._stopping):
+                        self._wakeup.wait()
+                    if self._stopping:
+                        return
+                try:
+                    self.step()
+                except Exception:  # a bug outside the model call: fail what is in flight, keep serving
+                    log.exception("engine step crashed; failing %d requests", len(self.scheduler.requests))
+                    with self._state_lock:
+                        for request_id in list(self.scheduler.requests):
+                            self.output_processor.abort(request_id, "engine_error", self.stats, "internal engine error")
+        finally:
+            if self.threads is not None:  # torch's count for threads to come is the configured one
+                self.threads.release()
 
     # ---- conveniences for the CLI, tests and benchmarks --------------------------------
 
@@ -159,6 +163,10 @@ class Engine(EngineCore):
         requests = [self.new_request(p, s, lora=a) for p, s, a in zip(prompts, params, adapters, strict=True)]
         for request in requests:
             self.submit(request, sink or (lambda _: None))
-        while any(not r.is_finished for r in requests):
-            self.step()
+        try:
+            while any(not r.is_finished for r in requests):
+                self.step()
+        finally:
+            if self.threads is not None:  # the caller's thread keeps the configured count
+                self.threads.release()
         return requests

@@ -9,11 +9,17 @@ right on every machine at every minute, so the engine measures.
 
 Every so often (from FIRST_TRIAL_S, doubling up to LAST_TRIAL_S while the count holds)
 it times TRIAL_STEPS steps at the count it runs, then TRIAL_STEPS at the other one
-(one thread, or back to the configured count), each against the step-cost model's
+(one thread fewer than configured, or back to all of them), each against the step-cost model's
 prediction for that step, so that steps of any shape compare. It keeps the other count
 where its median ratio is under MARGIN times the current one's: a switch needs a clear
 win, so noise does not flip it back and forth. A trial whose first LOSING_STEPS steps
-all lose by as much ends there, so a quiet machine pays two slow steps a trial.
+all lose by as much ends there, so a quiet machine pays two slow steps a trial. The
+first step at a new count is not scored (it pays for the change), and a trial whose steps
+come more than STALE_S apart (the engine idled) is dropped.
+
+torch.set_num_threads also sets the count every thread started later begins with, so the
+engine gives the configured count back (release) when it stops stepping on a thread, and
+puts its own in force again at the next step (begin_step).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ TRIAL_STEPS = 6
 LOSING_STEPS = 2  # a trial whose first steps all cost over 1 / MARGIN the current's ends there
 FIRST_TRIAL_S = 5.0
 LAST_TRIAL_S = 60.0
+STALE_S = 1.0
 MARGIN = 0.8
 
 
@@ -33,8 +40,8 @@ class ThreadTuner:
     def __init__(
         self, most: int, set_threads: Callable[[int], None], now: Callable[[], float] = time.monotonic
     ) -> None:
-        """most: the configured count; set_threads applies a count (torch.set_num_threads,
-        on the thread that runs the steps)."""
+        """most: the configured count, in force on the stepping thread now; set_threads
+        applies a count there (torch.set_num_threads)."""
         self.most = most
         self.current = most  # the count the engine keeps
         self.switches = 0
@@ -44,6 +51,9 @@ class ThreadTuner:
         self._due = now() + FIRST_TRIAL_S
         self._held: list[float] = []  # ratios of steps at the current count, just before a trial
         self._tried: list[float] = []  # ratios of the trial's steps at the other count
+        self._fresh = False  # the next step is the first at the trial's count
+        self._last = float("-inf")  # when the last measured step ended
+        self._applied = True  # `current` is in force on the stepping thread
 
     @property
     def enabled(self) -> bool:
@@ -51,12 +61,26 @@ class ThreadTuner:
 
     @property
     def other(self) -> int:
-        return 1 if self.current == self.most else self.most
+        return self.most - 1 if self.current == self.most else self.most
 
     @property
     def trying(self) -> bool:
         """Does the next step run at the trial's count?"""
         return len(self._held) == TRIAL_STEPS
+
+    def begin_step(self) -> None:
+        """Before each step: the kept count in force on this thread (after a release, or on
+        a thread that has not stepped before)."""
+        if not self._applied:
+            self._set(self.current)
+            self._applied = True
+
+    def release(self) -> None:
+        """The steps stop on this thread: the configured count back, a trial dropped."""
+        if self.enabled and (self.current != self.most or self.trying):
+            self._set(self.most)
+        self._held, self._tried = [], []
+        self._applied = self.current == self.most
 
     def measuring(self) -> bool:
         """Does the next step count (the caller then predicts its cost)?"""
@@ -64,12 +88,22 @@ class ThreadTuner:
 
     def step_done(self, elapsed_s: float, predicted_s: float) -> None:
         """A step measured while measuring(): its wall time and the model's prediction."""
+        now, last = self._now(), self._last
+        self._last = now
+        if self._held and now - elapsed_s - last > STALE_S:  # idle since: the trial compares nothing
+            if self.trying:
+                self._set(self.current)
+            self._held, self._tried = [], []
         if predicted_s <= 0 or elapsed_s <= 0:
             return
         if len(self._held) < TRIAL_STEPS:
             self._held.append(elapsed_s / predicted_s)
             if len(self._held) == TRIAL_STEPS:
                 self._set(self.other)  # the trial's steps run at the other count
+                self._fresh = True
+            return
+        if self._fresh:  # the first step at a new count pays for the change
+            self._fresh = False
             return
         self._tried.append(elapsed_s / predicted_s)
         held = statistics.median(self._held)
@@ -85,4 +119,4 @@ class ThreadTuner:
             self._set(self.current)
             self._every = min(LAST_TRIAL_S, 2 * self._every)
         self._held, self._tried = [], []
-        self._due = self._now() + self._every
+        self._due = now + self._every

@@ -448,10 +448,10 @@ def test_a_crash_after_the_update_closes_the_requests_that_step_finished(loaded,
     engine = make_engine(loaded)
     step_done = engine.accounting.step_done
 
-    def crash(stats, out, *args):
+    def crash(stats, out, *args, **kwargs):
         if any(r.is_finished for r in out.requests):
             raise RuntimeError("bug in the accounting")
-        step_done(stats, out, *args)
+        step_done(stats, out, *args, **kwargs)
 
     monkeypatch.setattr(engine.accounting, "step_done", crash)
     short = engine.new_request(prompts[0], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))

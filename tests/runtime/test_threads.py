@@ -4,7 +4,22 @@ busy core, and back once the neighbour leaves."""
 
 from __future__ import annotations
 
-from headroom.runtime.threads import FIRST_TRIAL_S, LAST_TRIAL_S, TRIAL_STEPS, ThreadTuner
+import pytest
+import torch
+
+from headroom.config import CacheConfig, Config
+from headroom.contracts.request import SamplingParams
+from headroom.runtime import threads
+from headroom.runtime.engine import Engine
+from headroom.runtime.threads import LAST_TRIAL_S, STALE_S, TRIAL_STEPS, ThreadTuner
+
+FIRST_TRIAL_S = 5.0  # as threads.py ships it; tests/conftest.py sets it to inf for the other tests
+
+
+@pytest.fixture(autouse=True)
+def trials(monkeypatch):
+    """tests/conftest.py turns trials off for the engines of the other tests."""
+    monkeypatch.setattr(threads, "FIRST_TRIAL_S", FIRST_TRIAL_S)
 
 
 class Machine:
@@ -43,9 +58,9 @@ def test_a_quiet_machine_keeps_every_thread_and_tries_one_less_and_less_often():
     measured = machine.run(tuner, 200.0)
     assert tuner.current == 2 and tuner.switches == 0 and machine.threads == 2
     # Each trial runs one thread and puts both back: 5 + 10 + 20 + 40 + 60 + 60 s apart,
-    # after two steps (their losing is clear).
+    # after three steps (the first pays for the change; the next two lose clearly).
     trials = machine.applied.count(1)
-    assert machine.applied == [1, 2] * trials and measured.count(1) == 2 * trials
+    assert machine.applied == [1, 2] * trials and measured.count(1) == 3 * trials
     waits, due = [], FIRST_TRIAL_S
     while sum(waits) + due <= 200.0:
         waits.append(due)
@@ -81,3 +96,96 @@ def test_steps_it_cannot_price_do_not_count_and_one_thread_is_left_alone():
     assert tuner.measuring() and machine.applied == []
     single = ThreadTuner(1, machine.set_threads, now=lambda: machine.now)
     assert not single.enabled and not single.measuring()
+
+
+def test_after_a_switch_the_next_trial_comes_soon():
+    machine = Machine({2: 1.0, 1: 1.8})
+    tuner = tuner_on(machine)
+    machine.run(tuner, 40.0)  # three trials lost: the next is 40 s away
+    machine.cost = {2: 3.0, 1: 1.1}  # a neighbour came
+    while tuner.current == 2:
+        machine.run(tuner, 0.1)
+    switched = machine.now
+    machine.cost = {2: 1.0, 1: 1.8}  # and left at once
+    while tuner.current == 1:
+        machine.run(tuner, 0.1)
+    assert machine.now - switched < FIRST_TRIAL_S + 2.0  # not after the 40 s the quiet trials had reached
+
+
+def test_one_slow_step_does_not_end_a_trial_that_wins():
+    """Early end needs every one of the first steps to lose: one that loses (a hiccup)
+    beside one that wins lets the trial run its course."""
+    machine = Machine({2: 3.0, 1: 1.1})
+    tuner = tuner_on(machine)
+    machine.now = FIRST_TRIAL_S
+    for _ in range(TRIAL_STEPS):
+        tuner.step_done(0.3, 0.1)  # at two threads: ratio 3
+    assert machine.threads == 1
+    for ratio in (1.0, 9.0, 1.0, 1.0, 1.0, 1.0, 1.0):  # the change, a hiccup, then wins
+        tuner.step_done(0.1 * ratio, 0.1)
+    assert tuner.current == 1 and tuner.switches == 1
+
+
+def test_a_trial_across_an_idle_spell_is_dropped():
+    machine = Machine({2: 1.0, 1: 0.5})
+    tuner = tuner_on(machine)
+    machine.now = FIRST_TRIAL_S
+    for _ in range(TRIAL_STEPS):
+        machine.now += 0.1
+        tuner.step_done(0.1, 0.1)
+    assert tuner.trying and machine.threads == 1
+    machine.now += STALE_S + 5.0  # nothing to step for a while
+    tuner.step_done(0.05, 0.1)
+    assert not tuner.trying and machine.threads == 2 and tuner.switches == 0
+
+
+def test_release_gives_the_configured_count_back_and_the_next_step_takes_its_own_again():
+    machine = Machine({2: 3.0, 1: 1.1})
+    tuner = tuner_on(machine)
+    machine.run(tuner, FIRST_TRIAL_S + 2.0)
+    assert tuner.current == 1 and machine.threads == 1
+    tuner.release()  # the engine stops stepping on this thread
+    assert machine.threads == 2
+    tuner.begin_step()
+    assert machine.threads == 1
+    tuner.begin_step()
+    assert machine.applied[-2:] == [2, 1]  # once each, not at every step
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one thread: there is no other count to try")
+def test_an_engine_runs_its_trials_on_its_own_thread_learns_nothing_from_them_and_gives_the_count_back(
+    default_model, monkeypatch
+):
+    # Trials back to back, two steps each way, none cut short: generate() ends inside one.
+    for name, value in (("FIRST_TRIAL_S", 0.0), ("LAST_TRIAL_S", 0.0), ("TRIAL_STEPS", 2), ("LOSING_STEPS", 10**6)):
+        monkeypatch.setattr(threads, name, value)
+    most = torch.get_num_threads()
+    engine = Engine(Config(cache=CacheConfig(num_blocks=128)), loaded=default_model)
+    tuner = engine.threads
+    assert tuner.most == most and tuner.enabled
+    seen = []  # (threads in force, a trial step?) of each step
+    execute, release = engine.runner.execute, tuner.release
+    ended = []  # the threads in force when generate() gave them back
+
+    def counted(*args, **kwargs):
+        seen.append((torch.get_num_threads(), tuner.trying))
+        return execute(*args, **kwargs)
+
+    def released():
+        ended.append((torch.get_num_threads(), tuner.trying, tuner.other))
+        release()
+
+    monkeypatch.setattr(engine.runner, "execute", counted)
+    monkeypatch.setattr(tuner, "release", released)
+    learned = engine.scheduler.cost.num_steps
+    prompts = [[1, 504, 3575, 282, 4649, 314] * (1 + i) for i in range(4)]
+    engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    trial = [n for n, trying in seen if trying]
+    assert {n for n, _ in seen} == {most, most - 1} and len(trial) >= 3  # the steps ran where the tuner said
+    # Every step but the trial's taught the cost model.
+    assert engine.scheduler.cost.num_steps - learned == len(seen) - len(trial)
+    # It ended inside a trial (24 steps: four trials of five, and four steps), at the trial's
+    # count (one thread fewer, or all of them where one fewer had won), and gave the
+    # caller's thread the configured count back.
+    ((count, trying, other),) = ended
+    assert trying and count == other and torch.get_num_threads() == most
