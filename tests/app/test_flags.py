@@ -38,6 +38,7 @@ SERVE = [
     "serve",
     *("--model", "m.gguf", "--served-model-name", "m", "--dtype", "float32", "--quantization", "int8"),
     *("--device", "cpu", "--max-model-len", "512", "--enforce-eager", "--attention-backend", "torch"),
+    "--no-tune-threads",
     *("--block-size", "16", "--num-kv-blocks", "64", "--kv-cache-memory-gib", "2", "--kv-cache-dtype", "float16"),
     *("--no-prefix-caching", "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--no-chunked-prefill"),
     *("--host", "0.0.0.0", "--port", "9000", "--max-body-bytes", "4096", "--max-queue-len", "5"),
