@@ -7,13 +7,11 @@ namespace headroom {
 namespace {
 
 constexpr int64_t kMinSpan = 512;
+constexpr int64_t kMaxSpans = 16;
 
 }  // namespace
 
-int64_t span_keys(int64_t keys, int64_t threads) {
-  const int64_t bins = 4 * std::max<int64_t>(1, threads);
-  return std::max(kMinSpan, (keys + bins - 1) / bins);
-}
+int64_t span_keys(int64_t len) { return std::max(kMinSpan, (len + kMaxSpans - 1) / kMaxSpans); }
 
 void cut_row(Spans& spans, int64_t seq, int64_t row, int64_t len, int64_t target) {
   const int64_t n = std::max<int64_t>(1, (len + target - 1) / target);

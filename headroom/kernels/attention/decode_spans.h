@@ -30,10 +30,13 @@ struct Spans {
   int64_t slots = 0;
 };
 
-// The keys a span covers where a step's decode rows hold `keys` in all, on `threads`:
-// about a share of each thread's four bins, never below kMinSpan (smaller spans cost more
-// in merging and in passes begun than they gain).
-int64_t span_keys(int64_t keys, int64_t threads);
+// The keys a span of a row of `len` keys covers: a sixteenth of the row, never below
+// kMinSpan (smaller spans cost more in merging and in passes begun than they gain). From
+// the row's own length alone, never the step's other rows or the thread count, so that a
+// row's sums are the same in any batch on any number of threads: a sequence's tokens do
+// not depend on its neighbours, and a guessed token is verified with the arithmetic that
+// decoding it would have used.
+int64_t span_keys(int64_t len);
 
 // Appends the row's spans: its context [0, len) cut into pieces of about `target` keys
 // (never fewer than half).

@@ -69,19 +69,17 @@ void decode_spans(const float* qp, T* kc, T* vc, const int32_t* tp, const int32_
                   const float* vnp, int64_t kn_row, int64_t vn_row, const int64_t* sp) {
   const int64_t group = Hq / Hkv;
   const int64_t token_stride = Hkv * D, block_stride = block_size * Hkv * D;
-  int64_t keys = 0;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lp[b] >= 1 && (lp[b] + block_size - 1) / block_size <= W, "seq_len does not fit the block table");
-    keys += lp[b];
     if (sp != nullptr)  // this step's keys and values first, before any span reads them
       for (int64_t h = 0; h < Hkv; ++h) {
         store_row(knp + b * kn_row + h * D, kc + sp[b] * token_stride + h * D, D);
         store_row(vnp + b * vn_row + h * D, vc + sp[b] * token_stride + h * D, D);
       }
   }
-  const int64_t threads = at::get_num_threads(), target = headroom::span_keys(keys, threads);
+  const int64_t threads = at::get_num_threads();
   headroom::Spans spans;
-  for (int64_t b = 0; b < B; ++b) headroom::cut_row(spans, b, b, lp[b], target);
+  for (int64_t b = 0; b < B; ++b) headroom::cut_row(spans, b, b, lp[b], headroom::span_keys(lp[b]));
   std::vector<int64_t> work;
   for (const auto& span : spans.items) work.push_back(span.last - span.first);
   const auto bins = headroom::deal(work, threads);

@@ -66,15 +66,11 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
   const int64_t splits = threads > 1 ? (2 * threads + Hkv - 1) / Hkv : 1;
   std::vector<Item> items;
   std::vector<int64_t> work;  // each item's query rows times the keys they see, plus the keys it reads, per kv head
-  int64_t decode_keys = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t q_len = starts[b + 1] - starts[b];
     TORCH_CHECK(q_len >= 0 && q_len <= lens[b] && (lens[b] + block_size - 1) / block_size <= W,
                 "seq_len does not fit the block table, or is shorter than the sequence's queries");
-    if (q_len == 1) {
-      decode_keys += lens[b];
-      continue;
-    }
+    if (q_len == 1) continue;
     const int64_t tile = std::clamp((q_len + splits - 1) / splits, std::min(kMinTile, q_len), kTileTokens);
     for (int64_t j = 0; j < q_len; j += tile)
       for (int64_t h = 0; h < Hkv; ++h) {
@@ -84,9 +80,8 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
       }
   }
   headroom::Spans spans;
-  const int64_t target = headroom::span_keys(decode_keys, threads);
   for (int64_t b = 0; b < B; ++b)
-    if (starts[b + 1] - starts[b] == 1) headroom::cut_row(spans, b, starts[b], lens[b], target);
+    if (starts[b + 1] - starts[b] == 1) headroom::cut_row(spans, b, starts[b], lens[b], headroom::span_keys(lens[b]));
   for (const auto& span : spans.items) work.push_back((span.last - span.first) * 2 * Hkv);
   const auto bins = headroom::deal(work, threads);
   auto out = torch::empty_like(q);
