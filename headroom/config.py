@@ -319,6 +319,34 @@ class SchedulerConfig:
             )
 
 
+@config_errors("speculative.")
+@dataclass(frozen=True, config=STRICT)
+class SpeculativeConfig:
+    """vLLM's --speculative-config, in its JSON shape: {"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}."""
+
+    method: Literal["off", "ngram"] = Field(
+        "off",
+        description="how guesses are proposed: ngram (the request's own tokens: the words after the latest "
+        "earlier occurrence of its last few) or off",
+    )
+    num_speculative_tokens: Annotated[int, Field(ge=1, le=16)] = Field(
+        4, description="the most tokens guessed for a sequence in one step"
+    )
+    prompt_lookup_max: AtLeast1 = Field(4, description="the longest suffix looked up (tokens)")
+    prompt_lookup_min: AtLeast1 = Field(2, description="the shortest suffix looked up (tokens)")
+
+    def __post_init__(self) -> None:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(
+                f"prompt_lookup_min must be <= prompt_lookup_max ({self.prompt_lookup_min} > {self.prompt_lookup_max})"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+
 @config_errors("server.")
 @dataclass(frozen=True, config=STRICT)
 class ServerConfig:
@@ -758,6 +786,7 @@ class Config:
     pools: PoolsConfig = field(default_factory=PoolsConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     attention_backend: str = Field(
         "auto",
         description="auto, torch, triton, flash_attn, xformers (auto: by what is installed and the device present)",

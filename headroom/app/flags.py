@@ -5,6 +5,7 @@ then each flag given overrides its field. `headroom serve`, `generate` and
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import tomllib
 from types import UnionType
@@ -21,6 +22,7 @@ from headroom.config import (
     PoolsConfig,
     SchedulerConfig,
     ServerConfig,
+    SpeculativeConfig,
 )
 
 # flag dest -> (config section, field): --dest-with-dashes sets it, with the field's type,
@@ -70,6 +72,7 @@ _SECTIONS = {
     "pools": PoolsConfig,
     "observability": ObservabilityConfig,
     "admin": AdminConfig,
+    "speculative": SpeculativeConfig,
 }
 
 
@@ -102,6 +105,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for dest, (section, _) in _FLAGS.items():
         if section not in _SERVER_SECTIONS:
             g.add_argument("--" + dest.replace("_", "-"), **_argument(dest))
+    g.add_argument(
+        "--speculative-config",
+        type=json_table,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, as vLLM takes it: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (overrides the [speculative] table)',
+    )
+
+
+def json_table(value: str) -> dict[str, Any]:
+    try:
+        table = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object: {exc}") from None
+    if not isinstance(table, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return table
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -172,6 +193,7 @@ def build_config(ns: argparse.Namespace) -> Config:
         value = getattr(ns, dest, None)
         if value is not None:
             (sections[section] if section else top)[name] = value
+    sections["speculative"].update(getattr(ns, "speculative_config", None) or {})
     try:
         built = {name: cls(**sections[name]) for name, cls in _SECTIONS.items()}
         return Config(**built, **top)

@@ -24,6 +24,9 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     attention_pairs: int = 0  # (query, key) pairs the step computes, for the step-cost model
     decode_pairs: int = 0  # those of them its decode rows compute
+    # Guessed tokens (runtime/speculation.py), by request id: such a decode row is scheduled
+    # 1 + len(guesses) tokens, its last token and the guesses after it.
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:

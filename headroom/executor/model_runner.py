@@ -33,7 +33,9 @@ class ModelOutput:
         hidden: dict[int, torch.Tensor] | None = None,
         lora_failed: dict[int, str] | None = None,
     ):
-        self.logits = logits  # (S, V) float32 for the S sampling requests
+        # (S + G, V) float32: the S sampling requests', then the rows after each of the G
+        # guesses (SchedulerOutput.drafts), request by request.
+        self.logits = logits
         self.sample_indices = sample_indices  # positions in SchedulerOutput.requests that sample
         self.timer = timer  # device time of the forward pass
         self.hidden = hidden or {}  # layer -> (S, hidden): residual stream after it, as logits
@@ -78,7 +80,7 @@ class BatchInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_rows: torch.Tensor  # rows of the hidden states whose logits are needed
+    logits_rows: torch.Tensor  # rows of the hidden states whose logits are needed: sampling, then guess rows
     sample_indices: list[int]
     lora: LoraStep | None = None  # the rows that run under adapters
 
@@ -154,18 +156,33 @@ class ModelRunner:
         tables: list[list[int]] = []
         logits_rows: list[int] = []
         sample_indices: list[int] = []
+        guess_rows: list[int] = []  # the rows after each guess, after the sampling rows
+        num_decodes = out.num_decodes  # rows of one query token, first in the batch
         for i, (request, n) in enumerate(zip(out.requests, out.num_scheduled_tokens, strict=True)):
             start = request.num_computed_tokens
             end = start + n
             table = block_manager.block_table(request.request_id)
-            input_ids.extend(request.all_token_ids[start:end])
+            guess = out.drafts.get(request.request_id, [])
+            input_ids.extend(request.all_token_ids[start : end - len(guess)])
+            input_ids.extend(guess)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            query_lens.append(n)
-            seq_lens.append(end)
-            tables.append(table)
-            if end == request.num_tokens:
-                logits_rows.append(len(input_ids) - 1)
+            if guess:
+                # Each position a decode row of its own over the same blocks (this step's
+                # K/V are all written before any row reads), so that each is computed as
+                # decoding it one token a step computes it.
+                query_lens.extend([1] * n)
+                seq_lens.extend(range(start + 1, end + 1))
+                tables.extend([table] * n)
+                num_decodes += n - 1
+            else:
+                query_lens.append(n)
+                seq_lens.append(end)
+                tables.append(table)
+            if end == request.num_tokens + len(guess):
+                last = len(input_ids) - 1 - len(guess)
+                logits_rows.append(last)
+                guess_rows.extend(range(last + 1, last + 1 + len(guess)))
                 sample_indices.append(i)
         width = max(len(t) for t in tables)
         table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
@@ -180,7 +197,7 @@ class ModelRunner:
             block_tables=to(table_tensor),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
-            num_decodes=out.num_decodes,
+            num_decodes=num_decodes,
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
         )
@@ -188,7 +205,7 @@ class ModelRunner:
             input_ids=to(torch.tensor(input_ids, dtype=torch.int64)),
             positions=to(torch.tensor(positions, dtype=torch.int64)),
             meta=meta,
-            logits_rows=to(torch.tensor(logits_rows, dtype=torch.int64)),
+            logits_rows=to(torch.tensor(logits_rows + guess_rows, dtype=torch.int64)),
             sample_indices=sample_indices,
             lora=self.loras.step([(r.lora, n) for r, n in zip(out.requests, out.num_scheduled_tokens, strict=True)])
             if self.loras is not None and self.loras.refs
@@ -212,7 +229,7 @@ class ModelRunner:
             meta=meta,
             kv_caches=self.kv_caches,
             backend=self.backend,
-            hidden_rows=batch.logits_rows if keeping else None,
+            hidden_rows=batch.logits_rows[: len(batch.sample_indices)] if keeping else None,
             hidden_layers=self.hidden_layers,
             lora=batch.lora,
         )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,8 +24,10 @@ class TokenLogprob:
 
 @dataclass
 class SampleResult:
-    token_ids: list[int]
+    token_ids: list[int]  # each row's (first) token
     logprobs: list[TokenLogprob | None]
+    # Rows that verified guesses: the tokens after the first, with their logprobs.
+    more: dict[int, list[tuple[int, TokenLogprob | None]]] = field(default_factory=dict)
 
 
 class Sampler:
@@ -49,7 +51,23 @@ class Sampler:
         self.generators.pop(request_id, None)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+    def __call__(
+        self, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]] | None = None
+    ) -> SampleResult:
+        """logits: (B, V), one row per request, then (where `drafts` gives request i guesses)
+        one row after each guess, request by request: see verify."""
+        if not drafts or not any(drafts):
+            return self._sample_rows(logits, requests)
+        plain = [i for i, guess in enumerate(drafts) if not guess]
+        result = SampleResult([0] * len(requests), [None] * len(requests))
+        if plain:
+            part = self._sample_rows(logits[torch.tensor(plain, device=logits.device)], [requests[i] for i in plain])
+            for row, i in enumerate(plain):
+                result.token_ids[i], result.logprobs[i] = part.token_ids[row], part.logprobs[row]
+        self.verify(logits, requests, drafts, result)
+        return result
+
+    def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         # logits: (B, V) float32, one row per request.
         logits = logits.float().to(self.device)
         raw = logits  # logprobs report the model's own distribution, as vLLM's do by default
@@ -131,18 +149,93 @@ class Sampler:
         return mask
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        return self._race(self._probs(logits, requests), requests)
+
+    def _probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Each row's distribution: temperature, then top-k and top-p."""
         temps = torch.tensor([r.sampling.temperature for r in requests], device=logits.device).unsqueeze(1)
         logits = logits / temps
         top_ks = [r.sampling.top_k for r in requests]
         top_ps = [r.sampling.top_p for r in requests]
         if any(top_ks) or any(p < 1 for p in top_ps):
             logits = self._top_k_top_p(logits, top_ks, top_ps)
-        probs = logits.softmax(dim=-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one row per generator.
+        return logits.softmax(dim=-1)
+
+    def _generator(self, request: Request) -> torch.Generator:
+        return self.generators.get(request.request_id, self.shared_generator)
+
+    def _race(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """A token from each row of (unnormalised) probs. Exponential race: argmax(p / E)
+        with E ~ Exp(1) draws from p, one row per generator."""
         noise = torch.empty_like(probs)
         for i, r in enumerate(requests):
-            noise[i].exponential_(generator=self.generators.get(r.request_id, self.shared_generator))
+            noise[i].exponential_(generator=self._generator(r))
         return (probs / noise).argmax(dim=-1)
+
+    def verify(
+        self, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]], result: SampleResult
+    ) -> None:
+        """The tokens of the rows that guessed, into `result`. Row i's logits after its last
+        token are logits[i]; those after its guesses follow the B request rows, request by
+        request. Greedy: the guesses are kept while each is the target's argmax, and the
+        first argmax that differs (or the one after the last guess) is the row's own token,
+        so the output is the one decoding without guesses gives. Sampled: rejection sampling
+        (Leviathan et al.) with a guess that had probability 1 under its proposer: guess g is
+        kept with probability p(g); the first rejected is replaced by a draw from p with g
+        taken out, and a row that keeps every guess draws one more from p, so each token
+        follows the target distribution. A row's tokens never depend on another's guesses
+        (the speculator guesses only for rows with neither penalties, min_tokens to reach nor
+        a grammar, so its rows' distributions do not move with the tokens before them)."""
+        logits = logits.to(self.device)
+        index, owners, spans = [], [], []
+        after = len(requests)
+        for i, guess in enumerate(drafts):
+            if not guess:
+                continue
+            spans.append((i, len(index), len(guess)))
+            index += [i, *range(after, after + len(guess))]
+            owners += [requests[i]] * (len(guess) + 1)
+            after += len(guess)
+        raw = logits[torch.tensor(index, device=logits.device)].float()
+        adjusted = self.adjust(raw, owners)
+        targets = adjusted.argmax(dim=-1).tolist()
+        sampled = [j for j, r in enumerate(owners) if not r.sampling.greedy]
+        probs = {}
+        if sampled:
+            rows = torch.tensor(sampled, device=adjusted.device)
+            probs = dict(zip(sampled, self._probs(adjusted[rows], [owners[j] for j in sampled]), strict=True))
+        emitted: dict[int, list[int]] = {}
+        for i, first, k in spans:
+            request, guess = requests[i], drafts[i]
+            if request.sampling.greedy:
+                kept = 0
+                while kept < k and targets[first + kept] == guess[kept]:
+                    kept += 1
+                emitted[i] = guess[:kept] + [targets[first + kept]]
+                continue
+            generator = self._generator(request)
+            chances = torch.stack([probs[first + j][guess[j]] for j in range(k)]).tolist()
+            draws = torch.rand(k, generator=generator, device=self.device).tolist()
+            kept = next((j for j in range(k) if draws[j] >= chances[j]), k)
+            p = probs[first + kept]
+            if kept < k:
+                p = p.clone()
+                p[guess[kept]] = 0.0
+            emitted[i] = guess[:kept] + self._race(p.unsqueeze(0), [request]).tolist()
+        lp_rows = [(first + j, i, t) for i, first, _ in spans for j, t in enumerate(emitted[i])]
+        lp_rows = [(row, i, t) for row, i, t in lp_rows if requests[i].sampling.logprobs is not None]
+        logprobs: dict[tuple[int, int], TokenLogprob | None] = {}
+        if lp_rows:
+            rows = torch.tensor([row for row, _, _ in lp_rows], device=raw.device)
+            chosen = [t for _, _, t in lp_rows]
+            found = self._logprobs(
+                raw[rows], torch.tensor(chosen, device=raw.device), chosen, [owners[r] for r, _, _ in lp_rows]
+            )
+            logprobs = {(row, i): lp for (row, i, _), lp in zip(lp_rows, found, strict=True)}
+        for i, first, _ in spans:
+            tokens = emitted[i]
+            result.token_ids[i], result.logprobs[i] = tokens[0], logprobs.get((first, i))
+            result.more[i] = [(t, logprobs.get((first + j, i))) for j, t in enumerate(tokens) if j > 0]
 
     @staticmethod
     def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:

@@ -237,6 +237,13 @@ class EngineCollector(Collector):
             "headroom:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits
         )
         yield _counter("headroom:num_preemptions", "Sequences preempted (recomputed later).", stats.preemptions)
+        yield _counter(
+            "headroom:spec_decode_num_drafts", "Rows that guessed tokens (speculative decoding).", stats.spec_drafts
+        )
+        yield _counter("headroom:spec_decode_num_draft_tokens", "Tokens guessed.", stats.spec_draft_tokens)
+        yield _counter(
+            "headroom:spec_decode_num_accepted_tokens", "Guessed tokens the model kept.", stats.spec_accepted_tokens
+        )
         yield _counter("headroom:engine_busy_seconds", "Wall time spent in engine steps.", stats.step_time_s)
         yield _counter(
             "headroom:request_success", "Finished requests, by finish reason.", stats.finished, "finished_reason"

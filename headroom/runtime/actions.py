@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from headroom.config import ACTIONS
@@ -107,13 +108,27 @@ def apply(
     return snapshot
 
 
-def check_loops(loops: LoopWatch, requests: list[Request], scheduler: Scheduler, stats: EngineStats) -> None:
-    """Run the loop detector on the requests that just got a token; a finding that stops
-    one finishes it in the scheduler before its token goes out."""
-    for request in requests:
-        finding = None if request.is_finished else loops.check(request)
-        if finding is None:
-            continue
+def loop_check(loops: LoopWatch, found: list[tuple[Request, Finding]]) -> Callable[[Request], bool]:
+    """The loop detector, for the scheduler to run after each token it appends to a live
+    sequence: True where it finds a loop (the step's later tokens for that sequence are
+    dropped, so a finding comes at the token it would one token a step); the findings
+    collect in `found`, for act_on_loops."""
+
+    def check(request: Request) -> bool:
+        finding = loops.check(request)
+        if finding is not None:
+            found.append((request, finding))
+        return finding is not None
+
+    return check
+
+
+def act_on_loops(
+    found: list[tuple[Request, Finding]], loops: LoopWatch, scheduler: Scheduler, stats: EngineStats
+) -> None:
+    """Apply the loop detector's findings of a step; one that stops a sequence finishes it
+    in the scheduler before its tokens go out."""
+    for request, finding in found:
         stats.loops[finding.action] += 1
         status = on_loop(request, finding, loops.cap_tokens)
         if status is not None:

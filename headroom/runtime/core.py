@@ -61,7 +61,7 @@ class EngineCore:
             self.executor.num_blocks, self.executor.block_size, config.cache.enable_prefix_caching
         )
         eos = self.tokenizer.eos_token_ids
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, eos)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, eos, speculative=config.speculative)
         self.sampler = Sampler(eos, seed=config.seed, device=self.executor.device)
         self.loops = LoopWatch.of(config.admin)
         if config.scheduler.long_lane:
@@ -215,7 +215,8 @@ class EngineCore:
                 out, self.block_manager, keep_hidden=self.hidden_due is None or self.hidden_due(out)
             )
             sampling = [out.requests[i] for i in model_out.sample_indices]
-            samples = self.sampler(model_out.logits, sampling)
+            drafts = [out.drafts.get(r.request_id, []) for r in sampling] if out.drafts else None
+            samples = self.sampler(model_out.logits, sampling, drafts)
         except Exception as exc:  # a failed step fails its own sequences, not the engine
             log.exception("engine step failed; failing %d sequences", len(out.requests))
             with self._state_lock:
@@ -246,13 +247,18 @@ class EngineCore:
         self._observe_hidden(out, model_out, bool(failed))
         # The tokens exist from here on; update_from_output stamps finished_time later.
         sampled_time = time.monotonic()
-        sampled: list[int | None] = [None] * len(out.requests)
-        logprobs: dict[str, TokenLogprob | None] = {}
+        sampled: list[int | list[int] | None] = [None] * len(out.requests)
+        logprobs: dict[str, list[TokenLogprob | None]] = {}
         for row, i in enumerate(model_out.sample_indices):
-            sampled[i] = samples.token_ids[row]
-            logprobs[out.requests[i].request_id] = samples.logprobs[row]
-        with_token = self.scheduler.update_from_output(out, sampled)
-        actions.check_loops(self.loops, with_token, self.scheduler, self.stats)
+            more = samples.more.get(row)
+            first = samples.token_ids[row]
+            sampled[i] = first if more is None else [first, *(t for t, _ in more)]
+            logprobs[out.requests[i].request_id] = [samples.logprobs[row], *(lp for _, lp in more or [])]
+        self.stats.count_guesses(out.drafts, samples.more)
+        before = {r.request_id: r.num_output_tokens for r in out.requests}
+        loops: list = []
+        with_token = self.scheduler.update_from_output(out, sampled, actions.loop_check(self.loops, loops))
+        actions.act_on_loops(loops, self.loops, self.scheduler, self.stats)
 
         elapsed = time.perf_counter() - started
         # A trial step at another thread count would teach the cost model a price not in use.
@@ -265,7 +271,8 @@ class EngineCore:
         for request in with_token:
             if request.first_token_time is None:
                 request.first_token_time = sampled_time
-            self.output_processor.token(request, logprobs.get(request.request_id), self.stats)
+            new = request.num_output_tokens - before[request.request_id]
+            self.output_processor.tokens(request, new, logprobs.get(request.request_id, []), self.stats)
 
     def _withdraw_unread_adapters(self, out: SchedulerOutput, failed: dict[int, str]) -> list[tuple[Request, str]]:
         """The sequences whose adapter could not be read for the step ran as the base model:

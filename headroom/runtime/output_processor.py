@@ -41,24 +41,44 @@ class OutputProcessor:
 
     def token(self, request: Request, logprob: TokenLogprob | None, stats: EngineStats) -> None:
         """Send the request's newest token, and close it if that token finished it."""
+        self.tokens(request, 1, [logprob], stats)
+
+    def tokens(self, request: Request, count: int, logprobs: list[TokenLogprob | None], stats: EngineStats) -> None:
+        """Send the request's `count` newest tokens (several where guesses were kept), and
+        close it if one finished it. Each goes through the detokenizer alone, so a stop
+        string ends the output at the token that completed it, as it would one at a time:
+        the tokens after it are taken back."""
         rid = request.request_id
-        stats.generated_tokens += 1
-        token = request.output_token_ids[-1]
-        text, stop_hit = self.detokenizers[rid].add_tokens([token])
-        if stop_hit is not None:
-            if request.is_finished:
-                # The same token also reached max_tokens; the text ends at the stop string,
-                # so the stop string is what ended the request.
-                request.status = RequestStatus.FINISHED_STOPPED
-            else:
-                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-            request.stop_reason = stop_hit
-        output = RequestOutput(rid, [token], text, logprobs=[logprob] if logprob else None, request=request)
+        new = request.output_token_ids[len(request.output_token_ids) - count :]
+        text, sent = "", []
+        for token in new:
+            piece, stop_hit = self.detokenizers[rid].add_tokens([token])
+            text += piece
+            sent.append(token)
+            if stop_hit is not None:
+                self._stop_at(request, stop_hit, count - len(sent))
+                break
+        stats.generated_tokens += len(sent)
+        kept = [lp for lp in logprobs[: len(sent)] if lp]
+        output = RequestOutput(rid, sent, text, logprobs=kept or None, request=request)
         if request.is_finished:
             output.text += self.detokenizers[rid].finish()
             self._close(request, output, stats)
         else:
             self.sinks[rid](output)
+
+    def _stop_at(self, request: Request, stop_hit: str, after: int) -> None:
+        """A stop string ended the request, `after` tokens before its newest."""
+        if after:
+            del request.output_token_ids[-after:]
+            del request.all_token_ids[-after:]
+        if request.is_finished:
+            # The same token also reached max_tokens (or a later one ended it); the text ends
+            # at the stop string, so the stop string is what ended the request.
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        request.stop_reason = stop_hit
 
     def finish(self, request: Request, stats: EngineStats, error: str | None = None) -> None:
         """Close a request the scheduler has finished without a new token."""

@@ -47,12 +47,25 @@ class EngineStats:
     probe_decisions: Counter[str] = field(default_factory=Counter)  # changed by them: order, victim, long_lane
     loops: Counter[str] = field(default_factory=Counter)  # found by the server's detector, by action taken
     policy_actions: Counter[str] = field(default_factory=Counter)  # the automatic policies', by action
+    # Speculative decoding, as vLLM's spec_decode_* counters: rows that guessed, tokens
+    # guessed, and those of them the model kept.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # Gauges, filled in only on the copy Engine.counters returns (0 on the live counters),
     # so that a scrape reads them and the counters at one instant.
     num_running: int = 0
     num_waiting: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+
+    def count_guesses(self, drafts: dict[str, list[int]], kept: dict[int, list]) -> None:
+        """drafts: a step's guesses by request; kept: by sampling row, the tokens each row
+        took after its first (one per kept guess)."""
+        if drafts:
+            self.spec_drafts += len(drafts)
+            self.spec_draft_tokens += sum(len(guess) for guess in drafts.values())
+            self.spec_accepted_tokens += sum(len(tokens) for tokens in kept.values())
 
     def copy(self) -> EngineStats:
         return replace(

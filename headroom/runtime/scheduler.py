@@ -23,12 +23,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from headroom.config import SchedulerConfig
+from headroom.config import SchedulerConfig, SpeculativeConfig
 from headroom.contracts.request import Request, RequestStatus
 from headroom.contracts.schedule import SchedulerOutput
 from headroom.runtime.block_manager import BlockManager
-from headroom.runtime.lane import LongLane, Turn, behind
+from headroom.runtime.lane import LongLane, Turn, behind, is_long
 from headroom.runtime.policy import SchedulingPolicy
+from headroom.runtime.speculation import Row, Speculator, step_pairs
 from headroom.runtime.step_cost import StepCostModel, attention_pairs
 
 LORA_PATIENCE_S = 2.0  # how long a request may be passed over for an adapter slot
@@ -44,6 +45,7 @@ class _Step:
     scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens, in scheduling order
     preempted: list[Request] = field(default_factory=list)
     admitted: int = 0  # waiting requests started
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # request id -> guessed tokens
 
 
 class Scheduler:
@@ -53,6 +55,7 @@ class Scheduler:
         block_manager: BlockManager,
         eos_token_ids: set[int],
         clock: Callable[[], float] = time.monotonic,
+        speculative: SpeculativeConfig | None = None,
     ):
         self.config = config
         self.clock = clock
@@ -60,6 +63,7 @@ class Scheduler:
         self.cost = StepCostModel()  # fed by the engine after every step
         self.policy = SchedulingPolicy(config)
         self.lane = LongLane(config, self.cost, self.policy.order_key)
+        self.speculator = Speculator(speculative, self.cost) if speculative and speculative.enabled else None
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Request] = []  # sorted by the policy at each schedule()
         self.running: list[Request] = []
@@ -96,6 +100,7 @@ class Scheduler:
         self._schedule_running(step)
         self._schedule_waiting(step)
         self.lane.end(step.lane, step.scheduled, self.running, self.waiting)
+        self._speculate(step)
         return self._output(step)
 
     def _schedule_running(self, step: _Step) -> None:
@@ -190,17 +195,42 @@ class Scheduler:
         step.scheduled[request.request_id] = num_tokens
         step.budget -= num_tokens
 
+    def _speculate(self, step: _Step) -> None:
+        """Guesses for decode rows, from what the step leaves of its budget, where their
+        price pays (runtime/speculation.py); never by preempting anyone."""
+        if self.speculator is None or step.budget <= 0 or step.preempted:
+            return
+        by_id = self.requests
+        rows = [Row(by_id[rid], by_id[rid].num_computed_tokens) for rid, n in step.scheduled.items() if n == 1]
+        rows = [row for row in rows if behind(row.request) == 1]
+        if not rows:
+            return
+        rows.sort(key=lambda row: (is_long(row.request), self.policy.order_key(row.request, step.now)))
+        pairs = [attention_pairs(n, by_id[rid].num_computed_tokens) for rid, n in step.scheduled.items()]
+        decode_pairs = sum(p for p, n in zip(pairs, step.scheduled.values(), strict=True) if n == 1)
+        plan = self.speculator.plan(rows, sum(step.scheduled.values()), sum(pairs), decode_pairs, step.budget)
+        for rid, guess in plan.items():
+            if self.block_manager.allocate_slots(by_id[rid], 1 + len(guess)) is None:
+                continue  # no block for the guesses: the row decodes as it would have
+            step.scheduled[rid] = 1 + len(guess)
+            step.budget -= len(guess)
+            step.drafts[rid] = guess
+
     def _output(self, step: _Step) -> SchedulerOutput:
-        out = SchedulerOutput(preempted=step.preempted)
+        out = SchedulerOutput(preempted=step.preempted, drafts=step.drafts)
         by_id = self.requests
         for rid, n in step.scheduled.items():
             out.requests.append(by_id[rid])
             out.num_scheduled_tokens.append(n)
-            pairs = attention_pairs(n, by_id[rid].num_computed_tokens)
+            pairs = step_pairs(n, by_id[rid].num_computed_tokens, rid in step.drafts)
             out.attention_pairs += pairs
-            out.decode_pairs += pairs if n == 1 else 0
-        # Decodes first, as the attention metadata expects.
-        order = sorted(range(len(out.requests)), key=lambda i: out.num_scheduled_tokens[i] > 1)
+            out.decode_pairs += pairs if n == 1 or rid in step.drafts else 0
+        # Decodes first, as the attention metadata expects; then the rows that guessed,
+        # which run as one decode row a position.
+        order = sorted(
+            range(len(out.requests)),
+            key=lambda i: (out.num_scheduled_tokens[i] > 1, out.requests[i].request_id not in step.drafts),
+        )
         out.requests = [out.requests[i] for i in order]
         out.num_scheduled_tokens = [out.num_scheduled_tokens[i] for i in order]
         out.num_decodes = sum(1 for n in out.num_scheduled_tokens if n == 1)
@@ -214,25 +244,45 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.append(request)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
+    def update_from_output(
+        self,
+        out: SchedulerOutput,
+        sampled: list[int | list[int] | None],
+        loop_found: Callable[[Request], bool] | None = None,
+    ) -> list[Request]:
         """Advance counters after a model step. sampled[i] is the token sampled for
-        out.requests[i], or None when its prefill is not complete yet. Returns the
-        requests that got a new token (finished ones included, already freed)."""
+        out.requests[i] (for a row that guessed, its kept guesses and its own token, a list),
+        or None when its prefill is not complete yet. loop_found: the server's loop detector,
+        asked after each token that did not finish its sequence (a loop found drops the
+        row's tokens after it). Returns the requests that got new tokens (finished ones
+        included, already freed)."""
         got_token = []
         for request, num_tokens, token in zip(out.requests, out.num_scheduled_tokens, sampled, strict=True):
             if request.is_finished:  # aborted while the step ran
                 continue
-            request.num_computed_tokens += num_tokens
+            tokens = [] if token is None else token if isinstance(token, list) else [token]
+            status = None
+            for t in tokens:  # a stop among them ends the row there: the rest never existed
+                request.append_output(t)
+                if request.loop_tracker is not None:
+                    request.loop_tracker.push(request.output_token_ids)
+                status = self._check_stop(request, t)
+                if status is not None or (loop_found is not None and loop_found(request)):
+                    break
+            # The cache holds the row's tokens up to its first rejected guess; and never its
+            # newest token, whose logits the next step needs (after a loop found amid kept
+            # guesses, that one is computed again).
+            guessed = len(out.drafts.get(request.request_id, ()))
+            dropped = guessed - (len(tokens) - 1) if tokens else 0
+            computed = request.num_computed_tokens + num_tokens - dropped
+            request.num_computed_tokens = min(computed, request.num_tokens - 1) if tokens else computed
             self.block_manager.cache_full_blocks(request)
-            if token is None:
-                continue
-            request.append_output(token)
-            if request.loop_tracker is not None:
-                request.loop_tracker.push(request.output_token_ids)
-            status = self._check_stop(request, token)
+            if guessed and tokens and self.speculator is not None:
+                self.speculator.verified(request.request_id, guessed, len(tokens) - 1)
             if status is not None:
                 self.finish_request(request.request_id, status)
-            got_token.append(request)
+            if tokens:
+                got_token.append(request)
         return got_token
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
@@ -260,6 +310,8 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:

@@ -11,6 +11,7 @@ import pytest
 
 from headroom.app.cli import build_parser
 from headroom.app.flags import _FLAGS, build_config, config_field
+from headroom.config import ConfigError
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -59,3 +60,22 @@ def test_every_flag_hands_the_strict_config_a_value_it_takes():
         if dest == "lora_modules":  # vLLM's NAME=PATH words, held as (name, path)
             given = tuple(tuple(word.split("=", 1)) for word in given)
         assert getattr(getattr(config, section) if section else config, name) == given, dest
+
+
+def test_speculative_config_takes_vllms_json_and_refuses_what_it_cannot_use(tmp_path, capsys):
+    table = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, "prompt_lookup_min": 1}'
+    config = build_config(serve_parser().parse_args(["--speculative-config", table]))
+    assert dataclasses.astuple(config.speculative) == ("ngram", 3, 5, 1)
+    # The flag wins over the file's [speculative] table, key by key.
+    path = tmp_path / "headroom.toml"
+    path.write_text('[speculative]\nmethod = "ngram"\nnum_speculative_tokens = 6\n')
+    ns = serve_parser().parse_args(["--config", str(path), "--speculative-config", '{"prompt_lookup_min": 3}'])
+    assert dataclasses.astuple(build_config(ns).speculative) == ("ngram", 6, 4, 3)
+    assert not build_config(serve_parser().parse_args([])).speculative.enabled
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["--speculative-config", "ngram"])
+    assert "--speculative-config: expected a JSON object" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="speculative.method"):
+        build_config(serve_parser().parse_args(["--speculative-config", '{"method": "eagle"}']))
+    with pytest.raises(ConfigError, match="num_lookahead"):
+        build_config(serve_parser().parse_args(["--speculative-config", '{"num_lookahead": 3}']))

@@ -1,0 +1,145 @@
+"""Speculative decoding's gain, and its cost where guesses miss (issue 56).
+
+Starts `headroom serve` on 127.0.0.1 with its defaults (no speculation), then with
+`--speculative-config '{"method": "ngram", ...}'`, and sends each the same chat requests
+(greedy, `--max-tokens` out) at each concurrency, closed loop:
+
+- grounded: the answer copies much of the prompt (repeat, correct, quote with line numbers)
+  a ShareGPT prompt of 400-1,500 characters from data/calibration/;
+- open: ShareGPT prompts as they are.
+
+Prints output tokens per second per set and concurrency for each server, and the ratio of
+speculation on to off measured in the same sitting (servers alternated `--repeat` times,
+pooled). Every load is bounded: `--requests` per level, then it stops.
+
+    python bench/speculative.py [--levels 1 8 32] [--repeat 1] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hol import PROMPTS, cpu_line, free_port, start_server, stop_server
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+TASKS = [
+    "Repeat the following text exactly as it is written:\n\n{}",
+    "Correct the spelling and grammar of the following text and return the whole corrected text:\n\n{}",
+    "Quote the following text in full, as a block quote:\n\n{}",
+]
+
+
+def prompt_sets(count: int) -> dict[str, list[str]]:
+    rows = [json.loads(line)["prompt"] for line in PROMPTS.open(encoding="utf-8")]
+    bodies = [r for r in rows if 400 <= len(r) <= 1500][:count]
+    grounded = [TASKS[i % len(TASKS)].format(body) for i, body in enumerate(bodies)]
+    open_ = [r for r in rows if 20 <= len(r) <= 400][:count]
+    return {"grounded": grounded, "open": open_}
+
+
+async def level(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
+    """Closed loop: `concurrency` clients take the prompts in turn until none is left."""
+    queue = list(prompts)
+    tokens, failed = 0, 0
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        nonlocal tokens, failed
+        while queue:
+            text = queue.pop(0)
+            body = {
+                "model": "SmolLM2-135M-Instruct",
+                "messages": [{"role": "user", "content": text}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+            }
+            async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+                if response.status != 200:
+                    failed += 1
+                    continue
+                tokens += (await response.json())["usage"]["completion_tokens"]
+
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        started = time.perf_counter()
+        await asyncio.gather(*(client(session) for _ in range(concurrency)))
+        seconds = time.perf_counter() - started
+    return {"tokens": tokens, "seconds": seconds, "failed": failed}
+
+
+async def spec_metrics(url: str) -> dict[str, float]:
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as response:
+        text = await response.text()
+    found = {}
+    for line in text.splitlines():
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            if line.startswith(f"headroom:spec_decode_{name}_total "):
+                found[name] = float(line.split()[-1])
+    return found
+
+
+def run_server(name: str, extra: list[str], sets: dict[str, list[str]], args) -> dict:
+    port = free_port()
+    proc = start_server(port, "auto", None, True, extra)
+    url = f"http://127.0.0.1:{port}"
+    figures = {}
+    try:
+        asyncio.run(level(url, sets["open"][:2], 1, 16))  # warm: the first requests pay for lazy setup
+        for set_name, prompts in sets.items():
+            for concurrency in args.levels:
+                count = max(args.requests, concurrency)
+                chosen = (prompts * (count // len(prompts) + 1))[:count]
+                r = asyncio.run(level(url, chosen, concurrency, args.max_tokens))
+                figures[f"{set_name} c={concurrency}"] = r
+                print(
+                    f"{name:8s} {set_name:8s} c={concurrency:<3d} {r['tokens'] / r['seconds']:7.1f} tok/s "
+                    f"({r['tokens']} tokens in {r['seconds']:.1f} s, {r['failed']} failed)",
+                    flush=True,
+                )
+        figures["spec"] = asyncio.run(spec_metrics(url))
+    finally:
+        stop_server(proc)
+    return figures
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--requests", type=int, default=8, help="requests per level (at least the concurrency)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--json", help="write every run's figures here")
+    args = p.parse_args()
+    print(cpu_line())
+    sets = prompt_sets(max(args.requests, max(args.levels)))
+    runs: dict[str, list[dict]] = {"off": [], "ngram": []}
+    for _ in range(args.repeat):
+        runs["off"].append(run_server("off", [], sets, args))
+        runs["ngram"].append(run_server("ngram", ["--speculative-config", NGRAM], sets, args))
+    print("\npooled output tok/s: off, ngram, ratio")
+    for key in runs["off"][0]:
+        if key == "spec":
+            continue
+        rate = {
+            name: sum(r[key]["tokens"] for r in rs) / sum(r[key]["seconds"] for r in rs) for name, rs in runs.items()
+        }
+        print(f"  {key:14s} {rate['off']:7.1f} {rate['ngram']:7.1f}  {rate['ngram'] / rate['off']:.2f}x")
+    spec = runs["ngram"][-1]["spec"]
+    if spec.get("num_draft_tokens"):
+        print(
+            f"guesses: {spec['num_draft_tokens']:.0f} in {spec['num_drafts']:.0f} rows, "
+            f"{spec['num_accepted_tokens'] / spec['num_draft_tokens']:.0%} kept"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cpu": cpu_line(), "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

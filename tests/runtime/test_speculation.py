@@ -1,0 +1,232 @@
+"""Speculative decoding's parts without a model: the n-gram proposer, the sampler's
+verification (greedy exactly, sampled by its distribution) and the price the speculator
+puts on guesses (scripted step costs)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from headroom.config import ConfigError, SpeculativeConfig
+from headroom.contracts.request import AdmissionRecord, Request, SamplingParams, SizeClass
+from headroom.executor.sampler import Sampler
+from headroom.runtime.speculation import Row, Speculator, propose_ngram
+
+EOS = 2
+VOCAB = 8
+_ids = itertools.count()
+
+
+def make_request(outputs: list[int] = (), size_class: SizeClass | None = None, **sampling) -> Request:
+    request = Request(f"s{next(_ids)}", [1, 5, 7], SamplingParams(**sampling))
+    request.admission = AdmissionRecord(size_class=size_class)
+    for token in outputs:
+        request.append_output(token)
+    return request
+
+
+# ---- the proposer ----------------------------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_latest_earlier_occurrence_of_the_longest_suffix():
+    tokens = [1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 8, 2, 3]
+    # "2 3" occurs at 1 and at 6; the latest (6) is followed by 4 5 8.
+    assert propose_ngram(tokens, 2, 4, 3) == [4, 5, 8]
+    # With a 3-token suffix "8 2 3" there is no match; "2 3" is the longest that occurs.
+    assert propose_ngram(tokens, 3, 4, 3) == []
+    assert propose_ngram(tokens, 1, 4, 2) == [4, 5]
+
+
+def test_ngram_prefers_the_longer_match_and_stops_at_the_end():
+    tokens = [7, 1, 2, 6, 6, 3, 1, 2, 5, 0, 3, 1, 2]
+    # "3 1 2" matched at 5 (followed by 5 0 3 ...) wins over the later "1 2" at 6? both end
+    # in the same place here; the longer suffix decides: 5 0 3.
+    assert propose_ngram(tokens, 2, 3, 3) == [5, 0, 3]
+    # A match right before the suffix is followed by the suffix itself, cut at the end.
+    assert propose_ngram([4, 4, 4], 1, 1, 5) == [4]
+    assert propose_ngram([4], 1, 2, 3) == []
+    assert propose_ngram([1, 2, 3], 1, 2, 0) == []
+
+
+def test_the_config_takes_vllms_shape_and_refuses_a_minimum_above_the_maximum():
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=5, prompt_lookup_min=1)
+    assert config.enabled and not SpeculativeConfig().enabled
+    with pytest.raises(ConfigError, match=r"prompt_lookup_min must be <= prompt_lookup_max \(4 > 2\)"):
+        SpeculativeConfig(method="ngram", prompt_lookup_max=2, prompt_lookup_min=4)
+    with pytest.raises(ConfigError, match="speculative.num_speculative_tokens"):
+        SpeculativeConfig(num_speculative_tokens=0)
+
+
+# ---- verification ----------------------------------------------------------------------
+
+
+def rows(*best: int) -> torch.Tensor:
+    """Logits whose argmax is each given token, one row each."""
+    logits = torch.zeros(len(best), VOCAB)
+    for i, token in enumerate(best):
+        logits[i, token] = 5.0
+    return logits
+
+
+def test_greedy_keeps_guesses_up_to_the_first_the_model_disagrees_with_then_its_own_token():
+    sampler = Sampler({EOS})
+    a, b, c = make_request(temperature=0), make_request(temperature=0), make_request(temperature=0)
+    # Request rows first (after the last token), then each request's rows after its guesses.
+    # a guesses 3 4 5; the model says 3 4 6 (after the last token, after 3, after 4), and 7
+    # after 5: 3 and 4 are kept, 5 is not, and 6 is a's own token.
+    # b guesses 1; the model says 0 after the last token: the guess is rejected.
+    # c guesses nothing; its token is its row's argmax.
+    logits = torch.cat([rows(3, 0, 4), rows(4, 6, 7), rows(1)])
+    result = sampler(logits, [a, b, c], [[3, 4, 5], [1], []])
+    assert result.token_ids == [3, 0, 4]
+    assert result.more == {0: [(4, None), (6, None)], 1: []}
+
+
+def test_greedy_keeps_every_guess_the_model_agrees_with_and_adds_one():
+    sampler = Sampler({EOS})
+    request = make_request(temperature=0, logprobs=1)
+    logits = torch.cat([rows(3), rows(4, 5)])
+    result = sampler(logits, [request], [[3, 4]])
+    assert result.token_ids == [3]
+    assert [t for t, _ in result.more[0]] == [4, 5]
+    expected = logits.log_softmax(dim=-1)
+    assert result.logprobs[0].logprob == pytest.approx(expected[0, 3].item())
+    assert [lp.logprob for _, lp in result.more[0]] == pytest.approx([expected[1, 4].item(), expected[2, 5].item()])
+
+
+def test_logit_bias_counts_in_verification_as_in_sampling():
+    sampler = Sampler({EOS})
+    request = make_request(temperature=0, logit_bias=((6, 10.0),))
+    logits = torch.cat([rows(3), rows(4)])
+    # The bias makes 6 the model's choice after the last token: the guess 3 is rejected.
+    result = sampler(logits, [request], [[3]])
+    assert result.token_ids == [6] and result.more == {0: []}
+
+
+def test_sampled_tokens_follow_the_target_distribution_whatever_the_guess():
+    """Rejection sampling with a guess the proposer was sure of must leave the first token
+    distributed as p, and the second (after a kept guess) as p at the next row. N draws of a
+    frequency with probability q have standard deviation sqrt(q(1-q)/N); the bound below is
+    5 of those (a fixed seed makes the run deterministic; 5 sigma is where a correct sampler
+    would fail about one seed in 10^6 per frequency)."""
+    n = 6000
+    sampler = Sampler({EOS}, seed=1234)
+    first = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 1.5, 0.2, -0.5])
+    second = torch.tensor([0.0, 2.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.5])
+    guess = [5, 1]  # p(5) ~ 0.21 at the first row: often rejected
+    requests = [make_request(temperature=0.8) for _ in range(n)]
+    logits = torch.cat([first.expand(n, -1), torch.stack([second, first] * n)])
+    result = sampler(logits, requests, [guess] * n)
+    tokens = torch.tensor(result.token_ids)
+    p = (first / 0.8).softmax(dim=-1)
+    for token in range(VOCAB):
+        q = p[token].item()
+        seen = (tokens == token).float().mean().item()
+        assert abs(seen - q) <= 5 * (q * (1 - q) / n) ** 0.5, (token, seen, q)
+    kept = [i for i in range(n) if result.token_ids[i] == guess[0]]
+    assert all(len(result.more[i]) >= 1 for i in kept)
+    assert all(result.more[i] == [] for i in range(n) if i not in kept)
+    seconds = torch.tensor([result.more[i][0][0] for i in kept])
+    p2 = (second / 0.8).softmax(dim=-1)
+    for token in range(VOCAB):
+        q = p2[token].item()
+        seen = (seconds == token).float().mean().item()
+        assert abs(seen - q) <= 5 * (q * (1 - q) / len(kept)) ** 0.5, (token, seen, q)
+
+
+def test_a_seeded_request_verifies_the_same_way_twice():
+    def once() -> list[int]:
+        sampler = Sampler({EOS})
+        request = make_request(temperature=1.0, seed=7)
+        sampler.add(request)
+        logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(3))
+        result = sampler(logits, [request], [[1, 2, 3]])
+        return [result.token_ids[0], *(t for t, _ in result.more[0])]
+
+    assert once() == once()
+
+
+# ---- the price -------------------------------------------------------------------------
+
+
+class ScriptedCost:
+    """A step costs base + per_token * tokens (attention free)."""
+
+    def __init__(self, base: float, per_token: float):
+        self.base, self.per_token = base, per_token
+
+    def predict(self, num_tokens: int, pairs: int, decode_pairs: int = 0) -> float:
+        return self.base + self.per_token * num_tokens if num_tokens > 0 else 0.0
+
+
+def repeating(size_class: SizeClass | None = None) -> Request:
+    """A greedy request whose output repeats its prompt: the proposer always finds a guess."""
+    request = Request(f"s{next(_ids)}", [4, 5, 6, 7] * 4, SamplingParams(max_tokens=64, temperature=0))
+    request.admission = AdmissionRecord(size_class=size_class)
+    request.append_output(4)
+    return request
+
+
+def speculator(cost: ScriptedCost, k: int = 4) -> Speculator:
+    return Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=k), cost)
+
+
+def test_guesses_are_given_where_the_step_is_bound_by_its_fixed_cost():
+    # One row: a step of 10 ms plus 0.1 ms a token; a guess at one in two costs 0.1 ms and
+    # is worth 5 ms.
+    requests = [repeating()]
+    plan = speculator(ScriptedCost(0.010, 0.0001)).plan([Row(r, 17) for r in requests], 1, 18, 18, 100)
+    assert plan == {requests[0].request_id: [5, 6, 7, 4]}
+
+
+def test_guesses_are_withheld_where_each_token_costs_what_the_step_does():
+    # 32 rows at 1 ms a token and 1 ms of fixed cost: one more token costs 1 ms, and a row's
+    # share of the step (33 ms / 32) times its expected gain (< 1 token) is worth about as
+    # much at best, less than what the other 31 rows lose.
+    requests = [repeating() for _ in range(32)]
+    plan = speculator(ScriptedCost(0.001, 0.001)).plan([Row(r, 17) for r in requests], 32, 32 * 18, 32 * 18, 100)
+    assert plan == {}
+
+
+def test_the_k_that_gains_most_is_taken_as_acceptance_is_measured():
+    cost = ScriptedCost(0.010, 0.002)
+    spec = speculator(cost)
+    request = repeating()
+    # The prior (one in two): a first guess is worth 0.5 * 10 ms against 2 ms; a fourth
+    # 0.0625 * 10 ms = 0.6 ms < 2 ms.
+    assert spec.plan([Row(request, 17)], 1, 18, 18, 100) == {request.request_id: [5, 6]}
+    spec.verified(request.request_id, proposed=40, accepted=40)  # it keeps every guess
+    assert spec.plan([Row(request, 17)], 1, 18, 18, 100) == {request.request_id: [5, 6, 7, 4]}
+    spec.verified(request.request_id, proposed=1000, accepted=0)  # then none (41 in 1042 kept)
+    assert spec.plan([Row(request, 17)], 1, 18, 18, 100) == {}
+
+
+def test_the_protected_rows_guess_first_and_long_rows_never_beside_them():
+    cost = ScriptedCost(0.010, 0.0001)
+    short, long_ = repeating(SizeClass.SHORT), repeating(SizeClass.LONG)
+    spec = speculator(cost)
+    # Long rows come last in the step's order, and beside a short row they never guess.
+    plan = spec.plan([Row(short, 17), Row(long_, 17)], 2, 36, 36, 100)
+    assert plan == {short.request_id: [5, 6, 7, 4]}
+    # The budget goes to the rows in order: the first short row takes what there is.
+    other = repeating(SizeClass.SHORT)
+    plan = spec.plan([Row(short, 17), Row(other, 17)], 2, 36, 36, 3)
+    assert plan == {short.request_id: [5, 6, 7]}
+    # Alone, a long row guesses.
+    assert spec.plan([Row(long_, 17)], 1, 18, 18, 100) == {long_.request_id: [5, 6, 7, 4]}
+
+
+def test_rows_whose_distribution_moves_with_their_tokens_never_guess():
+    spec = speculator(ScriptedCost(0.010, 0.0001))
+    penalized = repeating()
+    penalized.sampling = SamplingParams(max_tokens=64, temperature=0, frequency_penalty=0.5)
+    waiting_for_min = repeating()
+    waiting_for_min.sampling = SamplingParams(max_tokens=64, temperature=0, min_tokens=5)
+    last = repeating()
+    last.sampling = SamplingParams(max_tokens=2, temperature=0)  # one token left: nothing to guess
+    near_end = repeating()
+    near_end.sampling = SamplingParams(max_tokens=3, temperature=0)  # two left: one guess at most
+    rows_ = [Row(r, 17) for r in (penalized, waiting_for_min, last, near_end)]
+    assert spec.plan(rows_, 4, 72, 72, 100) == {near_end.request_id: [5]}

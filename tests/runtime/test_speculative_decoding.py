@@ -1,0 +1,141 @@
+"""Speculative decoding on the default model: the same tokens with guesses as without,
+greedy on 30 prompts in float32 and in the quantised default (the loop detector among what
+decides them), and the stop strings, logprobs and max_tokens of a request behaving as they
+do without guesses."""
+
+from __future__ import annotations
+
+import pytest
+
+from headroom.config import Config, ModelConfig, SpeculativeConfig
+from headroom.contracts.request import SamplingParams
+from headroom.runtime.engine import Engine
+from headroom.runtime.outputs import RequestOutput
+
+pytestmark = pytest.mark.slow
+
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)
+GROUP = 6  # prompts decoded at once
+
+CODE = (
+    "def area(width, height):\n    return width * height\n\n\n"
+    "def perimeter(width, height):\n    return 2 * (width + height)\n"
+)
+TEXT = (
+    "The committee met on Tuesday to review the budget. It agreed to fund the library repairs, "
+    "postpone the new playground, and ask the council for a second bus route."
+)
+TASKS = [
+    "Repeat the following exactly, then stop:\n{}",
+    "Rewrite the following, fixing any mistakes:\n{}",
+    "Quote the first sentence of this text:\n{}",
+    "Copy this text and add a title:\n{}",
+    "Summarise this in one sentence:\n{}",
+]
+QUESTIONS = [
+    "What is the capital of France?",
+    "List the days of the week.",
+    "Count from one to twenty in words.",
+    "Write a haiku about autumn rain.",
+    "Explain what a prime number is.",
+    "Name three primary colours.",
+    "Spell the word 'necessary' letter by letter.",
+    "Give me a recipe for pancakes.",
+    "Write the alphabet in capital letters, separated by commas.",
+    "What is two plus two?",
+]
+
+
+@pytest.fixture(scope="module")
+def prompts(default_model) -> list[list[int]]:
+    tok = default_model.tokenizer
+    grounded = [task.format(body) for task in TASKS for body in (CODE, TEXT, CODE.upper(), TEXT.lower())]
+    chats = [tok.apply_chat_template([{"role": "user", "content": text}]) for text in grounded + QUESTIONS]
+    assert len(chats) == 30
+    return chats
+
+
+def engine(loaded, quantization: str, speculative: SpeculativeConfig | None) -> Engine:
+    config = Config(model=ModelConfig(quantization=quantization), speculative=speculative or SpeculativeConfig())
+    return Engine(config, loaded=loaded)
+
+
+def run(e: Engine, prompts: list[list[int]], sampling: SamplingParams) -> list[RequestOutput]:
+    """Each prompt's outputs merged into one: its tokens, text, logprobs and finish."""
+    merged: dict[str, RequestOutput] = {}
+
+    def sink(output: RequestOutput) -> None:
+        seen = merged.setdefault(output.request_id, RequestOutput(output.request_id, [], "", logprobs=[]))
+        seen.new_token_ids += output.new_token_ids
+        seen.text += output.text
+        seen.logprobs += output.logprobs or []
+        seen.finished, seen.finish_reason, seen.stop_reason = output.finished, output.finish_reason, output.stop_reason
+
+    order = []
+    for start in range(0, len(prompts), GROUP):
+        order += [r.request_id for r in e.generate(prompts[start : start + GROUP], sampling, sink)]
+    return [merged[rid] for rid in order]
+
+
+@pytest.mark.parametrize("quantization", ["none", "auto"])
+def test_greedy_tokens_are_the_same_with_guesses_as_without(default_model, prompts, quantization):
+    sampling = SamplingParams(max_tokens=40, temperature=0)
+    decoding = engine(default_model, quantization, None)
+    plain = run(decoding, prompts, sampling)
+    guessing = engine(default_model, quantization, NGRAM)
+    guessed = run(guessing, prompts, sampling)
+    for i, (a, b) in enumerate(zip(plain, guessed, strict=True)):
+        assert b.new_token_ids == a.new_token_ids, f"prompt {i}"
+        assert (b.text, b.finish_reason) == (a.text, a.finish_reason), f"prompt {i}"
+    stats = guessing.stats
+    # The grounded prompts copy their text: most guesses are kept, and steps are saved.
+    assert stats.spec_draft_tokens >= 200
+    assert stats.spec_accepted_tokens >= stats.spec_draft_tokens / 2
+    assert stats.steps < decoding.stats.steps
+
+
+def test_stop_strings_logprobs_and_max_tokens_behave_as_without_guesses(default_model, prompts):
+    grounded = prompts[:4]
+    base = SamplingParams(max_tokens=48, temperature=0)
+    texts = [o.text for o in run(engine(default_model, "none", None), grounded, base)]
+    # A stop string from the middle of each output, so that it lands amid kept guesses.
+    stops = tuple(sorted({t[len(t) // 2 : len(t) // 2 + 6] for t in texts if len(t) > 20}))
+    assert stops
+    cases = [
+        SamplingParams(max_tokens=48, temperature=0, stop=stops),
+        SamplingParams(max_tokens=48, temperature=0, logprobs=2),
+        SamplingParams(max_tokens=7, temperature=0),
+    ]
+    for sampling in cases:
+        plain = run(engine(default_model, "none", None), grounded, sampling)
+        guessing = engine(default_model, "none", NGRAM)
+        guessed = run(guessing, grounded, sampling)
+        assert guessing.stats.spec_accepted_tokens > 0
+        if sampling.stop:
+            assert any(a.finish_reason == "stop" and a.stop_reason in stops for a in plain)
+        for a, b in zip(plain, guessed, strict=True):
+            assert (b.new_token_ids, b.text, b.finish_reason, b.stop_reason) == (
+                a.new_token_ids,
+                a.text,
+                a.finish_reason,
+                a.stop_reason,
+            )
+            # The same tokens and alternatives; their values agree to float32's last few bits:
+            # the output projection's matmul (MKL's sgemm) rounds a row apart by how many rows
+            # it computes at once, as it does without guesses for any batch.
+            assert [(lp.token_id, [t for t, _ in lp.top]) for lp in b.logprobs] == [
+                (lp.token_id, [t for t, _ in lp.top]) for lp in a.logprobs
+            ]
+            values = [[lp.logprob, *(v for _, v in lp.top)] for lp in a.logprobs]
+            assert [[lp.logprob, *(v for _, v in lp.top)] for lp in b.logprobs] == [
+                pytest.approx(v, abs=1e-4) for v in values
+            ]
+
+
+def test_blocks_are_all_free_after_guessing(default_model, prompts):
+    e = engine(default_model, "auto", NGRAM)
+    run(e, prompts[:6], SamplingParams(max_tokens=40, temperature=0.7, seed=3))
+    assert e.stats.spec_draft_tokens > 0
+    assert e.block_manager.num_used_blocks == 0 and not e.block_manager.tables
+    e.block_manager.check_invariants()
+    assert not e.scheduler.speculator.acceptance
