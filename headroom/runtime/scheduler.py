@@ -205,7 +205,7 @@ class Scheduler:
         rows = [row for row in rows if behind(row.request) == 1]
         if not rows:
             return
-        rows.sort(key=lambda row: (is_long(row.request), self.policy.order_key(row.request, step.now)))
+        rows.sort(key=lambda row: is_long(row.request))  # otherwise in the order they were scheduled
         pairs = [attention_pairs(n, by_id[rid].num_computed_tokens) for rid, n in step.scheduled.items()]
         decode_pairs = sum(p for p, n in zip(pairs, step.scheduled.values(), strict=True) if n == 1)
         plan = self.speculator.plan(rows, sum(step.scheduled.values()), sum(pairs), decode_pairs, step.budget)

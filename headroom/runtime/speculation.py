@@ -30,7 +30,9 @@ import numpy as np
 
 from headroom.config import SpeculativeConfig
 from headroom.contracts.request import Request, SizeClass
-from headroom.runtime.step_cost import StepCostModel, attention_pairs
+from headroom.runtime.step_cost import StepCost, StepCostModel, attention_pairs
+
+REFIT_STEPS = 8
 
 
 def propose_ngram(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -55,9 +57,23 @@ def propose_ngram(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int
 def step_pairs(num_tokens: int, context: int, guessed: bool) -> int:
     """Attention pairs of a row of num_tokens on `context`; a row that guessed runs as a
     decode row a position (executor/model_runner.py), each over its own prefix."""
-    if guessed:
-        return sum(attention_pairs(1, context + j) for j in range(num_tokens))
+    if guessed:  # the sum of attention_pairs(1, context + j) for j < num_tokens
+        return num_tokens * (context + 1) + num_tokens * (num_tokens - 1) // 2
     return attention_pairs(num_tokens, context)
+
+
+def predict(fit: StepCost | None, tokens: int, pairs: int, decode_pairs: int) -> float:
+    """StepCostModel.predict, from a fit in hand."""
+    if fit is None or tokens <= 0:
+        return 0.0
+    return fit.base_s + fit.per_token_s * tokens + fit.per_pair_s * pairs + fit.decode_extra_s * decode_pairs
+
+
+def added_seconds(fit: StepCost, context: int, k: int) -> float:
+    """What k guesses after a decode row at `context` add to a step: k tokens, each a decode
+    row over its own prefix."""
+    extra = step_pairs(1 + k, context, True) - attention_pairs(1, context)
+    return fit.per_token_s * k + (fit.per_pair_s + fit.decode_extra_s) * extra
 
 
 @dataclass
@@ -77,6 +93,9 @@ class Acceptance:
         return sum(a**i for i in range(1, k + 1))
 
 
+PRIOR = Acceptance()
+
+
 @dataclass
 class Row:
     """A decode row of the step being scheduled, as the speculator sees it."""
@@ -90,6 +109,8 @@ class Speculator:
         self.config = config
         self.cost = cost
         self.acceptance: dict[str, Acceptance] = {}
+        self._fit: StepCost | None = None
+        self._fit_at = 0  # the cost model's step count when _fit was taken
 
     def eligible(self, request: Request) -> bool:
         """Guesses are verified exactly where a token's distribution does not depend on the
@@ -103,12 +124,10 @@ class Speculator:
             and request.max_tokens - request.num_output_tokens > 1
         )
 
-    def propose(self, request: Request) -> list[int]:
+    def propose(self, request: Request, k: int) -> list[int]:
+        """At most k guesses (the caller keeps k within max_tokens: the last token is the model's own)."""
         c = self.config
-        room = request.max_tokens - request.num_output_tokens - 1  # the last token is the model's own
-        return propose_ngram(
-            request.all_token_ids, c.prompt_lookup_min, c.prompt_lookup_max, min(c.num_speculative_tokens, room)
-        )
+        return propose_ngram(request.all_token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k)
 
     def plan(self, rows: list[Row], tokens: int, pairs: int, decode_pairs: int, budget: int) -> dict[str, list[int]]:
         """Guesses for some of `rows` (the step's decode rows, in the policy's order), within
@@ -117,7 +136,8 @@ class Speculator:
         if protected and len(protected) < len(rows):
             rows = protected  # long rows never stretch a shorter class's step
         beneficiaries = len(rows)
-        seconds = self.cost.predict(tokens, pairs, decode_pairs)
+        fit = self._price()
+        seconds = predict(fit, tokens, pairs, decode_pairs)
         drafts: dict[str, list[int]] = {}
         for row in rows:
             if budget <= 0:
@@ -125,31 +145,38 @@ class Speculator:
             request = row.request
             if not self.eligible(request):
                 continue
-            guess = self.propose(request)[:budget]
+            # Priced before anything is looked up: where no guess pays (a step of many rows),
+            # the proposer costs nothing either.
+            acceptance = self.acceptance.get(request.request_id, PRIOR)
+            most = min(self.config.num_speculative_tokens, budget, request.max_tokens - request.num_output_tokens - 1)
+            if fit is None:  # nothing learned yet: guess, and learn the price
+                best = most
+            else:
+                # k guesses are worth at most k * rate steps and cost at least k times one: a
+                # row whose rate cannot pay for one guess cannot pay for more.
+                if acceptance.rate * seconds <= beneficiaries * added_seconds(fit, row.context, 1):
+                    continue
+                best, best_gain = 0, 0.0
+                for k in range(1, most + 1):
+                    gain = acceptance.expected(k) * seconds - beneficiaries * added_seconds(fit, row.context, k)
+                    if gain > best_gain:
+                        best, best_gain = k, gain
+            guess = self.propose(request, best) if best else []
             if not guess:
                 continue
-            acceptance = self.acceptance.setdefault(request.request_id, Acceptance())
-            best, best_gain, best_cost = 0, 0.0, 0.0
-            for k in range(1, len(guess) + 1):
-                added = self._added(tokens, pairs, decode_pairs, row.context, k) if seconds > 0 else 0.0
-                gain = acceptance.expected(k) * seconds - beneficiaries * added
-                if seconds <= 0 or gain > best_gain:  # nothing learned yet: guess, and learn the price
-                    best, best_gain, best_cost = k, gain, added
-            if best == 0:
-                continue
-            drafts[request.request_id] = guess[:best]
-            budget -= best
-            tokens += best
-            extra = step_pairs(1 + best, row.context, True) - attention_pairs(1, row.context)
-            pairs, decode_pairs, seconds = pairs + extra, decode_pairs + extra, seconds + best_cost
+            k = len(guess)
+            drafts[request.request_id] = guess
+            budget -= k
+            seconds += added_seconds(fit, row.context, k) if fit is not None else 0.0
         return drafts
 
-    def _added(self, tokens: int, pairs: int, decode_pairs: int, context: int, k: int) -> float:
-        """What k guesses after a decode row at `context` add to the step."""
-        extra = step_pairs(1 + k, context, True) - attention_pairs(1, context)
-        return self.cost.predict(tokens + k, pairs + extra, decode_pairs + extra) - self.cost.predict(
-            tokens, pairs, decode_pairs
-        )
+    def _price(self) -> StepCost | None:
+        """The step-cost model's fit, taken again every REFIT_STEPS steps: a fit costs about
+        as much as pricing a step of 32 rows, and prices move slowly."""
+        steps = self.cost.num_steps
+        if self._fit is None or steps - self._fit_at >= REFIT_STEPS:
+            self._fit, self._fit_at = self.cost.cost(), steps
+        return self._fit
 
     def verified(self, request_id: str, proposed: int, accepted: int) -> None:
         acceptance = self.acceptance.setdefault(request_id, Acceptance())

@@ -85,6 +85,9 @@ def test_known_workload_moves_counters_and_histograms_exactly(server):
     assert delta(before, after, "headroom:request_success_total", finished_reason="stop") == 0
     assert delta(before, after, "headroom:admission_decisions_total", decision="admit") == 4
     assert delta(before, after, "headroom:num_preemptions_total") == 0
+    for counter in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):  # speculation is off by default
+        name = f"headroom:spec_decode_{counter}_total"
+        assert (name, ()) in after and delta(before, after, name) == 0
     for name in (
         "headroom:time_to_first_token_seconds",
         "headroom:request_queue_time_seconds",

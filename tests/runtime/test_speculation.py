@@ -13,6 +13,7 @@ from headroom.config import ConfigError, SpeculativeConfig
 from headroom.contracts.request import AdmissionRecord, Request, SamplingParams, SizeClass
 from headroom.executor.sampler import Sampler
 from headroom.runtime.speculation import Row, Speculator, propose_ngram
+from headroom.runtime.step_cost import StepCost
 
 EOS = 2
 VOCAB = 8
@@ -157,8 +158,10 @@ class ScriptedCost:
     def __init__(self, base: float, per_token: float):
         self.base, self.per_token = base, per_token
 
-    def predict(self, num_tokens: int, pairs: int, decode_pairs: int = 0) -> float:
-        return self.base + self.per_token * num_tokens if num_tokens > 0 else 0.0
+    num_steps = 0
+
+    def cost(self) -> StepCost:
+        return StepCost(self.base, self.per_token, 0.0)
 
 
 def repeating(size_class: SizeClass | None = None) -> Request:
