@@ -174,7 +174,7 @@ class ModelRunner:
                 query_lens.extend([1] * n)
                 seq_lens.extend(range(start + 1, end + 1))
                 tables.extend([table] * n)
-                num_decodes += n - 1
+                num_decodes += n  # out.num_decodes counts rows of one token only
             else:
                 query_lens.append(n)
                 seq_lens.append(end)

@@ -179,11 +179,13 @@ class Sampler:
         token are logits[i]; those after its guesses follow the B request rows, request by
         request. Greedy: the guesses are kept while each is the target's argmax, and the
         first argmax that differs (or the one after the last guess) is the row's own token,
-        so the output is the one decoding without guesses gives. Sampled: rejection sampling
-        (Leviathan et al.) with a guess that had probability 1 under its proposer: guess g is
-        kept with probability p(g); the first rejected is replaced by a draw from p with g
-        taken out, and a row that keeps every guess draws one more from p, so each token
-        follows the target distribution. A row's tokens never depend on another's guesses
+        so the output is the one decoding without guesses gives. Sampled: each position is
+        drawn from p as decoding draws it (the exponential race, one noise row of the
+        request's generator a position), and a guess is kept while it equals the draw: the
+        tokens follow the target distribution, a guess is kept with probability p(guess)
+        (what rejection sampling with a proposer sure of its guess keeps), and a seeded
+        request gives the same tokens with guesses as without. A row's tokens never depend
+        on another's guesses
         (the speculator guesses only for rows with neither penalties, min_tokens to reach nor
         a grammar, so its rows' distributions do not move with the tokens before them)."""
         logits = logits.to(self.device)
@@ -213,15 +215,15 @@ class Sampler:
                     kept += 1
                 emitted[i] = guess[:kept] + [targets[first + kept]]
                 continue
-            generator = self._generator(request)
-            chances = torch.stack([probs[first + j][guess[j]] for j in range(k)]).tolist()
-            draws = torch.rand(k, generator=generator, device=self.device).tolist()
-            kept = next((j for j in range(k) if draws[j] >= chances[j]), k)
-            p = probs[first + kept]
-            if kept < k:
-                p = p.clone()
-                p[guess[kept]] = 0.0
-            emitted[i] = guess[:kept] + self._race(p.unsqueeze(0), [request]).tolist()
+            # Each position drawn as decoding draws it, one noise row of the request's
+            # generator after another, until a draw differs from the guess: the generator
+            # then stands where decoding one token a step would have left it.
+            tokens = []
+            for j in range(k + 1):
+                tokens.append(int(self._race(probs[first + j].unsqueeze(0), [request])[0]))
+                if j == k or tokens[j] != guess[j]:
+                    break
+            emitted[i] = tokens
         lp_rows = [(first + j, i, t) for i, first, _ in spans for j, t in enumerate(emitted[i])]
         lp_rows = [(row, i, t) for row, i, t in lp_rows if requests[i].sampling.logprobs is not None]
         logprobs: dict[tuple[int, int], TokenLogprob | None] = {}

@@ -50,13 +50,20 @@ class ProbeRefiner:
         self.last_point = self.probe.last_point
 
     def _is_due(self, request: Request) -> bool:
+        """At each multiple of `every` generated tokens, or the first step past one: a
+        sequence whose guesses were kept moves several tokens a step."""
         generated = request.num_output_tokens
-        return generated % self.every == 0 and generated <= self.last_point
+        if generated > self.last_point:
+            return False
+        last = request.estimate.at_tokens
+        if last is None:
+            return generated % self.every == 0
+        return generated // self.every > last // self.every
 
     def due(self, out: SchedulerOutput) -> bool:
         """Engine.hidden_due: does any sequence that samples in this step need an estimate?"""
         return any(
-            r.num_computed_tokens + n == r.num_tokens and self._is_due(r)
+            r.num_computed_tokens + n == r.num_tokens + len(out.drafts.get(r.request_id, ())) and self._is_due(r)
             for r, n in zip(out.requests, out.num_scheduled_tokens, strict=True)
         )
 

@@ -261,6 +261,7 @@ class Scheduler:
             if request.is_finished:  # aborted while the step ran
                 continue
             tokens = [] if token is None else token if isinstance(token, list) else [token]
+            before = request.num_output_tokens
             status = None
             for t in tokens:  # a stop among them ends the row there: the rest never existed
                 request.append_output(t)
@@ -278,7 +279,8 @@ class Scheduler:
             request.num_computed_tokens = min(computed, request.num_tokens - 1) if tokens else computed
             self.block_manager.cache_full_blocks(request)
             if guessed and tokens and self.speculator is not None:
-                self.speculator.verified(request.request_id, guessed, len(tokens) - 1)
+                kept = min(len(tokens) - 1, request.num_output_tokens - before)
+                self.speculator.verified(request.request_id, guessed, kept)
             if status is not None:
                 self.finish_request(request.request_id, status)
             if tokens:

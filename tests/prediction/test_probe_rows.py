@@ -43,9 +43,9 @@ class RecordingSampler:
         self.sampler = sampler
         self.logits: list[torch.Tensor] = []
 
-    def __call__(self, logits, requests):
+    def __call__(self, logits, requests, drafts=None):
         self.logits.append(logits.clone())
-        return self.sampler(logits, requests)
+        return self.sampler(logits, requests, drafts)
 
     def __getattr__(self, name):
         return getattr(self.sampler, name)

@@ -41,10 +41,10 @@ def test_ngram_proposes_what_followed_the_latest_earlier_occurrence_of_the_longe
 
 
 def test_ngram_prefers_the_longer_match_and_stops_at_the_end():
-    tokens = [7, 1, 2, 6, 6, 3, 1, 2, 5, 0, 3, 1, 2]
-    # "3 1 2" matched at 5 (followed by 5 0 3 ...) wins over the later "1 2" at 6? both end
-    # in the same place here; the longer suffix decides: 5 0 3.
-    assert propose_ngram(tokens, 2, 3, 3) == [5, 0, 3]
+    tokens = [3, 1, 2, 5, 9, 1, 2, 8, 3, 1, 2]
+    # "3 1 2" occurs at 0 (then 5 9 1); "1 2" last occurred at 5 (then 8 3 1).
+    assert propose_ngram(tokens, 2, 3, 3) == [5, 9, 1]
+    assert propose_ngram(tokens, 2, 2, 3) == [8, 3, 1]
     # A match right before the suffix is followed by the suffix itself, cut at the end.
     assert propose_ngram([4, 4, 4], 1, 1, 5) == [4]
     assert propose_ngram([4], 1, 2, 3) == []
@@ -137,16 +137,26 @@ def test_sampled_tokens_follow_the_target_distribution_whatever_the_guess():
         assert abs(seen - q) <= 5 * (q * (1 - q) / len(kept)) ** 0.5, (token, seen, q)
 
 
-def test_a_seeded_request_verifies_the_same_way_twice():
-    def once() -> list[int]:
-        sampler = Sampler({EOS})
-        request = make_request(temperature=1.0, seed=7)
+def test_a_seeded_request_draws_the_same_tokens_with_guesses_as_without():
+    """Verification draws each position as decoding one token a step does, from the
+    request's own generator: the same seed gives the same tokens, guessed or not."""
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(3))
+
+    def decode() -> list[int]:  # one token a step: row j is the logits after j tokens
+        sampler, request = Sampler({EOS}), make_request(temperature=1.0, seed=7)
         sampler.add(request)
-        logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(3))
-        result = sampler(logits, [request], [[1, 2, 3]])
+        return [sampler(logits[j : j + 1].clone(), [request]).token_ids[0] for j in range(4)]
+
+    def guessed(guess: list[int]) -> list[int]:
+        sampler, request = Sampler({EOS}, seed=99), make_request(temperature=1.0, seed=7)
+        sampler.add(request)
+        result = sampler(logits[: len(guess) + 1].clone(), [request], [guess])
         return [result.token_ids[0], *(t for t, _ in result.more[0])]
 
-    assert once() == once()
+    plain = decode()
+    assert guessed(plain[:3]) == plain  # every guess right: all kept, and the fourth drawn
+    wrong = [plain[0], (plain[1] + 1) % VOCAB, plain[2]]
+    assert guessed(wrong) == plain[:2]  # the draw at the second position differs: it ends there
 
 
 # ---- the price -------------------------------------------------------------------------

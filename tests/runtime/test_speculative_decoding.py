@@ -56,11 +56,17 @@ def prompts(default_model) -> list[list[int]]:
 
 
 def engine(loaded, quantization: str, speculative: SpeculativeConfig | None) -> Engine:
+    """With speculation, every row that can guess does: what these tests check is that
+    guesses never change the output, wherever the price would put them (the price has
+    its own tests, tests/runtime/test_speculation.py, and moves with the machine's load)."""
     config = Config(model=ModelConfig(quantization=quantization), speculative=speculative or SpeculativeConfig())
-    return Engine(config, loaded=loaded)
+    e = Engine(config, loaded=loaded)
+    if e.scheduler.speculator is not None:
+        e.scheduler.speculator._price = lambda: None  # as before any step is learned: guess
+    return e
 
 
-def run(e: Engine, prompts: list[list[int]], sampling: SamplingParams) -> list[RequestOutput]:
+def run(e: Engine, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
     """Each prompt's outputs merged into one: its tokens, text, logprobs and finish."""
     merged: dict[str, RequestOutput] = {}
 
@@ -73,7 +79,8 @@ def run(e: Engine, prompts: list[list[int]], sampling: SamplingParams) -> list[R
 
     order = []
     for start in range(0, len(prompts), GROUP):
-        order += [r.request_id for r in e.generate(prompts[start : start + GROUP], sampling, sink)]
+        group = sampling[start : start + GROUP] if isinstance(sampling, list) else sampling
+        order += [r.request_id for r in e.generate(prompts[start : start + GROUP], group, sink)]
     return [merged[rid] for rid in order]
 
 
@@ -139,3 +146,12 @@ def test_blocks_are_all_free_after_guessing(default_model, prompts):
     assert e.block_manager.num_used_blocks == 0 and not e.block_manager.tables
     e.block_manager.check_invariants()
     assert not e.scheduler.speculator.acceptance
+
+
+def test_seeded_sampled_requests_give_the_same_tokens_with_guesses_as_without(default_model, prompts):
+    samplings = [SamplingParams(max_tokens=40, temperature=0.8, seed=i) for i in range(6)]
+    plain = run(engine(default_model, "none", None), prompts[:6], samplings)
+    guessing = engine(default_model, "none", NGRAM)
+    guessed = run(guessing, prompts[:6], samplings)
+    assert guessing.stats.spec_accepted_tokens > 0
+    assert [o.new_token_ids for o in guessed] == [o.new_token_ids for o in plain]

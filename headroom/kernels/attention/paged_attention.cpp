@@ -109,17 +109,20 @@ void decode(const float* qp, T* kc, T* vc, const int32_t* tp, const int32_t* lp,
     decode_spans(qp, kc, vc, tp, lp, op, B, Hq, Hkv, D, W, block_size, s, knp, vnp, kn_row, vn_row, sp);
     return;
   }
+  // This step's keys and values first, before any row reads them: rows of one sequence
+  // (a decode row and the rows after its guesses) read each other's.
+  if (sp != nullptr)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < Hkv; ++h) {
+        store_row(knp + b * kn_row + h * D, kc + sp[b] * token_stride + h * D, D);
+        store_row(vnp + b * vn_row + h * D, vc + sp[b] * token_stride + h * D, D);
+      }
   headroom::parallel_rows(B, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, row(D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
       const int64_t len = lp[b];
       TORCH_CHECK(len >= 1 && (len + block_size - 1) / block_size <= W, "seq_len does not fit the block table");
-      if (sp != nullptr) {
-        const int64_t slot = sp[b];
-        store_row(knp + b * kn_row + h * D, kc + slot * token_stride + h * D, D);
-        store_row(vnp + b * vn_row + h * D, vc + slot * token_stride + h * D, D);
-      }
       const float* qh = qp + (b * Hq + h * group) * D;
       const int32_t* table = tp + b * W;
       scores.assign(group * len, 0.f);
