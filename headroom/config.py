@@ -325,16 +325,30 @@ class SpeculativeConfig:
     """vLLM's --speculative-config, in its JSON shape: {"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}."""
 
-    method: Literal["off", "ngram"] = Field(
+    method: Literal["off", "ngram", "suffix"] = Field(
         "off",
         description="how guesses are proposed: ngram (the request's own tokens: the words after the latest "
-        "earlier occurrence of its last few) or off",
+        "earlier occurrence of its last few), suffix (the most frequent continuation of its last tokens in "
+        "its own text and in its tenant's recent outputs) or off",
     )
     num_speculative_tokens: Annotated[int, Field(ge=1, le=16)] = Field(
         4, description="the most tokens guessed for a sequence in one step"
     )
     prompt_lookup_max: AtLeast1 = Field(4, description="the longest suffix looked up (tokens)")
     prompt_lookup_min: AtLeast1 = Field(2, description="the shortest suffix looked up (tokens)")
+    suffix_decoding_max_tree_depth: AtLeast1 = Field(
+        24, description="suffix: the longest suffix of a sequence matched (tokens)"
+    )
+    suffix_decoding_max_cached_requests: NonNegativeInt = Field(
+        1000,
+        description="suffix: recent outputs kept to guess from, all tenants together (0: a request's own text only)",
+    )
+    suffix_decoding_max_spec_factor: Annotated[float, Field(gt=0)] = Field(
+        1.0, description="suffix: a match of n tokens guesses at most n times this"
+    )
+    suffix_decoding_min_token_prob: Annotated[float, Field(ge=0, le=1)] = Field(
+        0.1, description="suffix: a guess stops where its path's frequency falls below this"
+    )
 
     def __post_init__(self) -> None:
         if self.prompt_lookup_min > self.prompt_lookup_max:

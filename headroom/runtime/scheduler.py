@@ -312,8 +312,6 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if self.speculator is not None:
-            self.speculator.forget(request_id)
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -321,6 +319,8 @@ class Scheduler:
         self.block_manager.free_request(request_id)
         request.status = status
         request.finished_time = time.monotonic()
+        if self.speculator is not None:
+            self.speculator.finished(request)
         return request
 
 

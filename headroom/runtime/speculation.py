@@ -8,7 +8,7 @@ own, and the rest are dropped (their cache slots are written again by the next s
 
 Proposals are n-gram prompt lookup, as vLLM's "ngram" method: the tokens that followed the
 latest earlier occurrence of the sequence's last n tokens (n from prompt_lookup_max down to
-prompt_lookup_min).
+prompt_lookup_min); or suffix decoding, as vLLM's "suffix" (runtime/suffix.py).
 
 The price: one step that makes n tokens in S seconds makes n + E in S + D with a row's
 guesses, where D is what its k guesses add to the step (the step-cost model's price) and E
@@ -31,6 +31,7 @@ import numpy as np
 from headroom.config import SpeculativeConfig
 from headroom.contracts.request import Request, SizeClass
 from headroom.runtime.step_cost import StepCost, StepCostModel, attention_pairs
+from headroom.runtime.suffix import SuffixCache
 
 REFIT_STEPS = 8
 
@@ -111,6 +112,7 @@ class Speculator:
         self.acceptance: dict[str, Acceptance] = {}
         self._fit: StepCost | None = None
         self._fit_at = 0  # the cost model's step count when _fit was taken
+        self.suffixes = SuffixCache(config) if config.method == "suffix" else None
 
     def eligible(self, request: Request) -> bool:
         """Guesses are verified exactly where a token's distribution does not depend on the
@@ -127,6 +129,8 @@ class Speculator:
     def propose(self, request: Request, k: int) -> list[int]:
         """At most k guesses (the caller keeps k within max_tokens: the last token is the model's own)."""
         c = self.config
+        if self.suffixes is not None:
+            return self.suffixes.propose(request, k)
         return propose_ngram(request.all_token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k)
 
     def plan(self, rows: list[Row], tokens: int, pairs: int, decode_pairs: int, budget: int) -> dict[str, list[int]]:
@@ -183,5 +187,7 @@ class Speculator:
         acceptance.proposed += proposed
         acceptance.accepted += accepted
 
-    def forget(self, request_id: str) -> None:
-        self.acceptance.pop(request_id, None)
+    def finished(self, request: Request) -> None:
+        self.acceptance.pop(request.request_id, None)
+        if self.suffixes is not None:
+            self.suffixes.add(request)

@@ -65,12 +65,15 @@ def test_every_flag_hands_the_strict_config_a_value_it_takes():
 def test_speculative_config_takes_vllms_json_and_refuses_what_it_cannot_use(tmp_path, capsys):
     table = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, "prompt_lookup_min": 1}'
     config = build_config(serve_parser().parse_args(["--speculative-config", table]))
-    assert dataclasses.astuple(config.speculative) == ("ngram", 3, 5, 1)
+    assert dataclasses.astuple(config.speculative)[:4] == ("ngram", 3, 5, 1)
+    suffix = '{"method": "suffix", "suffix_decoding_max_tree_depth": 16, "suffix_decoding_min_token_prob": 0.2}'
+    config = build_config(serve_parser().parse_args(["--speculative-config", suffix]))
+    assert dataclasses.astuple(config.speculative) == ("suffix", 4, 4, 2, 16, 1000, 1.0, 0.2)
     # The flag wins over the file's [speculative] table, key by key.
     path = tmp_path / "headroom.toml"
     path.write_text('[speculative]\nmethod = "ngram"\nnum_speculative_tokens = 6\n')
     ns = serve_parser().parse_args(["--config", str(path), "--speculative-config", '{"prompt_lookup_min": 3}'])
-    assert dataclasses.astuple(build_config(ns).speculative) == ("ngram", 6, 4, 3)
+    assert dataclasses.astuple(build_config(ns).speculative)[:4] == ("ngram", 6, 4, 3)
     assert not build_config(serve_parser().parse_args([])).speculative.enabled
     with pytest.raises(SystemExit):
         serve_parser().parse_args(["--speculative-config", "ngram"])

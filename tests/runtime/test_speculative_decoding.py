@@ -1,5 +1,5 @@
 """Speculative decoding on the default model: the same tokens with guesses as without,
-greedy on 30 prompts in float32 and in the quantised default (the loop detector among what
+greedy on 30 prompts in float32 and in the quantised default, for each proposer (the loop detector among what
 decides them), and the stop strings, logprobs and max_tokens of a request behaving as they
 do without guesses."""
 
@@ -15,6 +15,9 @@ from headroom.runtime.outputs import RequestOutput
 pytestmark = pytest.mark.slow
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)
+# Suffix decoding, guessing also from the outputs of the prompts decoded before (one tenant).
+SUFFIX = SpeculativeConfig(method="suffix", num_speculative_tokens=4)
+PROPOSERS = {"ngram": NGRAM, "suffix": SUFFIX}
 GROUP = 6  # prompts decoded at once
 
 CODE = (
@@ -84,12 +87,18 @@ def run(e: Engine, prompts: list[list[int]], sampling: SamplingParams | list[Sam
     return [merged[rid] for rid in order]
 
 
+_plain: dict[str, tuple[list[RequestOutput], int]] = {}
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
 @pytest.mark.parametrize("quantization", ["none", "auto"])
-def test_greedy_tokens_are_the_same_with_guesses_as_without(default_model, prompts, quantization):
+def test_greedy_tokens_are_the_same_with_guesses_as_without(default_model, prompts, quantization, method):
     sampling = SamplingParams(max_tokens=40, temperature=0)
-    decoding = engine(default_model, quantization, None)
-    plain = run(decoding, prompts, sampling)
-    guessing = engine(default_model, quantization, NGRAM)
+    if quantization not in _plain:  # decoded once for both proposers
+        decoding = engine(default_model, quantization, None)
+        _plain[quantization] = run(decoding, prompts, sampling), decoding.stats.steps
+    plain, steps = _plain[quantization]
+    guessing = engine(default_model, quantization, PROPOSERS[method])
     guessed = run(guessing, prompts, sampling)
     for i, (a, b) in enumerate(zip(plain, guessed, strict=True)):
         assert b.new_token_ids == a.new_token_ids, f"prompt {i}"
@@ -98,7 +107,7 @@ def test_greedy_tokens_are_the_same_with_guesses_as_without(default_model, promp
     # The grounded prompts copy their text: most guesses are kept, and steps are saved.
     assert stats.spec_draft_tokens >= 200
     assert stats.spec_accepted_tokens >= stats.spec_draft_tokens / 2
-    assert stats.steps < decoding.stats.steps
+    assert stats.steps < steps
 
 
 def test_stop_strings_logprobs_and_max_tokens_behave_as_without_guesses(default_model, prompts):
@@ -139,13 +148,19 @@ def test_stop_strings_logprobs_and_max_tokens_behave_as_without_guesses(default_
             ]
 
 
-def test_blocks_are_all_free_after_guessing(default_model, prompts):
-    e = engine(default_model, "auto", NGRAM)
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_blocks_are_all_free_after_guessing(default_model, prompts, method):
+    e = engine(default_model, "auto", PROPOSERS[method])
     run(e, prompts[:6], SamplingParams(max_tokens=40, temperature=0.7, seed=3))
     assert e.stats.spec_draft_tokens > 0
     assert e.block_manager.num_used_blocks == 0 and not e.block_manager.tables
     e.block_manager.check_invariants()
     assert not e.scheduler.speculator.acceptance
+    # What suffix decoding keeps after them is their outputs, and nothing else.
+    suffixes = e.scheduler.speculator.suffixes
+    assert (suffixes is None) == (method == "ngram")
+    if suffixes is not None:
+        assert len(suffixes.entries) == 6 and len(suffixes.corpora[(None, None)]) == 6
 
 
 def test_seeded_sampled_requests_give_the_same_tokens_with_guesses_as_without(default_model, prompts):
