@@ -1,18 +1,22 @@
 """Speculative decoding's gain, and its cost where guesses miss (issue 56).
 
 Starts `headroom serve` on 127.0.0.1 with its defaults (no speculation), then with
-`--speculative-config '{"method": "ngram", ...}'`, and sends each the same chat requests
-(greedy, `--max-tokens` out) at each concurrency, closed loop:
+`--speculative-config` for each method (`'{"method": "ngram", ...}'`, `'{"method":
+"suffix"}'`), and sends each the same chat requests (greedy, `--max-tokens` out) at each
+concurrency, closed loop:
 
 - grounded: the answer copies much of the prompt (repeat, correct, quote with line numbers)
   a ShareGPT prompt of 400-1,500 characters from data/calibration/;
 - open: ShareGPT prompts as they are.
 
+Each level gets prompts no earlier level sent: suffix decoding guesses from the outputs
+of earlier requests, and a prompt it has answered before would be guessed whole.
+
 Prints output tokens per second per set and concurrency for each server, and the ratio of
 speculation on to off measured in the same sitting (servers alternated `--repeat` times,
 pooled). Every load is bounded: `--requests` per level, then it stops.
 
-    python bench/speculative.py [--levels 1 8 32] [--repeat 1] [--json out.json]
+    python bench/speculative.py [--levels 1 8 32] [--methods ngram suffix] [--repeat 1] [--json out.json]
 """
 
 from __future__ import annotations
@@ -29,7 +33,11 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hol import PROMPTS, cpu_line, free_port, start_server, stop_server
 
-NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+METHODS = {
+    "ngram": '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}',
+    "suffix": '{"method": "suffix", "num_speculative_tokens": 4}',
+}
+WARM = ["Say hello.", "Name a colour."]
 TASKS = [
     "Repeat the following text exactly as it is written:\n\n{}",
     "Correct the spelling and grammar of the following text and return the whole corrected text:\n\n{}",
@@ -91,11 +99,12 @@ def run_server(name: str, extra: list[str], sets: dict[str, list[str]], args) ->
     url = f"http://127.0.0.1:{port}"
     figures = {}
     try:
-        asyncio.run(level(url, sets["open"][:2], 1, 16))  # warm: the first requests pay for lazy setup
+        asyncio.run(level(url, WARM, 1, 16))  # the first requests pay for lazy setup; none of the sets
         for set_name, prompts in sets.items():
+            at = 0
             for concurrency in args.levels:
                 count = max(args.requests, concurrency)
-                chosen = (prompts * (count // len(prompts) + 1))[:count]
+                chosen, at = prompts[at : at + count], at + count
                 r = asyncio.run(level(url, chosen, concurrency, args.max_tokens))
                 figures[f"{set_name} c={concurrency}"] = r
                 print(
@@ -114,29 +123,33 @@ def main() -> None:
     p.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--requests", type=int, default=8, help="requests per level (at least the concurrency)")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=sorted(METHODS))
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--json", help="write every run's figures here")
     args = p.parse_args()
     print(cpu_line())
-    sets = prompt_sets(max(args.requests, max(args.levels)))
-    runs: dict[str, list[dict]] = {"off": [], "ngram": []}
+    sets = prompt_sets(sum(max(args.requests, c) for c in args.levels))
+    runs: dict[str, list[dict]] = {"off": [], **{m: [] for m in args.methods}}
     for _ in range(args.repeat):
         runs["off"].append(run_server("off", [], sets, args))
-        runs["ngram"].append(run_server("ngram", ["--speculative-config", NGRAM], sets, args))
-    print("\npooled output tok/s: off, ngram, ratio")
+        for method in args.methods:
+            runs[method].append(run_server(method, ["--speculative-config", METHODS[method]], sets, args))
+    print("\npooled output tok/s: off, then each method and its ratio to off")
     for key in runs["off"][0]:
         if key == "spec":
             continue
         rate = {
             name: sum(r[key]["tokens"] for r in rs) / sum(r[key]["seconds"] for r in rs) for name, rs in runs.items()
         }
-        print(f"  {key:14s} {rate['off']:7.1f} {rate['ngram']:7.1f}  {rate['ngram'] / rate['off']:.2f}x")
-    spec = runs["ngram"][-1]["spec"]
-    if spec.get("num_draft_tokens"):
-        print(
-            f"guesses: {spec['num_draft_tokens']:.0f} in {spec['num_drafts']:.0f} rows, "
-            f"{spec['num_accepted_tokens'] / spec['num_draft_tokens']:.0%} kept"
-        )
+        ratios = "  ".join(f"{m} {rate[m]:7.1f} {rate[m] / rate['off']:.2f}x" for m in args.methods)
+        print(f"  {key:14s} off {rate['off']:7.1f}  {ratios}")
+    for method in args.methods:
+        spec = runs[method][-1]["spec"]
+        if spec.get("num_draft_tokens"):
+            print(
+                f"{method} guesses: {spec['num_draft_tokens']:.0f} in {spec['num_drafts']:.0f} rows, "
+                f"{spec['num_accepted_tokens'] / spec['num_draft_tokens']:.0%} kept"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps({"cpu": cpu_line(), "runs": runs}, indent=1))
 

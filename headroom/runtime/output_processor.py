@@ -39,10 +39,6 @@ class OutputProcessor:
             self.tokenizer, request.prompt_token_ids, request.sampling.stop
         )
 
-    def token(self, request: Request, logprob: TokenLogprob | None, stats: EngineStats) -> None:
-        """Send the request's newest token, and close it if that token finished it."""
-        self.tokens(request, 1, [logprob], stats)
-
     def tokens(self, request: Request, count: int, logprobs: list[TokenLogprob | None], stats: EngineStats) -> None:
         """Send the request's `count` newest tokens (several where guesses were kept), and
         close it if one finished it. Each goes through the detokenizer alone, so a stop

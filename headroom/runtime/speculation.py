@@ -12,8 +12,9 @@ prompt_lookup_min); or suffix decoding, as vLLM's "suffix" (runtime/suffix.py).
 
 The price: one step that makes n tokens in S seconds makes n + E in S + D with a row's
 guesses, where D is what its k guesses add to the step (the step-cost model's price) and E
-the tokens they are expected to add, sum(a**i, i = 1..k) for the row's measured acceptance
-a. The guesses pay where E * S > n * D, the step's tokens per second then rising. While
+the tokens they are expected to add: sum(a**i, i = 1..k) for the row's measured acceptance
+a, or less where the proposal's own odds are lower (a suffix walk's path frequencies; n-gram
+guesses bring none). The guesses pay where E * S > n * D, the step's tokens per second then rising. While
 rows of a shorter class than long decode, n counts only them, and long rows never guess:
 their guesses would stretch the protected rows' step for another class's gain. Rows are
 offered in the policy's order, shorter classes first, and each row takes the k that
@@ -31,7 +32,7 @@ import numpy as np
 from headroom.config import SpeculativeConfig
 from headroom.contracts.request import Request, SizeClass
 from headroom.runtime.step_cost import StepCost, StepCostModel, attention_pairs
-from headroom.runtime.suffix import SuffixCache
+from headroom.runtime.suffix import SuffixCache, Walk
 
 REFIT_STEPS = 8
 
@@ -61,13 +62,6 @@ def step_pairs(num_tokens: int, context: int, guessed: bool) -> int:
     if guessed:  # the sum of attention_pairs(1, context + j) for j < num_tokens
         return num_tokens * (context + 1) + num_tokens * (num_tokens - 1) // 2
     return attention_pairs(num_tokens, context)
-
-
-def predict(fit: StepCost | None, tokens: int, pairs: int, decode_pairs: int) -> float:
-    """StepCostModel.predict, from a fit in hand."""
-    if fit is None or tokens <= 0:
-        return 0.0
-    return fit.base_s + fit.per_token_s * tokens + fit.per_pair_s * pairs + fit.decode_extra_s * decode_pairs
 
 
 def added_seconds(fit: StepCost, context: int, k: int) -> float:
@@ -113,6 +107,7 @@ class Speculator:
         self._fit: StepCost | None = None
         self._fit_at = 0  # the cost model's step count when _fit was taken
         self.suffixes = SuffixCache(config) if config.method == "suffix" else None
+        self.priced = True  # tests of the outputs turn the price off, to guess wherever a row can
 
     def eligible(self, request: Request) -> bool:
         """Guesses are verified exactly where a token's distribution does not depend on the
@@ -126,12 +121,15 @@ class Speculator:
             and request.max_tokens - request.num_output_tokens > 1
         )
 
-    def propose(self, request: Request, k: int) -> list[int]:
-        """At most k guesses (the caller keeps k within max_tokens: the last token is the model's own)."""
+    def propose(self, request: Request, k: int) -> Walk:
+        """At most k guesses (the caller keeps k within max_tokens: the last token is the
+        model's own). An n-gram match says nothing of its own odds: its tokens' chances are
+        left at 1, for the row's measured acceptance to decide."""
         c = self.config
         if self.suffixes is not None:
             return self.suffixes.propose(request, k)
-        return propose_ngram(request.all_token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k)
+        tokens = propose_ngram(request.all_token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k)
+        return Walk(tokens, [1.0] * len(tokens))
 
     def plan(self, rows: list[Row], tokens: int, pairs: int, decode_pairs: int, budget: int) -> dict[str, list[int]]:
         """Guesses for some of `rows` (the step's decode rows, in the policy's order), within
@@ -141,7 +139,7 @@ class Speculator:
             rows = protected  # long rows never stretch a shorter class's step
         beneficiaries = len(rows)
         fit = self._price()
-        seconds = predict(fit, tokens, pairs, decode_pairs)
+        seconds = 0.0 if fit is None else fit.predict(tokens, pairs, decode_pairs)
         drafts: dict[str, list[int]] = {}
         for row in rows:
             if budget <= 0:
@@ -153,30 +151,33 @@ class Speculator:
             # the proposer costs nothing either.
             acceptance = self.acceptance.get(request.request_id, PRIOR)
             most = min(self.config.num_speculative_tokens, budget, request.max_tokens - request.num_output_tokens - 1)
-            if fit is None:  # nothing learned yet: guess, and learn the price
-                best = most
-            else:
-                # k guesses are worth at most k * rate steps and cost at least k times one: a
-                # row whose rate cannot pay for one guess cannot pay for more.
-                if acceptance.rate * seconds <= beneficiaries * added_seconds(fit, row.context, 1):
-                    continue
-                best, best_gain = 0, 0.0
-                for k in range(1, most + 1):
-                    gain = acceptance.expected(k) * seconds - beneficiaries * added_seconds(fit, row.context, k)
-                    if gain > best_gain:
-                        best, best_gain = k, gain
-            guess = self.propose(request, best) if best else []
-            if not guess:
+            # k guesses are worth at most k * rate steps and cost at least k times one: a row
+            # whose rate cannot pay for one guess cannot pay for more.
+            if fit is not None and acceptance.rate * seconds <= beneficiaries * added_seconds(fit, row.context, 1):
                 continue
-            k = len(guess)
-            drafts[request.request_id] = guess
+            walk = self.propose(request, most)
+            k = len(walk.tokens)  # nothing learned yet: guess, and learn the price
+            if fit is not None:  # the guesses that gain most, by the lesser of the two odds
+                k, best_gain, chances = 0, 0.0, 0.0
+                for j, chance in enumerate(walk.chances, 1):
+                    chances += chance
+                    gain = min(acceptance.expected(j), chances) * seconds
+                    gain -= beneficiaries * added_seconds(fit, row.context, j)
+                    if gain > best_gain:
+                        k, best_gain = j, gain
+            if not k:
+                continue
+            drafts[request.request_id] = walk.tokens[:k]
             budget -= k
             seconds += added_seconds(fit, row.context, k) if fit is not None else 0.0
         return drafts
 
     def _price(self) -> StepCost | None:
         """The step-cost model's fit, taken again every REFIT_STEPS steps: a fit costs about
-        as much as pricing a step of 32 rows, and prices move slowly."""
+        as much as pricing a step of 32 rows, and prices move slowly. Unpriced, every row
+        that can guess does (as before any step is learned)."""
+        if not self.priced:
+            return None
         steps = self.cost.num_steps
         if self._fit is None or steps - self._fit_at >= REFIT_STEPS:
             self._fit, self._fit_at = self.cost.cost(), steps

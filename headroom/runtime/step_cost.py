@@ -57,6 +57,13 @@ class StepCost:
     per_pair_s: float  # per (query, key) pair
     decode_extra_s: float = 0.0  # on top of per_pair_s, per pair of a decode row
 
+    def predict(self, num_tokens: int, pairs: int, decode_pairs: int = 0) -> float:
+        """A step's wall time by this fit (0 for an empty step)."""
+        if num_tokens <= 0:
+            return 0.0
+        arithmetic = self.per_token_s * num_tokens + self.per_pair_s * pairs
+        return self.base_s + arithmetic + self.decode_extra_s * decode_pairs
+
 
 @dataclass(frozen=True)
 class StepSample:
@@ -142,9 +149,7 @@ class StepCostModel:
     def predict(self, num_tokens: int, pairs: int, decode_pairs: int = 0) -> float:
         """A step's predicted wall time (0 before anything is learned)."""
         fit = self.cost()
-        if fit is None or num_tokens <= 0:
-            return 0.0
-        return fit.base_s + fit.per_token_s * num_tokens + fit.per_pair_s * pairs + fit.decode_extra_s * decode_pairs
+        return 0.0 if fit is None else fit.predict(num_tokens, pairs, decode_pairs)
 
     def decodes_seconds(self, contexts: list[int]) -> float:
         """A step's predicted wall time if it holds only decode rows at these contexts."""

@@ -30,10 +30,15 @@ GAP = -1  # between cached outputs: never a token, so no pattern matches across 
 
 @dataclass
 class Walk:
-    """A proposal and its expected number of kept tokens."""
+    """A proposal, and each of its tokens' chance of being kept by the path's frequencies."""
 
     tokens: list[int] = field(default_factory=list)
-    score: float = 0.0
+    chances: list[float] = field(default_factory=list)
+
+    @property
+    def score(self) -> float:
+        """The expected number of its tokens kept."""
+        return sum(self.chances)
 
 
 def match(text: np.ndarray, pattern: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, int]:
@@ -67,7 +72,7 @@ def walk(text: np.ndarray, ends: np.ndarray, most: int, min_prob: float) -> Walk
         if prob < min_prob:
             break
         out.tokens.append(int(tokens[best]))
-        out.score += prob
+        out.chances.append(float(prob))
         ends = ends[follow == tokens[best]] + 1
     return out
 
@@ -163,7 +168,7 @@ class SuffixCache:
             if not len(corpus):
                 del self.corpora[old]
 
-    def propose(self, request: Request, k: int) -> list[int]:
+    def propose(self, request: Request, k: int) -> Walk:
         """At most k guesses for the request: from its own text or its tenant's cache."""
         config = self.config
         text = np.asarray(request.all_token_ids, dtype=np.int64)
@@ -174,4 +179,4 @@ class SuffixCache:
             cached = corpus.propose(pattern, config, k)
             if cached.score > best.score:
                 best = cached
-        return best.tokens
+        return best

@@ -72,7 +72,7 @@ class Rig:
             for r, n in zip(out.requests, out.num_scheduled_tokens, strict=True)
         ]
         for request in self.scheduler.update_from_output(out, sampled):
-            self.processor.token(request, None, self.stats)
+            self.processor.tokens(request, 1, [None], self.stats)
         return out
 
     def gone(self, request: Request) -> bool:

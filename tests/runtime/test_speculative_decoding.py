@@ -65,7 +65,7 @@ def engine(loaded, quantization: str, speculative: SpeculativeConfig | None) -> 
     config = Config(model=ModelConfig(quantization=quantization), speculative=speculative or SpeculativeConfig())
     e = Engine(config, loaded=loaded)
     if e.scheduler.speculator is not None:
-        e.scheduler.speculator._price = lambda: None  # as before any step is learned: guess
+        e.scheduler.speculator.priced = False
     return e
 
 
