@@ -185,7 +185,7 @@ class Estimate:
 @dataclass
 class Resources:
     """What a request has used, updated by the engine's accounting (runtime/stats.py) every
-    step it is in."""
+    step it is in; its guesses by the scheduler as it takes a step's tokens."""
 
     num_blocks_held: int = 0
     peak_blocks: int = 0
@@ -193,6 +193,8 @@ class Resources:
     kv_block_seconds: float = 0.0
     num_processed_tokens: int = 0  # including recomputation after preemption
     busy_at_arrival: float = 0.0  # the engine's busy seconds when it arrived: its share's denominator
+    num_draft_tokens: int = 0  # tokens guessed for it (speculative decoding)
+    num_accepted_tokens: int = 0  # of those, the ones it kept
 
 
 @dataclass(frozen=True)

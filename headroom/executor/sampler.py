@@ -185,9 +185,9 @@ class Sampler:
         tokens follow the target distribution, a guess is kept with probability p(guess)
         (what rejection sampling with a proposer sure of its guess keeps), and a seeded
         request gives the same tokens with guesses as without. A row's tokens never depend
-        on another's guesses
-        (the speculator guesses only for rows with neither penalties, min_tokens to reach nor
-        a grammar, so its rows' distributions do not move with the tokens before them)."""
+        on another's guesses (the speculator guesses only for rows with neither penalties nor
+        min_tokens to reach, whose distributions do not move with the tokens before them; a
+        grammar's mask does, so its rows go position by position: _verify_constrained)."""
         logits = logits.to(self.device)
         index, owners, spans = [], [], []
         after = len(requests)
@@ -201,7 +201,7 @@ class Sampler:
         raw = logits[torch.tensor(index, device=logits.device)].float()
         adjusted = self.adjust(raw, owners)
         targets = adjusted.argmax(dim=-1).tolist()
-        sampled = [j for j, r in enumerate(owners) if not r.sampling.greedy]
+        sampled = [j for j, r in enumerate(owners) if not r.sampling.greedy and r.grammar is None]
         probs = {}
         if sampled:
             rows = torch.tensor(sampled, device=adjusted.device)
@@ -209,6 +209,9 @@ class Sampler:
         emitted: dict[int, list[int]] = {}
         for i, first, k in spans:
             request, guess = requests[i], drafts[i]
+            if request.grammar is not None:
+                emitted[i] = self._verify_constrained(adjusted[first : first + k + 1], request, guess)
+                continue
             if request.sampling.greedy:
                 kept = 0
                 while kept < k and targets[first + kept] == guess[kept]:
@@ -238,6 +241,30 @@ class Sampler:
             tokens = emitted[i]
             result.token_ids[i], result.logprobs[i] = tokens[0], logprobs.get((first, i))
             result.more[i] = [(t, logprobs.get((first + j, i))) for j, t in enumerate(tokens) if j > 0]
+
+    def _verify_constrained(self, adjusted: torch.Tensor, request: Request, guess: list[int]) -> list[int]:
+        """A grammar row's tokens: each position masked by its matcher as it stands after
+        the tokens before it, its token taken as _sample_rows takes one (a guess the grammar
+        forbids is never the target's), and accepted into the matcher, until a token differs
+        from the guess or ends the grammar. The matcher ends advanced by exactly the tokens
+        returned."""
+        constraint = request.grammar
+        tokens = []
+        for j in range(len(guess) + 1):
+            row = adjusted[j : j + 1].clone()
+            grammar.mask(row, [(0, constraint)])
+            if request.sampling.greedy:
+                token = int(row.argmax(dim=-1)[0])
+            else:
+                token = int(self._sample(row, [request])[0])
+            if not constraint.matcher.accept_token(token):  # the grammar allowed nothing at all
+                log.error("grammar refused token %d of %s; it ends here", token, request.request_id)
+                tokens.append(self.eos_token_ids[0] if self.eos_token_ids else token)
+                break
+            tokens.append(token)
+            if j == len(guess) or token != guess[j] or constraint.matcher.is_terminated():
+                break
+        return tokens
 
     @staticmethod
     def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:

@@ -41,6 +41,8 @@ class FinishedRequest:
     tpot_s: float | None = None  # mean time per output token after the first
     e2e_s: float = 0.0
     device_time_s: float = 0.0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     kv_block_seconds: float = 0.0
     peak_blocks: int = 0
     preemptions: int = 0

@@ -200,6 +200,8 @@ def span_attributes(done: FinishedRequest) -> dict:
         "headroom.tpot_s": done.tpot_s,
         "headroom.e2e_s": done.e2e_s,
         "headroom.device_time_s": done.device_time_s if done.ran else None,
+        "headroom.spec_draft_tokens": done.spec_draft_tokens if done.ran else None,
+        "headroom.spec_accepted_tokens": done.spec_accepted_tokens if done.ran else None,
         "headroom.kv_block_seconds": done.kv_block_seconds if done.ran else None,
         "headroom.peak_blocks": done.peak_blocks if done.ran else None,
         "headroom.preemptions": done.preemptions if done.ran else None,

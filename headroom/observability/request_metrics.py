@@ -23,6 +23,9 @@ class RequestMetrics:
     ttft_s: float | None  # arrival -> first output token
     tpot_s: float | None  # mean time per output token after the first (mean inter-token latency)
     device_time_s: float  # its share of every engine step it was part of
+    # Speculative decoding: tokens guessed for it, and those it kept (0 and 0 without it).
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
 
     @classmethod
     def of(cls, request: Request, arrival: float, end: float) -> RequestMetrics:
@@ -48,4 +51,6 @@ class RequestMetrics:
             ttft_s=since_arrival(first),
             tpot_s=tpot,
             device_time_s=request.resources.device_time_s,
+            spec_draft_tokens=request.resources.num_draft_tokens,
+            spec_accepted_tokens=request.resources.num_accepted_tokens,
         )

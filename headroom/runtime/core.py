@@ -254,10 +254,14 @@ class EngineCore:
             first = samples.token_ids[row]
             sampled[i] = first if more is None else [first, *(t for t, _ in more)]
             logprobs[out.requests[i].request_id] = [samples.logprobs[row], *(lp for _, lp in more or [])]
-        self.stats.count_guesses(out.drafts, samples.more)
+        guessing = [r for r in out.requests if r.request_id in out.drafts]
+        accepted = sum(r.resources.num_accepted_tokens for r in guessing)
         before = {r.request_id: r.num_output_tokens for r in out.requests}
         loops: list = []
         with_token = self.scheduler.update_from_output(out, sampled, actions.loop_check(self.loops, loops))
+        # Kept guesses that were appended: none after a stop or a loop found amid them.
+        accepted = sum(r.resources.num_accepted_tokens for r in guessing) - accepted
+        self.stats.count_guesses(out.drafts, accepted)
         actions.act_on_loops(loops, self.loops, self.scheduler, self.stats)
 
         elapsed = time.perf_counter() - started

@@ -59,13 +59,12 @@ class EngineStats:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
 
-    def count_guesses(self, drafts: dict[str, list[int]], kept: dict[int, list]) -> None:
-        """drafts: a step's guesses by request; kept: by sampling row, the tokens each row
-        took after its first (one per kept guess)."""
+    def count_guesses(self, drafts: dict[str, list[int]], accepted: int) -> None:
+        """drafts: a step's guesses by request; accepted: how many of them the sequences kept."""
         if drafts:
             self.spec_drafts += len(drafts)
             self.spec_draft_tokens += sum(len(guess) for guess in drafts.values())
-            self.spec_accepted_tokens += sum(len(tokens) for tokens in kept.values())
+            self.spec_accepted_tokens += accepted
 
     def copy(self) -> EngineStats:
         return replace(

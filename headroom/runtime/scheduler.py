@@ -270,6 +270,10 @@ class Scheduler:
                 status = self._check_stop(request, t)
                 if status is not None or (loop_found is not None and loop_found(request)):
                     break
+            unused = len(tokens) - (request.num_output_tokens - before)
+            if unused and status is None and request.grammar is not None:
+                # A loop found amid kept guesses: the sampler's matcher took the tokens after it.
+                request.grammar.matcher.rollback(unused)
             # The cache holds the row's tokens up to its first rejected guess; and never its
             # newest token, whose logits the next step needs (after a loop found amid kept
             # guesses, that one is computed again).
@@ -280,7 +284,7 @@ class Scheduler:
             self.block_manager.cache_full_blocks(request)
             if guessed and tokens and self.speculator is not None:
                 kept = min(len(tokens) - 1, request.num_output_tokens - before)
-                self.speculator.verified(request.request_id, guessed, kept)
+                self.speculator.verified(request, guessed, kept)
             if status is not None:
                 self.finish_request(request.request_id, status)
             if tokens:

@@ -71,12 +71,16 @@ def added_seconds(fit: StepCost, context: int, k: int) -> float:
     return fit.per_token_s * k + (fit.per_pair_s + fit.decode_extra_s) * extra
 
 
-@dataclass
+@dataclass(frozen=True)
 class Acceptance:
     """A sequence's guesses so far: its measured acceptance, a prior of one in two."""
 
     proposed: int = 0
     accepted: int = 0
+
+    @classmethod
+    def of(cls, request: Request) -> Acceptance:
+        return cls(request.resources.num_draft_tokens, request.resources.num_accepted_tokens)
 
     @property
     def rate(self) -> float:
@@ -86,9 +90,6 @@ class Acceptance:
         """Tokens k guesses are expected to add: each is kept only if all before it were."""
         a = self.rate
         return sum(a**i for i in range(1, k + 1))
-
-
-PRIOR = Acceptance()
 
 
 @dataclass
@@ -103,7 +104,6 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, cost: StepCostModel):
         self.config = config
         self.cost = cost
-        self.acceptance: dict[str, Acceptance] = {}
         self._fit: StepCost | None = None
         self._fit_at = 0  # the cost model's step count when _fit was taken
         self.suffixes = SuffixCache(config) if config.method == "suffix" else None
@@ -111,13 +111,15 @@ class Speculator:
 
     def eligible(self, request: Request) -> bool:
         """Guesses are verified exactly where a token's distribution does not depend on the
-        tokens sampled before it in the same step: not under penalties (they count the
-        output), min_tokens still to reach (its mask moves with the count) or a grammar
-        (its matcher advances token by token)."""
+        tokens sampled before it in the same step, or where the sampler follows how it does:
+        not under penalties (they count the output) or min_tokens still to reach (its mask
+        moves with the count); a grammar's mask is advanced position by position in
+        verification, except while the loop detector steers it closed (its mask is narrowed
+        a token at a time)."""
         return (
             not request.sampling.penalized
             and request.num_output_tokens >= request.sampling.min_tokens
-            and request.grammar is None
+            and (request.grammar is None or not request.grammar.closing)
             and request.max_tokens - request.num_output_tokens > 1
         )
 
@@ -149,7 +151,7 @@ class Speculator:
                 continue
             # Priced before anything is looked up: where no guess pays (a step of many rows),
             # the proposer costs nothing either.
-            acceptance = self.acceptance.get(request.request_id, PRIOR)
+            acceptance = Acceptance.of(request)
             most = min(self.config.num_speculative_tokens, budget, request.max_tokens - request.num_output_tokens - 1)
             # k guesses are worth at most k * rate steps and cost at least k times one: a row
             # whose rate cannot pay for one guess cannot pay for more.
@@ -183,12 +185,11 @@ class Speculator:
             self._fit, self._fit_at = self.cost.cost(), steps
         return self._fit
 
-    def verified(self, request_id: str, proposed: int, accepted: int) -> None:
-        acceptance = self.acceptance.setdefault(request_id, Acceptance())
-        acceptance.proposed += proposed
-        acceptance.accepted += accepted
+    @staticmethod
+    def verified(request: Request, proposed: int, accepted: int) -> None:
+        request.resources.num_draft_tokens += proposed
+        request.resources.num_accepted_tokens += accepted
 
     def finished(self, request: Request) -> None:
-        self.acceptance.pop(request.request_id, None)
         if self.suffixes is not None:
             self.suffixes.add(request)

@@ -29,7 +29,10 @@ from tests.admin.conftest import wait_until
 from tests.observability.test_tracing_otlp import Collected, GrpcReceiver, attributes
 
 ADMIN_TOKEN = "admin-token-for-tests-0123456789"
-KEYS = {"size_class", "cached_tokens", "admission_wait_s", "queue_wait_s", "ttft_s", "tpot_s", "device_time_s"}
+KEYS = {
+    *("size_class", "cached_tokens", "admission_wait_s", "queue_wait_s", "ttft_s", "tpot_s", "device_time_s"),
+    *("spec_draft_tokens", "spec_accepted_tokens"),
+}
 # Long enough that a second request with it is served from the prefix cache (blocks of 16).
 QUESTION = "Name three rivers of Europe and the seas they flow into, one line each, nothing more."
 METERED = ("m-chat", "m-text", "m-resp", "m-misc")

@@ -17,6 +17,7 @@ from headroom.config import (
     Config,
     ConfigError,
     SchedulerConfig,
+    SpeculativeConfig,
     TenantConfig,
 )
 from headroom.contracts.repetition import LoopTracker, RepetitionDetection, first_detection
@@ -89,13 +90,18 @@ def test_bad_loop_policies_are_refused_in_the_config():
 # ---- in the engine ------------------------------------------------------------------------
 
 
-def make_engine(default_model, **admin) -> Engine:
+def make_engine(default_model, speculative: bool = False, **admin) -> Engine:
+    """speculative: n-gram guesses wherever a row can take them (unpriced)."""
     config = Config(
         cache=CacheConfig(num_blocks=64, block_size=16),
         scheduler=SchedulerConfig(max_num_seqs=4),
         admin=AdminConfig(**admin),
+        speculative=SpeculativeConfig(method="ngram" if speculative else "off"),
     )
-    return Engine(config, loaded=default_model)
+    engine = Engine(config, loaded=default_model)
+    if speculative:
+        engine.scheduler.speculator.priced = False
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -211,12 +217,16 @@ def test_a_tenants_policy_overrides_the_servers(default_model, prompt, the):
     assert engine.stats.loops == {"stop": 1}
 
 
-@pytest.mark.parametrize("loop_policy", ["stop", "cap", "flag"])
-def test_a_loop_under_a_grammar_is_closed_into_valid_json_not_cut(default_model, prompt, the, loop_policy):
+@pytest.mark.parametrize(
+    ("loop_policy", "speculative"), [("stop", False), ("cap", False), ("flag", False), ("stop", True)]
+)
+def test_a_loop_under_a_grammar_is_closed_into_valid_json_not_cut(default_model, prompt, the, loop_policy, speculative):
     """The bias makes the model write " the" for ever inside a JSON string. Cutting it would
     leave invalid JSON; the detector instead steers it to close the string, and the grammar
-    then closes the object: valid JSON, finish "stop", whatever the loop policy."""
-    engine = make_engine(default_model, loop_policy=loop_policy)
+    then closes the object: valid JSON, finish "stop", whatever the loop policy. With
+    guesses (the loop is guessed several tokens a step), the finding comes at the same
+    token, the tokens guessed after it are dropped and the grammar's matcher set back."""
+    engine = make_engine(default_model, speculative, loop_policy=loop_policy)
     schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
     request = engine.new_request(prompt, SamplingParams(max_tokens=120, temperature=0.0, logit_bias=((the, 100.0),)))
     spec = GrammarSpec.json_schema(schema)
@@ -236,6 +246,7 @@ def test_a_loop_under_a_grammar_is_closed_into_valid_json_not_cut(default_model,
     assert json.loads(text) == {"name": " the" * repeats}
     # Closed, so neither a violation for the policies nor a loop in the predictor's labels.
     assert engine.stats.loops == {"close": 1} and request.grammar.closed == 1
+    assert (engine.stats.spec_accepted_tokens > 0) == speculative
     assert request.loop_detected_at is None
     assert request.admin_actions == [
         f"close the value by loop detector: a 8-token pattern repeated 4 times at {fired_at} output tokens"

@@ -11,6 +11,7 @@ import torch
 
 from headroom.config import ConfigError, SpeculativeConfig
 from headroom.contracts.request import AdmissionRecord, Request, SamplingParams, SizeClass
+from headroom.executor.grammar import Constraint
 from headroom.executor.sampler import Sampler
 from headroom.runtime.speculation import Row, Speculator, propose_ngram
 from headroom.runtime.step_cost import StepCost
@@ -210,9 +211,9 @@ def test_the_k_that_gains_most_is_taken_as_acceptance_is_measured():
     # The prior (one in two): a first guess is worth 0.5 * 10 ms against 2 ms; a fourth
     # 0.0625 * 10 ms = 0.6 ms < 2 ms.
     assert spec.plan([Row(request, 17)], 1, 18, 18, 100) == {request.request_id: [5, 6]}
-    spec.verified(request.request_id, proposed=40, accepted=40)  # it keeps every guess
+    spec.verified(request, proposed=40, accepted=40)  # it keeps every guess
     assert spec.plan([Row(request, 17)], 1, 18, 18, 100) == {request.request_id: [5, 6, 7, 4]}
-    spec.verified(request.request_id, proposed=1000, accepted=0)  # then none (41 in 1042 kept)
+    spec.verified(request, proposed=1000, accepted=0)  # then none (41 in 1042 kept)
     assert spec.plan([Row(request, 17)], 1, 18, 18, 100) == {}
 
 
@@ -257,5 +258,10 @@ def test_rows_whose_distribution_moves_with_their_tokens_never_guess():
     last.sampling = SamplingParams(max_tokens=2, temperature=0)  # one token left: nothing to guess
     near_end = repeating()
     near_end.sampling = SamplingParams(max_tokens=3, temperature=0)  # two left: one guess at most
-    rows_ = [Row(r, 17) for r in (penalized, waiting_for_min, last, near_end)]
-    assert spec.plan(rows_, 4, 72, 72, 100) == {near_end.request_id: [5]}
+    constrained = repeating()  # a grammar's mask moves too, but verification follows it
+    constrained.grammar = Constraint(matcher=None)
+    closing = repeating()  # ... except while the loop detector narrows it a token at a time
+    closing.grammar = Constraint(matcher=None)
+    closing.grammar.closing = 3
+    rows_ = [Row(r, 17) for r in (penalized, waiting_for_min, last, near_end, constrained, closing)]
+    assert spec.plan(rows_, 6, 108, 108, 100) == {near_end.request_id: [5], constrained.request_id: [5, 6, 7, 4]}

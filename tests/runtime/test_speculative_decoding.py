@@ -5,10 +5,14 @@ do without guesses."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from headroom.config import Config, ModelConfig, SpeculativeConfig
 from headroom.contracts.request import SamplingParams
+from headroom.executor.grammar import GrammarSpec
+from headroom.observability.request_metrics import RequestMetrics
 from headroom.runtime.engine import Engine
 from headroom.runtime.outputs import RequestOutput
 
@@ -151,11 +155,15 @@ def test_stop_strings_logprobs_and_max_tokens_behave_as_without_guesses(default_
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_blocks_are_all_free_after_guessing(default_model, prompts, method):
     e = engine(default_model, "auto", PROPOSERS[method])
-    run(e, prompts[:6], SamplingParams(max_tokens=40, temperature=0.7, seed=3))
+    requests = e.generate(prompts[:6], SamplingParams(max_tokens=40, temperature=0.7, seed=3))
     assert e.stats.spec_draft_tokens > 0
+    # Each request's own figures (its span's and its `metrics` object's) add up to the
+    # engine's counters.
+    figures = [RequestMetrics.of(r, r.arrival_time, r.finished_time) for r in requests]
+    assert sum(f.spec_draft_tokens for f in figures) == e.stats.spec_draft_tokens
+    assert sum(f.spec_accepted_tokens for f in figures) == e.stats.spec_accepted_tokens
     assert e.block_manager.num_used_blocks == 0 and not e.block_manager.tables
     e.block_manager.check_invariants()
-    assert not e.scheduler.speculator.acceptance
     # What suffix decoding keeps after them is their outputs, and nothing else.
     suffixes = e.scheduler.speculator.suffixes
     assert (suffixes is None) == (method == "ngram")
@@ -170,3 +178,54 @@ def test_seeded_sampled_requests_give_the_same_tokens_with_guesses_as_without(de
     guessed = run(guessing, prompts[:6], samplings)
     assert guessing.stats.spec_accepted_tokens > 0
     assert [o.new_token_ids for o in guessed] == [o.new_token_ids for o in plain]
+
+
+SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+GRAMMARS = [GrammarSpec.json_schema(SCHEMA), GrammarSpec("json"), GrammarSpec("regex", r"[A-Za-z ,.'\n]{1,300}")]
+
+
+def constrained(e: Engine, prompts: list[list[int]], samplings: list[SamplingParams], specs) -> list[list[int]]:
+    """Each prompt decoded under its grammar, all at once; the tokens of each."""
+    requests = []
+    for prompt, sampling, spec in zip(prompts, samplings, specs, strict=True):
+        request = e.new_request(prompt, sampling)
+        request.grammar = e.grammars.constraint(e.grammars.compile(spec), spec)
+        e.submit(request, lambda _: None)
+        requests.append(request)
+    for _ in range(10 * max(s.max_tokens for s in samplings)):  # bounded: each step gives every row a token
+        if all(r.is_finished for r in requests):
+            break
+        e.step()
+    assert all(r.is_finished for r in requests)
+    return [r.output_token_ids for r in requests]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_rows_under_a_grammar_guess_and_keep_the_tokens_decoding_gives(default_model, prompts, temperature):
+    grounded = prompts[:6]
+    samplings = [SamplingParams(max_tokens=40, temperature=temperature, seed=i) for i in range(6)]
+    specs = [GRAMMARS[i % len(GRAMMARS)] for i in range(6)]
+    plain = constrained(engine(default_model, "none", None), grounded, samplings, specs)
+    guessing = engine(default_model, "none", NGRAM)
+    guessed = constrained(guessing, grounded, samplings, specs)
+    assert guessed == plain
+    assert guessing.stats.spec_accepted_tokens > 0
+
+
+def test_a_guess_the_grammar_forbids_is_rejected_where_the_model_would_keep_it(default_model):
+    """The model copies the prompt, so its own choice after "1 2 3" is " apple", which is
+    also the guess; the grammar allows only digits and spaces, and decoding under it never
+    writes " apple": neither may guessing. (Digits and spaces are a token each here: six
+    guesses after "1" reach the word.)"""
+    tok = default_model.tokenizer
+    text = "1 2 3 apple 4 5 6 pear 7 8 9 plum 1 2 3 apple 4 5 6 pear 7 8 9 plum"
+    prompt = tok.apply_chat_template([{"role": "user", "content": f"Repeat exactly:\n{text}"}])
+    sampling = [SamplingParams(max_tokens=32, temperature=0)]
+    spec = [GrammarSpec("regex", r"[0-9 ]{1,64}")]
+    plain = constrained(engine(default_model, "none", None), [prompt], sampling, spec)
+    guessing = engine(default_model, "none", SpeculativeConfig(method="ngram", num_speculative_tokens=6))
+    guessed = constrained(guessing, [prompt], sampling, spec)
+    assert guessed == plain
+    assert re.fullmatch(r"[0-9 ]+", tok.decode(guessed[0], skip_special_tokens=True))
+    stats = guessing.stats
+    assert stats.spec_draft_tokens > stats.spec_accepted_tokens  # guesses were made, and refused

@@ -183,3 +183,36 @@ def test_greedy_tokens_through_the_whole_model_equal_torch(default_model):
         assert engine.executor.backend.name == backend
         outputs[backend] = [r.output_token_ids for r in engine.generate(prompts, sampling)]
     assert outputs["triton"] == outputs["torch"]
+
+
+@pytest.mark.slow
+def test_guessed_tokens_are_verified_through_triton_as_decoding_computes_them(default_model):
+    """Speculative decoding's rows (one decode row a guessed position) through the Triton
+    kernels: the same tokens as decoding without guesses (through torch's attention, which
+    the test above holds Triton's decoding to: the interpreter costs about a second a
+    kernel launch, 30 a step), and guesses kept."""
+    from headroom.config import CacheConfig, Config, ModelConfig, SpeculativeConfig
+    from headroom.contracts.request import SamplingParams
+    from headroom.models.loader import load_model
+    from headroom.runtime.engine import Engine
+
+    if DEVICE.type == "cuda":
+        default_model = load_model(ModelConfig(), DEVICE, torch.float32)
+    # Short (the interpreter runs each kernel program in numpy): a text that repeats, so the
+    # model's continuation is in its prompt.
+    prompts = [default_model.tokenizer.encode("one two three four five six seven eight. one two three four")]
+    sampling = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    outputs, kept = {}, {}
+    for method, backend in (("off", "torch"), ("ngram", "triton")):
+        config = Config(
+            cache=CacheConfig(num_blocks=64, block_size=16),
+            attention_backend=backend,
+            speculative=SpeculativeConfig(method=method),
+        )
+        engine = Engine(config, loaded=default_model)
+        if engine.scheduler.speculator is not None:
+            engine.scheduler.speculator.priced = False  # guess wherever a row can
+        outputs[method] = [r.output_token_ids for r in engine.generate(prompts, sampling)]
+        kept[method] = engine.stats.spec_accepted_tokens
+    assert outputs["ngram"] == outputs["off"]
+    assert kept == {"off": 0, "ngram": kept["ngram"]} and kept["ngram"] > 0
