@@ -93,9 +93,13 @@ class Sampler:
                 token_ids[i] = self.eos_token_ids[0] if self.eos_token_ids else token_ids[i]
         return SampleResult(token_ids, self._logprobs(raw, tokens, token_ids, requests))
 
-    def adjust(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def adjust(
+        self, logits: torch.Tensor, requests: list[Request], outputs: list[list[int]] | None = None
+    ) -> torch.Tensor:
         """Penalties and logit_bias, for the whole batch in a few ops where the logits are;
-        rows that ask for neither are untouched, and a batch without any costs nothing."""
+        rows that ask for neither are untouched, and a batch without any costs nothing.
+        outputs: each row's output so far, where it is not its request's (a guessed position
+        is penalised as if the guesses before it were kept)."""
         penalized = [i for i, r in enumerate(requests) if r.sampling.penalized]
         biased = [(i, t, b) for i, r in enumerate(requests) for t, b in r.sampling.logit_bias]
         if not penalized and not biased:
@@ -105,15 +109,17 @@ class Sampler:
         if penalized:
             rows = torch.tensor(penalized, device=device)
             chosen = [requests[i] for i in penalized]
+            made = [outputs[i] if outputs is not None else requests[i].output_token_ids for i in penalized]
             part = logits[rows]
             if any(r.sampling.presence_penalty or r.sampling.frequency_penalty for r in chosen):
                 frequency = torch.tensor([r.sampling.frequency_penalty for r in chosen], device=device)[:, None]
                 presence = torch.tensor([r.sampling.presence_penalty for r in chosen], device=device)[:, None]
-                counts = self._scatter([r.output_token_ids for r in chosen], vocab, torch.float32, "add")
+                counts = self._scatter(made, vocab, torch.float32, "add")
                 part = part - frequency * counts - presence * (counts > 0)
             # The prompt too: only where asked, as it is the long list to walk every step.
             if any(r.sampling.repetition_penalty != 1.0 for r in chosen):
-                seen = self._scatter([r.prompt_token_ids + r.output_token_ids for r in chosen], vocab, torch.bool)
+                every = [r.prompt_token_ids + m for r, m in zip(chosen, made, strict=True)]
+                seen = self._scatter(every, vocab, torch.bool)
                 repetition = torch.tensor([r.sampling.repetition_penalty for r in chosen], device=device)[:, None]
                 part = torch.where(seen, torch.where(part > 0, part / repetition, part * repetition), part)
             logits[rows] = part
@@ -134,11 +140,14 @@ class Sampler:
         out = out.scatter_add_(1, ids, ones) if reduce == "add" else out.scatter_(1, ids, ones)
         return out[:, :vocab]
 
-    def _min_tokens_mask(self, requests: list[Request], vocab: int) -> torch.Tensor | None:
+    def _min_tokens_mask(
+        self, requests: list[Request], vocab: int, made: list[int] | None = None
+    ) -> torch.Tensor | None:
+        """made: each row's output tokens so far, where it is not its request's count."""
         rows = []
         for i, r in enumerate(requests):
             p = r.sampling
-            if r.num_output_tokens < p.min_tokens:
+            if (r.num_output_tokens if made is None else made[i]) < p.min_tokens:
                 stops = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
                 rows.extend((i, t) for t in stops if t < vocab)
         if not rows:
@@ -185,9 +194,10 @@ class Sampler:
         tokens follow the target distribution, a guess is kept with probability p(guess)
         (what rejection sampling with a proposer sure of its guess keeps), and a seeded
         request gives the same tokens with guesses as without. A row's tokens never depend
-        on another's guesses (the speculator guesses only for rows with neither penalties nor
-        min_tokens to reach, whose distributions do not move with the tokens before them; a
-        grammar's mask does, so its rows go position by position: _verify_constrained)."""
+        on another's guesses. Penalties and min_tokens move with the tokens before a
+        position: each guessed position is adjusted as if the guesses before it were kept,
+        which is the only case in which it counts; a grammar's mask moves too, and its rows
+        go position by position (_verify_constrained)."""
         logits = logits.to(self.device)
         index, owners, spans = [], [], []
         after = len(requests)
@@ -199,7 +209,16 @@ class Sampler:
             owners += [requests[i]] * (len(guess) + 1)
             after += len(guess)
         raw = logits[torch.tensor(index, device=logits.device)].float()
-        adjusted = self.adjust(raw, owners)
+        # Each row's request and position: a position sees the guesses before it as output.
+        places = [(i, j) for i, _, k in spans for j in range(k + 1)]
+        outputs = None
+        if any(r.sampling.penalized for r in owners):
+            outputs = [requests[i].output_token_ids + drafts[i][:j] for i, j in places]
+        adjusted = self.adjust(raw, owners, outputs)
+        made = [requests[i].num_output_tokens + j for i, j in places]
+        banned = self._min_tokens_mask(owners, raw.shape[1], made)
+        if banned is not None:
+            adjusted = adjusted.masked_fill(banned, float("-inf"))
         targets = adjusted.argmax(dim=-1).tolist()
         sampled = [j for j, r in enumerate(owners) if not r.sampling.greedy and r.grammar is None]
         probs = {}

@@ -110,17 +110,12 @@ class Speculator:
         self.priced = True  # tests of the outputs turn the price off, to guess wherever a row can
 
     def eligible(self, request: Request) -> bool:
-        """Guesses are verified exactly where a token's distribution does not depend on the
-        tokens sampled before it in the same step, or where the sampler follows how it does:
-        not under penalties (they count the output) or min_tokens still to reach (its mask
-        moves with the count); a grammar's mask is advanced position by position in
-        verification, except while the loop detector steers it closed (its mask is narrowed
-        a token at a time)."""
-        return (
-            not request.sampling.penalized
-            and request.num_output_tokens >= request.sampling.min_tokens
-            and (request.grammar is None or not request.grammar.closing)
-            and request.max_tokens - request.num_output_tokens > 1
+        """Guesses are verified exactly as decoding would draw each token (penalties,
+        min_tokens and a grammar's mask moved by the guesses before it: executor/sampler.py
+        verify), except while the loop detector steers a grammar closed (its mask is
+        narrowed a token at a time), and where one token is left."""
+        return (request.grammar is None or not request.grammar.closing) and (
+            request.max_tokens - request.num_output_tokens > 1
         )
 
     def propose(self, request: Request, k: int) -> Walk:

@@ -107,6 +107,27 @@ def test_logit_bias_counts_in_verification_as_in_sampling():
     assert result.token_ids == [6] and result.more == {0: []}
 
 
+def test_penalties_count_the_guesses_before_each_position():
+    sampler = Sampler({EOS})
+    request = make_request(temperature=0, frequency_penalty=2.0)
+    after_guess = torch.zeros(1, VOCAB)
+    after_guess[0, 3], after_guess[0, 4] = 5.0, 4.0  # 3 penalised by 2 falls under 4
+    # Position 0 has no output to penalise: 3, the guess, is kept. At position 1 the kept 3
+    # is output, penalised by 2: 4 is the model's choice, as decoding one a step gives.
+    result = sampler(torch.cat([rows(3), after_guess]), [request], [[3]])
+    assert (result.token_ids, result.more) == ([3], {0: [(4, None)]})
+
+
+def test_min_tokens_hold_back_the_end_only_at_the_positions_before_it():
+    sampler = Sampler({EOS})
+    request = make_request(outputs=[1], temperature=0, min_tokens=2)
+    first, second = torch.zeros(1, VOCAB), torch.zeros(1, VOCAB)
+    first[0, EOS], first[0, 5] = 6.0, 5.0  # one token made of two: the end is masked, 5 kept
+    second[0, EOS] = 6.0  # two made after the guess: the end may come
+    result = sampler(torch.cat([first, second]), [request], [[5]])
+    assert (result.token_ids, result.more) == ([5], {0: [(EOS, None)]})
+
+
 def test_sampled_tokens_follow_the_target_distribution_whatever_the_guess():
     """Rejection sampling with a guess the proposer was sure of must leave the first token
     distributed as p, and the second (after a kept guess) as p at the next row. N draws of a
@@ -248,7 +269,11 @@ def test_the_protected_rows_guess_first_and_long_rows_never_beside_them():
     assert spec.plan([Row(long_, 17)], 1, 18, 18, 100) == {long_.request_id: [5, 6, 7, 4]}
 
 
-def test_rows_whose_distribution_moves_with_their_tokens_never_guess():
+def test_rows_guess_whatever_moves_their_distribution_but_a_grammar_being_closed():
+    """Penalties, min_tokens and a grammar move a row's distribution with its tokens;
+    verification follows them position by position (tests/runtime/test_speculative_decoding.py).
+    A grammar the loop detector is closing is narrowed a token at a time: it never guesses;
+    nor a row with one token left."""
     spec = speculator(ScriptedCost(0.010, 0.0001))
     penalized = repeating()
     penalized.sampling = SamplingParams(max_tokens=64, temperature=0, frequency_penalty=0.5)
@@ -258,10 +283,16 @@ def test_rows_whose_distribution_moves_with_their_tokens_never_guess():
     last.sampling = SamplingParams(max_tokens=2, temperature=0)  # one token left: nothing to guess
     near_end = repeating()
     near_end.sampling = SamplingParams(max_tokens=3, temperature=0)  # two left: one guess at most
-    constrained = repeating()  # a grammar's mask moves too, but verification follows it
+    constrained = repeating()
     constrained.grammar = Constraint(matcher=None)
-    closing = repeating()  # ... except while the loop detector narrows it a token at a time
+    closing = repeating()
     closing.grammar = Constraint(matcher=None)
     closing.grammar.closing = 3
     rows_ = [Row(r, 17) for r in (penalized, waiting_for_min, last, near_end, constrained, closing)]
-    assert spec.plan(rows_, 6, 108, 108, 100) == {near_end.request_id: [5], constrained.request_id: [5, 6, 7, 4]}
+    every = [5, 6, 7, 4]
+    assert spec.plan(rows_, 6, 108, 108, 100) == {
+        penalized.request_id: every,
+        waiting_for_min.request_id: every,
+        near_end.request_id: [5],
+        constrained.request_id: every,
+    }

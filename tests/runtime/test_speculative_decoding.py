@@ -229,3 +229,22 @@ def test_a_guess_the_grammar_forbids_is_rejected_where_the_model_would_keep_it(d
     assert re.fullmatch(r"[0-9 ]+", tok.decode(guessed[0], skip_special_tokens=True))
     stats = guessing.stats
     assert stats.spec_draft_tokens > stats.spec_accepted_tokens  # guesses were made, and refused
+
+
+def test_penalties_and_min_tokens_give_the_same_tokens_with_guesses_as_without(default_model, prompts):
+    """Rows whose distribution moves with their own tokens: each guessed position is
+    penalised (and held from ending) as if the guesses before it were kept."""
+    grounded = prompts[:6]
+    samplings = [
+        SamplingParams(max_tokens=40, temperature=0, frequency_penalty=0.4),
+        SamplingParams(max_tokens=40, temperature=0, presence_penalty=0.6),
+        SamplingParams(max_tokens=40, temperature=0, repetition_penalty=1.15),
+        SamplingParams(max_tokens=40, temperature=0, min_tokens=30),
+        SamplingParams(max_tokens=40, temperature=0.8, seed=5, frequency_penalty=0.3, repetition_penalty=1.1),
+        SamplingParams(max_tokens=40, temperature=0.8, seed=6, min_tokens=35),
+    ]
+    plain = run(engine(default_model, "none", None), grounded, samplings)
+    guessing = engine(default_model, "none", NGRAM)
+    guessed = run(guessing, grounded, samplings)
+    assert [o.new_token_ids for o in guessed] == [o.new_token_ids for o in plain]
+    assert guessing.stats.spec_accepted_tokens > 0
