@@ -56,6 +56,12 @@ def propose_ngram(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int
     return []
 
 
+def room(request: Request) -> int:
+    """The most tokens that may be guessed for request: all but the last of those left,
+    which is the model's own."""
+    return request.max_tokens - request.num_output_tokens - 1
+
+
 def step_pairs(num_tokens: int, context: int, guessed: bool) -> int:
     """Attention pairs of a row of num_tokens on `context`; a row that guessed runs as a
     decode row a position (executor/model_runner.py), each over its own prefix."""
@@ -114,9 +120,7 @@ class Speculator:
         min_tokens and a grammar's mask moved by the guesses before it: executor/sampler.py
         verify), except while the loop detector steers a grammar closed (its mask is
         narrowed a token at a time), and where one token is left."""
-        return (request.grammar is None or not request.grammar.closing) and (
-            request.max_tokens - request.num_output_tokens > 1
-        )
+        return (request.grammar is None or not request.grammar.closing) and room(request) > 0
 
     def propose(self, request: Request, k: int) -> Walk:
         """At most k guesses (the caller keeps k within max_tokens: the last token is the
@@ -147,7 +151,7 @@ class Speculator:
             # Priced before anything is looked up: where no guess pays (a step of many rows),
             # the proposer costs nothing either.
             acceptance = Acceptance.of(request)
-            most = min(self.config.num_speculative_tokens, budget, request.max_tokens - request.num_output_tokens - 1)
+            most = min(self.config.num_speculative_tokens, budget, room(request))
             # k guesses are worth at most k * rate steps and cost at least k times one: a row
             # whose rate cannot pay for one guess cannot pay for more.
             if fit is not None and acceptance.rate * seconds <= beneficiaries * added_seconds(fit, row.context, 1):
