@@ -325,11 +325,12 @@ class SpeculativeConfig:
     """vLLM's --speculative-config, in its JSON shape: {"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}."""
 
-    method: Literal["off", "ngram", "suffix"] = Field(
+    method: Literal["off", "ngram", "suffix", "draft_model"] = Field(
         "off",
         description="how guesses are proposed: ngram (the request's own tokens: the words after the latest "
         "earlier occurrence of its last few), suffix (the most frequent continuation of its last tokens in "
-        "its own text and in its tenant's recent outputs) or off",
+        "its own text and in its tenant's recent outputs), draft_model (a smaller model, `model`, decoding "
+        "them) or off",
     )
     num_speculative_tokens: Annotated[int, Field(ge=1, le=16)] = Field(
         4, description="the most tokens guessed for a sequence in one step"
@@ -349,8 +350,13 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: Annotated[float, Field(ge=0, le=1)] = Field(
         0.1, description="suffix: a guess stops where its path's frequency falls below this"
     )
+    model: str | None = Field(
+        None, description="draft_model: the draft, a GGUF file or HF folder with the target's tokenizer"
+    )
 
     def __post_init__(self) -> None:
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ConfigError("model names the draft, and is given exactly when method is draft_model")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(
                 f"prompt_lookup_min must be <= prompt_lookup_max ({self.prompt_lookup_min} > {self.prompt_lookup_max})"

@@ -30,6 +30,7 @@ from headroom.models.lora import LoraInUse
 from headroom.runtime import actions
 from headroom.runtime.block_manager import BlockManager
 from headroom.runtime.commands import Abort, Add, Command, Control, SetLongLaneFactor, UnloadLora, WarmLora
+from headroom.runtime.drafter import Drafter
 from headroom.runtime.loops import LoopWatch
 from headroom.runtime.output_processor import OutputProcessor
 from headroom.runtime.outputs import (
@@ -62,6 +63,8 @@ class EngineCore:
         )
         eos = self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eos, speculative=config.speculative)
+        if config.speculative.method == "draft_model":
+            self.scheduler.speculator.drafter = Drafter.build(config, self.executor)
         self.sampler = Sampler(eos, seed=config.seed, device=self.executor.device)
         self.loops = LoopWatch.of(config.admin)
         if config.scheduler.long_lane:

@@ -8,7 +8,8 @@ own, and the rest are dropped (their cache slots are written again by the next s
 
 Proposals are n-gram prompt lookup, as vLLM's "ngram" method: the tokens that followed the
 latest earlier occurrence of the sequence's last n tokens (n from prompt_lookup_max down to
-prompt_lookup_min); or suffix decoding, as vLLM's "suffix" (runtime/suffix.py).
+prompt_lookup_min); suffix decoding, as vLLM's "suffix" (runtime/suffix.py); or a draft
+model's greedy tokens, as vLLM's "draft_model" (runtime/drafter.py).
 
 The price: one step that makes n tokens in S seconds makes n + E in S + D with a row's
 guesses, where D is what its k guesses add to the step (the step-cost model's price) and E
@@ -26,6 +27,7 @@ small and guesses are nearly free.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,6 +35,9 @@ from headroom.config import SpeculativeConfig
 from headroom.contracts.request import Request, SizeClass
 from headroom.runtime.step_cost import StepCost, StepCostModel, attention_pairs
 from headroom.runtime.suffix import SuffixCache, Walk
+
+if TYPE_CHECKING:
+    from headroom.runtime.drafter import Drafter
 
 REFIT_STEPS = 8
 
@@ -113,6 +118,7 @@ class Speculator:
         self._fit: StepCost | None = None
         self._fit_at = 0  # the cost model's step count when _fit was taken
         self.suffixes = SuffixCache(config) if config.method == "suffix" else None
+        self.drafter: Drafter | None = None  # the engine's, with method draft_model (runtime/drafter.py)
         self.priced = True  # tests of the outputs turn the price off, to guess wherever a row can
 
     def eligible(self, request: Request) -> bool:
@@ -122,15 +128,20 @@ class Speculator:
         narrowed a token at a time), and where one token is left."""
         return (request.grammar is None or not request.grammar.closing) and room(request) > 0
 
-    def propose(self, request: Request, k: int) -> Walk:
-        """At most k guesses (the caller keeps k within max_tokens: the last token is the
-        model's own). An n-gram match says nothing of its own odds: its tokens' chances are
-        left at 1, for the row's measured acceptance to decide."""
+    def propose(self, wanted: list[tuple[Request, int]]) -> list[Walk]:
+        """At most k guesses for each (request, k) (the caller keeps k within max_tokens: the
+        last token is the model's own). An n-gram match says nothing of its own odds: its
+        tokens' chances are left at 1, for the row's measured acceptance to decide."""
         c = self.config
+        if self.drafter is not None:  # one forward a position for all the rows
+            return self.drafter.propose(wanted)
         if self.suffixes is not None:
-            return self.suffixes.propose(request, k)
-        tokens = propose_ngram(request.all_token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k)
-        return Walk(tokens, [1.0] * len(tokens))
+            return [self.suffixes.propose(request, k) for request, k in wanted]
+        walks = []
+        for request, k in wanted:
+            tokens = propose_ngram(request.all_token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k)
+            walks.append(Walk(tokens, [1.0] * len(tokens)))
+        return walks
 
     def plan(self, rows: list[Row], tokens: int, pairs: int, decode_pairs: int, budget: int) -> dict[str, list[int]]:
         """Guesses for some of `rows` (the step's decode rows, in the policy's order), within
@@ -141,22 +152,27 @@ class Speculator:
         beneficiaries = len(rows)
         fit = self._price()
         seconds = 0.0 if fit is None else fit.predict(tokens, pairs, decode_pairs)
-        drafts: dict[str, list[int]] = {}
+        # Priced before anything is looked up: where no guess pays (a step of many rows), the
+        # proposer costs nothing either. The budget is held for the most each row may take.
+        wanted: list[tuple[Row, int]] = []
         for row in rows:
             if budget <= 0:
                 break
             request = row.request
             if not self.eligible(request):
                 continue
-            # Priced before anything is looked up: where no guess pays (a step of many rows),
-            # the proposer costs nothing either.
-            acceptance = Acceptance.of(request)
-            most = min(self.config.num_speculative_tokens, budget, room(request))
             # k guesses are worth at most k * rate steps and cost at least k times one: a row
             # whose rate cannot pay for one guess cannot pay for more.
-            if fit is not None and acceptance.rate * seconds <= beneficiaries * added_seconds(fit, row.context, 1):
+            rate = Acceptance.of(request).rate
+            if fit is not None and rate * seconds <= beneficiaries * added_seconds(fit, row.context, 1):
                 continue
-            walk = self.propose(request, most)
+            most = min(self.config.num_speculative_tokens, budget, room(request))
+            wanted.append((row, most))
+            budget -= most
+        walks = self.propose([(row.request, most) for row, most in wanted]) if wanted else []
+        drafts: dict[str, list[int]] = {}
+        for (row, _), walk in zip(wanted, walks, strict=True):
+            request, acceptance = row.request, Acceptance.of(row.request)
             k = len(walk.tokens)  # nothing learned yet: guess, and learn the price
             if fit is not None:  # the guesses that gain most, by the lesser of the two odds
                 k, best_gain, chances = 0, 0.0, 0.0
@@ -169,7 +185,6 @@ class Speculator:
             if not k:
                 continue
             drafts[request.request_id] = walk.tokens[:k]
-            budget -= k
             seconds += added_seconds(fit, row.context, k) if fit is not None else 0.0
         return drafts
 
@@ -190,5 +205,7 @@ class Speculator:
         request.resources.num_accepted_tokens += accepted
 
     def finished(self, request: Request) -> None:
+        if self.drafter is not None:
+            self.drafter.forget(request.request_id)
         if self.suffixes is not None:
             self.suffixes.add(request)

@@ -68,7 +68,7 @@ def test_speculative_config_takes_vllms_json_and_refuses_what_it_cannot_use(tmp_
     assert dataclasses.astuple(config.speculative)[:4] == ("ngram", 3, 5, 1)
     suffix = '{"method": "suffix", "suffix_decoding_max_tree_depth": 16, "suffix_decoding_min_token_prob": 0.2}'
     config = build_config(serve_parser().parse_args(["--speculative-config", suffix]))
-    assert dataclasses.astuple(config.speculative) == ("suffix", 4, 4, 2, 16, 1000, 1.0, 0.2)
+    assert dataclasses.astuple(config.speculative) == ("suffix", 4, 4, 2, 16, 1000, 1.0, 0.2, None)
     # The flag wins over the file's [speculative] table, key by key.
     path = tmp_path / "headroom.toml"
     path.write_text('[speculative]\nmethod = "ngram"\nnum_speculative_tokens = 6\n')

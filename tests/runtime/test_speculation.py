@@ -59,6 +59,11 @@ def test_the_config_takes_vllms_shape_and_refuses_a_minimum_above_the_maximum():
         SpeculativeConfig(method="ngram", prompt_lookup_max=2, prompt_lookup_min=4)
     with pytest.raises(ConfigError, match="speculative.num_speculative_tokens"):
         SpeculativeConfig(num_speculative_tokens=0)
+    # A draft model is named exactly where it is the method.
+    assert SpeculativeConfig(method="draft_model", model="/models/draft.gguf").enabled
+    for method, model in (("draft_model", None), ("ngram", "/models/draft.gguf")):
+        with pytest.raises(ConfigError, match="model names the draft, and is given exactly when method is draft_model"):
+            SpeculativeConfig(method=method, model=model)
 
 
 # ---- verification ----------------------------------------------------------------------

@@ -9,12 +9,17 @@ import re
 
 import pytest
 
-from headroom.config import Config, ModelConfig, SpeculativeConfig
-from headroom.contracts.request import SamplingParams
+from headroom.config import CacheConfig, Config, ModelConfig, SpeculativeConfig
+from headroom.contracts.request import Request, SamplingParams
+from headroom.executor.device import prepare_model
+from headroom.executor.executor import Executor
 from headroom.executor.grammar import GrammarSpec
+from headroom.models.loader import LoadedModel, default_model_path
 from headroom.observability.request_metrics import RequestMetrics
+from headroom.runtime.drafter import Drafter
 from headroom.runtime.engine import Engine
 from headroom.runtime.outputs import RequestOutput
+from headroom.runtime.speculation import Speculator
 
 pytestmark = pytest.mark.slow
 
@@ -62,6 +67,15 @@ def prompts(default_model) -> list[list[int]]:
     return chats
 
 
+@pytest.fixture(scope="module")
+def models(default_model) -> dict[str, LoadedModel]:
+    """The default model in float32, and quantised as a server quantises it by default (the
+    engine takes a loaded model as it is)."""
+    quantized, _ = prepare_model(ModelConfig())
+    assert quantized.quantization != "none"
+    return {"none": default_model, "auto": quantized}
+
+
 def engine(loaded, quantization: str, speculative: SpeculativeConfig | None) -> Engine:
     """With speculation, every row that can guess does: what these tests check is that
     guesses never change the output, wherever the price would put them (the price has
@@ -92,18 +106,23 @@ def run(e: Engine, prompts: list[list[int]], sampling: SamplingParams | list[Sam
 
 
 _plain: dict[str, tuple[list[RequestOutput], int]] = {}
+GREEDY = SamplingParams(max_tokens=40, temperature=0)
+
+
+def decoded(models, prompts, quantization: str) -> tuple[list[RequestOutput], int]:
+    """The 30 prompts decoded greedily without guesses, and the steps it took (once each)."""
+    if quantization not in _plain:
+        decoding = engine(models[quantization], quantization, None)
+        _plain[quantization] = run(decoding, prompts, GREEDY), decoding.stats.steps
+    return _plain[quantization]
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 @pytest.mark.parametrize("quantization", ["none", "auto"])
-def test_greedy_tokens_are_the_same_with_guesses_as_without(default_model, prompts, quantization, method):
-    sampling = SamplingParams(max_tokens=40, temperature=0)
-    if quantization not in _plain:  # decoded once for both proposers
-        decoding = engine(default_model, quantization, None)
-        _plain[quantization] = run(decoding, prompts, sampling), decoding.stats.steps
-    plain, steps = _plain[quantization]
-    guessing = engine(default_model, quantization, PROPOSERS[method])
-    guessed = run(guessing, prompts, sampling)
+def test_greedy_tokens_are_the_same_with_guesses_as_without(models, prompts, quantization, method):
+    plain, steps = decoded(models, prompts, quantization)
+    guessing = engine(models[quantization], quantization, PROPOSERS[method])
+    guessed = run(guessing, prompts, GREEDY)
     for i, (a, b) in enumerate(zip(plain, guessed, strict=True)):
         assert b.new_token_ids == a.new_token_ids, f"prompt {i}"
         assert (b.text, b.finish_reason) == (a.text, a.finish_reason), f"prompt {i}"
@@ -153,8 +172,8 @@ def test_stop_strings_logprobs_and_max_tokens_behave_as_without_guesses(default_
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
-def test_blocks_are_all_free_after_guessing(default_model, prompts, method):
-    e = engine(default_model, "auto", PROPOSERS[method])
+def test_blocks_are_all_free_after_guessing(models, prompts, method):
+    e = engine(models["auto"], "auto", PROPOSERS[method])
     requests = e.generate(prompts[:6], SamplingParams(max_tokens=40, temperature=0.7, seed=3))
     assert e.stats.spec_draft_tokens > 0
     # Each request's own figures (its span's and its `metrics` object's) add up to the
@@ -248,3 +267,69 @@ def test_penalties_and_min_tokens_give_the_same_tokens_with_guesses_as_without(d
     guessed = run(guessing, grounded, samplings)
     assert [o.new_token_ids for o in guessed] == [o.new_token_ids for o in plain]
     assert guessing.stats.spec_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("quantization", ["none", "auto"])
+def test_the_model_as_its_own_draft_has_every_guess_kept(models, prompts, quantization):
+    """The draft decodes what the target would: in float32 every guess is kept, but those
+    after a guessed end of sequence or a loop found amid them (the row's tokens end there).
+    Quantised, the int kernels choose their arithmetic by the rows in a matmul (a small
+    batch's kernel, a large one's float path), and the draft's batches are not the
+    target's: a few near-ties fall the other way (761 of 813 kept on a Zen 5); at least 90%
+    must be. The tokens are decoding's either way."""
+    plain, steps = decoded(models, prompts, quantization)
+    draft = SpeculativeConfig(method="draft_model", model=default_model_path(), num_speculative_tokens=4)
+    guessing = engine(models[quantization], quantization, draft)
+    assert guessing.scheduler.speculator.drafter.executor.loaded is models[quantization]  # its weights, once
+    requests = []
+    for start in range(0, len(prompts), GROUP):
+        requests += guessing.generate(prompts[start : start + GROUP], GREEDY)
+    assert [r.output_token_ids for r in requests] == [o.new_token_ids for o in plain]
+    stats = guessing.stats
+    if quantization == "none":
+        for r in requests:
+            dropped = r.resources.num_draft_tokens - r.resources.num_accepted_tokens
+            ended = r.status.finish_reason == "stop" or r.loop_detected_at is not None
+            assert dropped == 0 or (ended and dropped < 4), r.request_id
+    else:
+        assert stats.spec_accepted_tokens >= 0.9 * stats.spec_draft_tokens
+    assert stats.spec_accepted_tokens >= 500 and stats.steps < steps / 2
+    drafter = guessing.scheduler.speculator.drafter
+    assert not drafter.sequences and drafter.blocks.num_used_blocks == 0
+
+
+def test_a_draft_that_disagrees_changes_no_token(models, prompts):
+    """The quantised model drafting for the float32 one: some guesses are refused, the
+    tokens are float32 decoding's."""
+    plain, _ = decoded(models, prompts, "none")
+    guessing = engine(models["none"], "none", None)
+    drafting = SpeculativeConfig(method="draft_model", model=default_model_path())
+    speculator = Speculator(drafting, guessing.scheduler.cost)
+    speculator.priced = False
+    config = Config(model=ModelConfig(quantization="auto"), cache=guessing.config.cache)
+    speculator.drafter = Drafter(Executor.build(config, models["auto"]))
+    guessing.scheduler.speculator = speculator
+    guessed = run(guessing, prompts, GREEDY)
+    assert [o.new_token_ids for o in guessed] == [o.new_token_ids for o in plain]
+    stats = guessing.stats
+    assert stats.spec_accepted_tokens > 200 and stats.spec_draft_tokens > stats.spec_accepted_tokens
+
+
+def test_the_drafts_cache_is_trusted_only_up_to_the_first_guess_not_kept(default_model, prompts):
+    """After the target keeps one guess of four and then takes a token of its own, the
+    draft's next guesses are those of a draft that never saw the refused ones."""
+
+    def drafter() -> Drafter:
+        return Drafter(Executor.build(Config(cache=CacheConfig(num_blocks=64, block_size=16)), default_model))
+
+    cached = drafter()
+    request = Request("r", prompts[0], SamplingParams(max_tokens=64, temperature=0))
+    [first] = cached.propose([(request, 4)])
+    assert len(first.tokens) == 4
+    request.append_output(first.tokens[0])  # kept
+    request.append_output(first.tokens[1] + 1)  # the target's own, not the draft's second guess
+    [again] = cached.propose([(request, 4)])
+    [fresh] = drafter().propose([(request, 4)])
+    assert again.tokens == fresh.tokens
+    cached.forget("r")
+    assert cached.blocks.num_used_blocks == 0 and not cached.sequences
