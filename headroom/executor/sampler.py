@@ -212,8 +212,11 @@ class Sampler:
         # Each row's request and position: a position sees the guesses before it as output.
         places = [(i, j) for i, _, k in spans for j in range(k + 1)]
         outputs = None
-        if any(r.sampling.penalized for r in owners):
-            outputs = [requests[i].output_token_ids + drafts[i][:j] for i, j in places]
+        if any(r.sampling.penalized for r in owners):  # adjust reads a row's only where it is penalised
+            outputs = [
+                requests[i].output_token_ids + drafts[i][:j] if requests[i].sampling.penalized else []
+                for i, j in places
+            ]
         adjusted = self.adjust(raw, owners, outputs)
         made = [requests[i].num_output_tokens + j for i, j in places]
         banned = self._min_tokens_mask(owners, raw.shape[1], made)

@@ -100,7 +100,9 @@ class Drafter:
             same = sequence.known
             while same < min(sequence.num_tokens, len(tokens)) and sequence.all_token_ids[same] == tokens[same]:
                 same += 1
-            sequence.num_computed_tokens = min(sequence.num_computed_tokens, same)
+            # ... and never the newest token, whose logits the next guess needs (the target
+            # may have kept fewer guesses than were drafted, then taken the next as its own).
+            sequence.num_computed_tokens = min(sequence.num_computed_tokens, same, len(tokens) - 1)
         sequence.all_token_ids = list(tokens)
         sequence.known = len(tokens)
         return sequence

@@ -238,6 +238,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free_request(request.request_id)
+        if self.speculator is not None:
+            self.speculator.preempted(request)
         self.running.remove(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

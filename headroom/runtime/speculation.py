@@ -204,6 +204,11 @@ class Speculator:
         request.resources.num_draft_tokens += proposed
         request.resources.num_accepted_tokens += accepted
 
+    def preempted(self, request: Request) -> None:
+        """A preempted row's draft cache goes with its own (it is rebuilt on its next guess)."""
+        if self.drafter is not None:
+            self.drafter.forget(request.request_id)
+
     def finished(self, request: Request) -> None:
         if self.drafter is not None:
             self.drafter.forget(request.request_id)

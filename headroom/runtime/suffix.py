@@ -158,15 +158,20 @@ class SuffixCache:
         limit = self.config.suffix_decoding_max_cached_requests
         if limit <= 0 or not request.output_token_ids:
             return
+        if request.request_id in self.entries:  # an id a client sent again: the newer output
+            self._remove(request.request_id)
         key = self.key(request)
         self.corpora.setdefault(key, Corpus()).add(request.request_id, request.output_token_ids)
         self.entries[request.request_id] = key
         while len(self.entries) > limit:
-            rid, old = self.entries.popitem(last=False)
-            corpus = self.corpora[old]
-            corpus.remove(rid)
-            if not len(corpus):
-                del self.corpora[old]
+            self._remove(next(iter(self.entries)))
+
+    def _remove(self, request_id: str) -> None:
+        key = self.entries.pop(request_id)
+        corpus = self.corpora[key]
+        corpus.remove(request_id)
+        if not len(corpus):
+            del self.corpora[key]
 
     def propose(self, request: Request, k: int) -> Walk:
         """At most k guesses for the request: from its own text or its tenant's cache."""

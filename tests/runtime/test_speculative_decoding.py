@@ -317,7 +317,8 @@ def test_a_draft_that_disagrees_changes_no_token(models, prompts):
 
 def test_the_drafts_cache_is_trusted_only_up_to_the_first_guess_not_kept(default_model, prompts):
     """After the target keeps one guess of four and then takes a token of its own, the
-    draft's next guesses are those of a draft that never saw the refused ones."""
+    draft's next guesses are those of a draft that never saw the refused ones; after it
+    keeps every guess it was given, those of a draft that computed them all."""
 
     def drafter() -> Drafter:
         return Drafter(Executor.build(Config(cache=CacheConfig(num_blocks=64, block_size=16)), default_model))
@@ -331,5 +332,13 @@ def test_the_drafts_cache_is_trusted_only_up_to_the_first_guess_not_kept(default
     [again] = cached.propose([(request, 4)])
     [fresh] = drafter().propose([(request, 4)])
     assert again.tokens == fresh.tokens
+    # The price took two of four guesses, the target kept both and its own token is the
+    # draft's third: the draft's cache holds all of them, and the newest is run again.
+    request.append_output(again.tokens[0])
+    request.append_output(again.tokens[1])
+    request.append_output(again.tokens[2])
+    [third] = cached.propose([(request, 4)])
+    [fresh] = drafter().propose([(request, 4)])
+    assert third.tokens == fresh.tokens and len(third.tokens) == 4
     cached.forget("r")
     assert cached.blocks.num_used_blocks == 0 and not cached.sequences

@@ -126,3 +126,15 @@ def test_the_corpus_index_answers_as_a_scan_does_through_rebuilds_and_removals()
             continue  # a shorter match answers then; checked by the cases above
         counts = {t: follows.count(t) for t in follows}
         assert walk.tokens and counts.get(walk.tokens[0]) == max(counts.values())
+
+
+def test_an_id_sent_again_replaces_its_earlier_output_wherever_that_was_cached():
+    suffixes = cache(suffix_decoding_max_cached_requests=3)
+    first = make_request([100], [30, 31, 32, 33], tenant="a")
+    suffixes.add(first)
+    again = make_request([100], [40, 41, 42, 43], tenant="b")
+    again.request_id = first.request_id  # a client's X-Request-Id, used twice
+    suffixes.add(again)
+    assert dict(suffixes.entries) == {first.request_id: ("b", None)} and ("a", None) not in suffixes.corpora
+    assert suffixes.propose(make_request([30, 31], tenant="a"), 2).tokens == []
+    assert suffixes.propose(make_request([40, 41], tenant="b"), 2).tokens == [42, 43]
