@@ -16,7 +16,12 @@ Prints output tokens per second per set and concurrency for each server, and the
 speculation on to off measured in the same sitting (servers alternated `--repeat` times,
 pooled). Every load is bounded: `--requests` per level, then it stops.
 
+`--peer NAME=URL` measures a server already running there on the same prompts instead
+(llama-server or vLLM's CPU build from ../shared/peers/, with or without their n-gram
+speculation; restart llama-server between runs, its prompt cache would answer repeats).
+
     python bench/speculative.py [--levels 1 8 32] [--methods ngram suffix] [--repeat 1] [--json out.json]
+    python bench/speculative.py --peer llama-ngram=http://127.0.0.1:8103 [--json out.json]
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ def prompt_sets(count: int) -> dict[str, list[str]]:
     return {"grounded": grounded, "open": open_}
 
 
-async def level(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
+async def level(url: str, prompts: list[str], concurrency: int, max_tokens: int, model: str) -> dict:
     """Closed loop: `concurrency` clients take the prompts in turn until none is left."""
     queue = list(prompts)
     tokens, failed = 0, 0
@@ -63,7 +68,7 @@ async def level(url: str, prompts: list[str], concurrency: int, max_tokens: int)
         while queue:
             text = queue.pop(0)
             body = {
-                "model": "SmolLM2-135M-Instruct",
+                "model": model,
                 "messages": [{"role": "user", "content": text}],
                 "max_tokens": max_tokens,
                 "temperature": 0,
@@ -75,7 +80,9 @@ async def level(url: str, prompts: list[str], concurrency: int, max_tokens: int)
                 tokens += (await response.json())["usage"]["completion_tokens"]
 
     timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    # A connection a request: llama-server drops a kept-alive one (../shared/peers/README.md).
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         started = time.perf_counter()
         await asyncio.gather(*(client(session) for _ in range(concurrency)))
         seconds = time.perf_counter() - started
@@ -83,39 +90,50 @@ async def level(url: str, prompts: list[str], concurrency: int, max_tokens: int)
 
 
 async def spec_metrics(url: str) -> dict[str, float]:
+    """The spec_decode counters (headroom's, or vLLM's of the same names); {} where none."""
     async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as response:
-        text = await response.text()
+        text = await response.text() if response.status == 200 else ""
     found = {}
     for line in text.splitlines():
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-            if line.startswith(f"headroom:spec_decode_{name}_total "):
-                found[name] = float(line.split()[-1])
+            for prefix in ("headroom", "vllm"):
+                if line.startswith(f"{prefix}:spec_decode_{name}_total"):
+                    found[name] = found.get(name, 0.0) + float(line.split()[-1])
     return found
+
+
+async def served_model(url: str) -> str:
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/models") as response:
+        return (await response.json())["data"][0]["id"]
+
+
+def measure(name: str, url: str, sets: dict[str, list[str]], args) -> dict:
+    model = asyncio.run(served_model(url))
+    asyncio.run(level(url, WARM, 1, 16, model))  # the first requests pay for lazy setup; none of the sets
+    figures = {}
+    for set_name, prompts in sets.items():
+        at = 0
+        for concurrency in args.levels:
+            count = max(args.requests, concurrency)
+            chosen, at = prompts[at : at + count], at + count
+            r = asyncio.run(level(url, chosen, concurrency, args.max_tokens, model))
+            figures[f"{set_name} c={concurrency}"] = r
+            print(
+                f"{name:8s} {set_name:8s} c={concurrency:<3d} {r['tokens'] / r['seconds']:7.1f} tok/s "
+                f"({r['tokens']} tokens in {r['seconds']:.1f} s, {r['failed']} failed)",
+                flush=True,
+            )
+    figures["spec"] = asyncio.run(spec_metrics(url))
+    return figures
 
 
 def run_server(name: str, extra: list[str], sets: dict[str, list[str]], args) -> dict:
     port = free_port()
     proc = start_server(port, "auto", None, True, extra)
-    url = f"http://127.0.0.1:{port}"
-    figures = {}
     try:
-        asyncio.run(level(url, WARM, 1, 16))  # the first requests pay for lazy setup; none of the sets
-        for set_name, prompts in sets.items():
-            at = 0
-            for concurrency in args.levels:
-                count = max(args.requests, concurrency)
-                chosen, at = prompts[at : at + count], at + count
-                r = asyncio.run(level(url, chosen, concurrency, args.max_tokens))
-                figures[f"{set_name} c={concurrency}"] = r
-                print(
-                    f"{name:8s} {set_name:8s} c={concurrency:<3d} {r['tokens'] / r['seconds']:7.1f} tok/s "
-                    f"({r['tokens']} tokens in {r['seconds']:.1f} s, {r['failed']} failed)",
-                    flush=True,
-                )
-        figures["spec"] = asyncio.run(spec_metrics(url))
+        return measure(name, f"http://127.0.0.1:{port}", sets, args)
     finally:
         stop_server(proc)
-    return figures
 
 
 def main() -> None:
@@ -126,9 +144,23 @@ def main() -> None:
     p.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=sorted(METHODS))
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--json", help="write every run's figures here")
+    p.add_argument("--peer", help="NAME=URL: measure the server running there instead")
     args = p.parse_args()
     print(cpu_line())
     sets = prompt_sets(sum(max(args.requests, c) for c in args.levels))
+    if args.peer:
+        name, url = args.peer.split("=", 1)
+        figures = measure(name, url, sets, args)
+        for key, r in figures.items():
+            if key != "spec":
+                print(f"  {key:14s} {name} {r['tokens'] / r['seconds']:7.1f}")
+        spec = figures["spec"]
+        if spec.get("num_draft_tokens"):
+            kept = spec["num_accepted_tokens"] / spec["num_draft_tokens"]
+            print(f"{name} guesses: {spec['num_draft_tokens']:.0f}, {kept:.0%} kept")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"cpu": cpu_line(), "peer": name, "figures": figures}, indent=1))
+        return
     runs: dict[str, list[dict]] = {"off": [], **{m: [] for m in args.methods}}
     for _ in range(args.repeat):
         runs["off"].append(run_server("off", [], sets, args))
