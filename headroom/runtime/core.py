@@ -257,14 +257,9 @@ class EngineCore:
             first = samples.token_ids[row]
             sampled[i] = first if more is None else [first, *(t for t, _ in more)]
             logprobs[out.requests[i].request_id] = [samples.logprobs[row], *(lp for _, lp in more or [])]
-        guessing = [r for r in out.requests if r.request_id in out.drafts]
-        accepted = sum(r.resources.num_accepted_tokens for r in guessing)
-        before = {r.request_id: r.num_output_tokens for r in out.requests}
         loops: list = []
-        with_token = self.scheduler.update_from_output(out, sampled, actions.loop_check(self.loops, loops))
-        # Kept guesses that were appended: none after a stop or a loop found amid them.
-        accepted = sum(r.resources.num_accepted_tokens for r in guessing) - accepted
-        self.stats.count_guesses(out.drafts, accepted)
+        update = self.scheduler.update_from_output(out, sampled, actions.loop_check(self.loops, loops))
+        self.stats.count_guesses(out.drafts, update.accepted)
         actions.act_on_loops(loops, self.loops, self.scheduler, self.stats)
 
         elapsed = time.perf_counter() - started
@@ -275,10 +270,9 @@ class EngineCore:
             self.threads.step_done(elapsed, predicted)
         for request, error in failed:  # after step_done: their last output carries the step they cost
             self.output_processor.finish(request, self.stats, error)
-        for request in with_token:
+        for request, new in update.tokens:
             if request.first_token_time is None:
                 request.first_token_time = sampled_time
-            new = request.num_output_tokens - before[request.request_id]
             self.output_processor.tokens(request, new, logprobs.get(request.request_id, []), self.stats)
 
     def _withdraw_unread_adapters(self, out: SchedulerOutput, failed: dict[int, str]) -> list[tuple[Request, str]]:

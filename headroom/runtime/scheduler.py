@@ -36,6 +36,15 @@ LORA_PATIENCE_S = 2.0  # how long a request may be passed over for an adapter sl
 
 
 @dataclass
+class Update:
+    """What update_from_output did with a step's samples."""
+
+    # The requests that got tokens (finished ones included, already freed), with how many each.
+    tokens: list[tuple[Request, int]] = field(default_factory=list)
+    accepted: int = 0  # guesses kept and appended: none after a stop or a loop found amid them
+
+
+@dataclass
 class _Step:
     """One schedule() call: what it may still hand out, and what it decided so far."""
 
@@ -251,14 +260,13 @@ class Scheduler:
         out: SchedulerOutput,
         sampled: list[int | list[int] | None],
         loop_found: Callable[[Request], bool] | None = None,
-    ) -> list[Request]:
+    ) -> Update:
         """Advance counters after a model step. sampled[i] is the token sampled for
         out.requests[i] (for a row that guessed, its kept guesses and its own token, a list),
         or None when its prefill is not complete yet. loop_found: the server's loop detector,
         asked after each token that did not finish its sequence (a loop found drops the
-        row's tokens after it). Returns the requests that got new tokens (finished ones
-        included, already freed)."""
-        got_token = []
+        row's tokens after it)."""
+        update = Update()
         for request, num_tokens, token in zip(out.requests, out.num_scheduled_tokens, sampled, strict=True):
             if request.is_finished:  # aborted while the step ran
                 continue
@@ -287,11 +295,12 @@ class Scheduler:
             if guessed and tokens and self.speculator is not None:
                 kept = min(len(tokens) - 1, request.num_output_tokens - before)
                 self.speculator.verified(request, guessed, kept)
+                update.accepted += kept
             if status is not None:
                 self.finish_request(request.request_id, status)
             if tokens:
-                got_token.append(request)
-        return got_token
+                update.tokens.append((request, request.num_output_tokens - before))
+        return update
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling

@@ -68,4 +68,4 @@ def run_step(scheduler: Scheduler, token: int = 7) -> tuple[SchedulerOutput, lis
         token if r.num_computed_tokens + n == r.num_tokens else None
         for r, n in zip(out.requests, out.num_scheduled_tokens, strict=True)
     ]
-    return out, scheduler.update_from_output(out, sampled)
+    return out, [request for request, _ in scheduler.update_from_output(out, sampled).tokens]

@@ -71,8 +71,8 @@ class Rig:
             self.script[r.request_id].pop(0) if r.num_computed_tokens + n == r.num_tokens else None
             for r, n in zip(out.requests, out.num_scheduled_tokens, strict=True)
         ]
-        for request in self.scheduler.update_from_output(out, sampled):
-            self.processor.tokens(request, 1, [None], self.stats)
+        for request, new in self.scheduler.update_from_output(out, sampled).tokens:
+            self.processor.tokens(request, new, [None] * new, self.stats)
         return out
 
     def gone(self, request: Request) -> bool:
