@@ -1,7 +1,7 @@
 """Speculative decoding's gain, and its cost where guesses miss (issue 56).
 
-Starts `headroom serve` on 127.0.0.1 with its defaults (no speculation), then with
-`--speculative-config` for each method (`'{"method": "ngram", ...}'`, `'{"method":
+Starts `headroom serve` on 127.0.0.1 with its defaults (n-gram speculation), then with
+`--speculative-config '{"method": "off"}'`, then with each other method (`'{"method":
 "suffix"}'`), and sends each the same chat requests (greedy, `--max-tokens` out) at each
 concurrency, closed loop:
 
@@ -38,10 +38,9 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hol import PROMPTS, cpu_line, free_port, start_server, stop_server
 
-METHODS = {
-    "ngram": '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}',
-    "suffix": '{"method": "suffix", "num_speculative_tokens": 4}',
-}
+# The flags each method's server gets: n-gram is the default, so none.
+METHODS = {"ngram": [], "suffix": ["--speculative-config", '{"method": "suffix", "num_speculative_tokens": 4}']}
+OFF = ["--speculative-config", '{"method": "off"}']
 WARM = ["Say hello.", "Name a colour."]
 TASKS = [
     "Repeat the following text exactly as it is written:\n\n{}",
@@ -162,10 +161,10 @@ def main() -> None:
             Path(args.json).write_text(json.dumps({"cpu": cpu_line(), "peer": name, "figures": figures}, indent=1))
         return
     runs: dict[str, list[dict]] = {"off": [], **{m: [] for m in args.methods}}
-    for _ in range(args.repeat):
-        runs["off"].append(run_server("off", [], sets, args))
+    for _ in range(args.repeat):  # the defaults first
         for method in args.methods:
-            runs[method].append(run_server(method, ["--speculative-config", METHODS[method]], sets, args))
+            runs[method].append(run_server(method, METHODS[method], sets, args))
+        runs["off"].append(run_server("off", OFF, sets, args))
     print("\npooled output tok/s: off, then each method and its ratio to off")
     for key in runs["off"][0]:
         if key == "spec":

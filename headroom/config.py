@@ -323,14 +323,16 @@ class SchedulerConfig:
 @dataclass(frozen=True, config=STRICT)
 class SpeculativeConfig:
     """vLLM's --speculative-config, in its JSON shape: {"method": "ngram",
-    "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}."""
+    "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}. On by
+    default (n-gram), unlike vLLM: a row guesses only where the step-cost model says the
+    guesses pay, so where they do not (many rows in a step) none are made."""
 
     method: Literal["off", "ngram", "suffix", "draft_model"] = Field(
-        "off",
+        "ngram",
         description="how guesses are proposed: ngram (the request's own tokens: the words after the latest "
         "earlier occurrence of its last few), suffix (the most frequent continuation of its last tokens in "
         "its own text and in its tenant's recent outputs), draft_model (a smaller model, `model`, decoding "
-        "them) or off",
+        "them) or off (the default: ngram)",
     )
     num_speculative_tokens: Annotated[int, Field(ge=1, le=16)] = Field(
         4, description="the most tokens guessed for a sequence in one step"

@@ -105,8 +105,9 @@ class AsyncEngine:
         return await asyncio.wrap_future(self._engine.control(request_id, action, **args))
 
     def health(self) -> dict:
-        """The runtime's parts as /health reports them: attention backend, CUDA graphs, weights."""
-        ex = self._engine.executor
+        """The runtime's parts as /health reports them: attention backend, CUDA graphs, weights,
+        speculation."""
+        ex, speculative = self._engine.executor, self._engine.config.speculative
         return {
             "attention_backend": {
                 "name": ex.backend.name,
@@ -121,6 +122,7 @@ class AsyncEngine:
                 "reason": ex.quantization_reason,
                 "kv_cache": {"dtype": str(ex.kv_dtype).removeprefix("torch."), "reason": ex.kv_dtype_reason},
             },
+            "speculative": {"method": speculative.method, "num_speculative_tokens": speculative.num_speculative_tokens},
         }
 
     def threads(self) -> dict | None:

@@ -112,7 +112,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help='speculative decoding, as vLLM takes it: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}, {"method": "suffix"} with its '
-        'suffix_decoding_* keys, or {"method": "draft_model", "model": PATH} (overrides the [speculative] table)',
+        'suffix_decoding_* keys, {"method": "draft_model", "model": PATH} or {"method": "off"} '
+        "(overrides the [speculative] table; default: ngram)",
     )
 
 

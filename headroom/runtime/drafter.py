@@ -63,7 +63,8 @@ class Drafter:
         same = os.path.realpath(config.speculative.model) == os.path.realpath(target_path)
         loaded: LoadedModel | None = target.loaded if same else None
         cache = dataclasses.replace(config.cache, num_blocks=target.num_blocks, block_size=target.block_size)
-        draft = dataclasses.replace(config, model=model, cache=cache, lora=(), speculative=SpeculativeConfig())
+        off = SpeculativeConfig(method="off")
+        draft = dataclasses.replace(config, model=model, cache=cache, lora=(), speculative=off)
         executor = Executor.build(draft, loaded)
         ours, theirs = executor.loaded.tokenizer.hf, target.loaded.tokenizer.hf
         if executor.loaded.args.vocab_size != target.loaded.args.vocab_size or ours.get_vocab() != theirs.get_vocab():

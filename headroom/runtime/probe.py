@@ -51,9 +51,10 @@ class ProbeRefiner:
 
     def _is_due(self, request: Request) -> bool:
         """At each multiple of `every` generated tokens, or the first step past one: a
-        sequence whose guesses were kept moves several tokens a step."""
+        sequence whose guesses were kept moves several tokens a step (and may pass the last
+        point by a few tokens on the step that reaches its multiple)."""
         generated = request.num_output_tokens
-        if generated > self.last_point:
+        if generated - generated % self.every > self.last_point:
             return False
         last = request.estimate.at_tokens
         if last is None:

@@ -182,18 +182,24 @@ def test_the_runaway_policy_moves_a_probed_runaway_to_the_long_lane(default_mode
             return admin(server, "GET", f"/sequences/{rid}").json()
 
         assert wait_until(lambda: sequence().get("deprioritized"), timeout=120)
-        # Past the probe's last point its estimate no longer changes: read it from there on.
-        assert wait_until(lambda: sequence()["output_tokens"] > probe.last_point, timeout=120)
+        # One estimate for each multiple of probe_every up to the last point, made on the step
+        # that starts at or past it: n-gram guesses (on by default, and kept in this loop) move
+        # a row up to `most` tokens a step. Past the last point's step the estimate no longer
+        # changes: read it from there on.
+        most = 1 + config.speculative.num_speculative_tokens
+        assert wait_until(lambda: sequence()["output_tokens"] > probe.last_point + most, timeout=120)
         seq = sequence()
         estimates = probe.estimates[rid]
-        assert [at for at, _, _ in estimates] == list(range(0, probe.last_point + 1, a.probe_every))
-        assert estimates[0][2] < a.runaway_threshold <= estimates[1][2]  # no loop at prefill, one at 16
+        ats = [at for at, _, _ in estimates]
+        assert [at // a.probe_every for at in ats] == list(range(probe.last_point // a.probe_every + 1))
+        assert ats[0] == 0 and all(at % a.probe_every < most for at in ats), ats
+        assert estimates[0][2] < a.runaway_threshold <= estimates[1][2]  # no loop at prefill, one from 16
         at, remaining, p = estimates[-1]
         assert (seq["size_class"], seq["deprioritized"], seq["runaway_probability"], seq["runaway_flagged_at"]) == (
             "long",
             True,
             p,
-            16,
+            ats[1],
         )
         assert seq["predicted_remaining_tokens"] == pytest.approx(
             min(remaining - (seq["output_tokens"] - at), 4000 - seq["output_tokens"]), rel=1e-9

@@ -74,7 +74,9 @@ def test_speculative_config_takes_vllms_json_and_refuses_what_it_cannot_use(tmp_
     path.write_text('[speculative]\nmethod = "ngram"\nnum_speculative_tokens = 6\n')
     ns = serve_parser().parse_args(["--config", str(path), "--speculative-config", '{"prompt_lookup_min": 3}'])
     assert dataclasses.astuple(build_config(ns).speculative)[:4] == ("ngram", 6, 4, 3)
-    assert not build_config(serve_parser().parse_args([])).speculative.enabled
+    assert build_config(serve_parser().parse_args([])).speculative.method == "ngram"  # the default
+    off = serve_parser().parse_args(["--speculative-config", '{"method": "off"}'])
+    assert not build_config(off).speculative.enabled
     with pytest.raises(SystemExit):
         serve_parser().parse_args(["--speculative-config", "ngram"])
     assert "--speculative-config: expected a JSON object" in capsys.readouterr().err

@@ -374,6 +374,7 @@ def test_draining_server_answers_503(server):
             "reason": "as the caller loaded it",
             "kv_cache": {"dtype": "float32", "reason": "auto: the model's dtype"},
         },
+        "speculative": {"method": "ngram", "num_speculative_tokens": 4},
     }
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from headroom.config import AdminConfig, CacheConfig, Config, SchedulerConfig
+from headroom.config import AdminConfig, CacheConfig, Config, SchedulerConfig, SpeculativeConfig
 from headroom.contracts.request import SamplingParams
 from headroom.prediction.probe_model import DEFAULT_PATH, ProbeModel, load_probe
 from headroom.prediction.probe_rows import POINTS
@@ -55,12 +55,15 @@ def probe(default_model):
 @pytest.fixture
 def engine(default_model):
     # The loop detector would cap the planted loop long before the probe's cap matters:
-    # here the probe alone is under test.
+    # here the probe alone is under test. One token a step, so each estimate falls on its
+    # multiple of `every` exactly (with guesses, on the first step past it:
+    # tests/admin/test_policies.py runs the probe under the default n-gram speculation).
     return Engine(
         Config(
             cache=CacheConfig(num_blocks=128, block_size=16),
             scheduler=SchedulerConfig(max_num_seqs=4),
             admin=AdminConfig(loop_policy="off"),
+            speculative=SpeculativeConfig(method="off"),
         ),
         loaded=default_model,
     )

@@ -54,7 +54,10 @@ def test_ngram_prefers_the_longer_match_and_stops_at_the_end():
 
 def test_the_config_takes_vllms_shape_and_refuses_a_minimum_above_the_maximum():
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=5, prompt_lookup_min=1)
-    assert config.enabled and not SpeculativeConfig().enabled
+    assert config.enabled and not SpeculativeConfig(method="off").enabled
+    assert SpeculativeConfig() == SpeculativeConfig(
+        method="ngram", num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2
+    )
     with pytest.raises(ConfigError, match=r"prompt_lookup_min must be <= prompt_lookup_max \(4 > 2\)"):
         SpeculativeConfig(method="ngram", prompt_lookup_max=2, prompt_lookup_min=4)
     with pytest.raises(ConfigError, match="speculative.num_speculative_tokens"):

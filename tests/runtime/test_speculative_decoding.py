@@ -80,7 +80,8 @@ def engine(loaded, quantization: str, speculative: SpeculativeConfig | None) -> 
     """With speculation, every row that can guess does: what these tests check is that
     guesses never change the output, wherever the price would put them (the price has
     its own tests, tests/runtime/test_speculation.py, and moves with the machine's load)."""
-    config = Config(model=ModelConfig(quantization=quantization), speculative=speculative or SpeculativeConfig())
+    speculative = speculative or SpeculativeConfig(method="off")
+    config = Config(model=ModelConfig(quantization=quantization), speculative=speculative)
     e = Engine(config, loaded=loaded)
     if e.scheduler.speculator is not None:
         e.scheduler.speculator.priced = False

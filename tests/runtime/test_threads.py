@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headroom.config import CacheConfig, Config
+from headroom.config import CacheConfig, Config, SpeculativeConfig
 from headroom.contracts.request import SamplingParams
 from headroom.runtime import threads
 from headroom.runtime.engine import Engine
@@ -160,7 +160,10 @@ def test_an_engine_runs_its_trials_on_its_own_thread_learns_nothing_from_them_an
     for name, value in (("FIRST_TRIAL_S", 0.0), ("LAST_TRIAL_S", 0.0), ("TRIAL_STEPS", 2), ("LOSING_STEPS", 10**6)):
         monkeypatch.setattr(threads, name, value)
     most = torch.get_num_threads()
-    engine = Engine(Config(cache=CacheConfig(num_blocks=128)), loaded=default_model)
+    # One token a step, so the steps are counted in tokens below (n-gram guesses would keep
+    # several of this repeated prompt's tokens a step).
+    config = Config(cache=CacheConfig(num_blocks=128), speculative=SpeculativeConfig(method="off"))
+    engine = Engine(config, loaded=default_model)
     tuner = engine.threads
     assert tuner.most == most and tuner.enabled
     seen = []  # (threads in force, a trial step?) of each step
