@@ -332,7 +332,7 @@ class SpeculativeConfig:
         description="how guesses are proposed: ngram (the request's own tokens: the words after the latest "
         "earlier occurrence of its last few), suffix (the most frequent continuation of its last tokens in "
         "its own text and in its tenant's recent outputs), draft_model (a smaller model, `model`, decoding "
-        "them) or off (the default: ngram)",
+        "them) or off; ngram by default",
     )
     num_speculative_tokens: Annotated[int, Field(ge=1, le=16)] = Field(
         4, description="the most tokens guessed for a sequence in one step"

@@ -11,6 +11,7 @@ import json
 import sys
 
 from headroom.app.flags import add_engine_args, build_config
+from headroom.config import SpeculativeConfig
 from headroom.runtime.engine import Engine
 
 
@@ -22,12 +23,14 @@ def cmd_predictor_calibrate(ns: argparse.Namespace) -> int:
     if ns.limit:
         rows = rows[: ns.limit]
     config = build_config(ns)
-    # The labels are the model's own ends: no loop policy may cut a run short.
+    # The labels are the model's own ends: no loop policy may cut a run short. One token a
+    # step: the probe's rows are recorded at exact token counts, which kept guesses skip.
     engine = Engine(
         dataclasses.replace(
             config,
             scheduler=dataclasses.replace(config.scheduler, max_num_seqs=ns.concurrency),
             admin=dataclasses.replace(config.admin, loop_policy="off"),
+            speculative=SpeculativeConfig(method="off"),
         )
     )
     recorder = None

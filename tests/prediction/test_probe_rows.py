@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from headroom.app.cli import main
-from headroom.config import CacheConfig, Config, SchedulerConfig
+from headroom.config import CacheConfig, Config, SchedulerConfig, SpeculativeConfig
 from headroom.contracts.request import SamplingParams
 from headroom.prediction.probe_rows import POINTS, ProbeRecorder, evaluate, loop_signals
 from headroom.runtime.engine import Engine
@@ -30,7 +30,12 @@ def test_loop_signals_of_a_loop_and_of_fresh_text():
 @pytest.fixture(scope="module")
 def engine(default_model):
     return Engine(
-        Config(cache=CacheConfig(num_blocks=64, block_size=16), scheduler=SchedulerConfig(max_num_seqs=4)),
+        # One token a step: rows are recorded at exact token counts (as calibration runs).
+        Config(
+            cache=CacheConfig(num_blocks=64, block_size=16),
+            scheduler=SchedulerConfig(max_num_seqs=4),
+            speculative=SpeculativeConfig(method="off"),
+        ),
         loaded=default_model,
     )
 

@@ -237,7 +237,7 @@ def test_a_replayed_graph_computes_what_the_same_forward_computes_eagerly():
 def test_graphed_decode_follows_the_eager_tokens(backend):
     if backend == "flash_attn":
         gpu_package("flash_attn")
-    from headroom.config import CacheConfig, SchedulerConfig
+    from headroom.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 
     outputs, engines = {}, {}
     for eager in (True, False):
@@ -246,6 +246,8 @@ def test_graphed_decode_follows_the_eager_tokens(backend):
             cache=CacheConfig(num_blocks=512 if backend == "triton" else 64),
             scheduler=SchedulerConfig(max_num_seqs=16),
             attention_backend=backend,
+            # One token a row a step: the replays below count decode steps of 11 rows.
+            speculative=SpeculativeConfig(method="off"),
         )
         engine = Engine(config)
         prompts = [
