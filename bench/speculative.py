@@ -1,8 +1,8 @@
 """Speculative decoding's gain, and its cost where guesses miss (issue 56).
 
 Starts `headroom serve` on 127.0.0.1 with its defaults (n-gram speculation), then with
-`--speculative-config '{"method": "off"}'`, then with each other method (`'{"method":
-"suffix"}'`), and sends each the same chat requests (greedy, `--max-tokens` out) at each
+each other method (`--speculative-config '{"method": "suffix"}'`), then with `'{"method":
+"off"}'`, and sends each the same chat requests (greedy, `--max-tokens` out) at each
 concurrency, closed loop:
 
 - grounded: the answer copies much of the prompt (repeat, correct, quote with line numbers)
