@@ -1,9 +1,9 @@
 """Speculative decoding's gain, and its cost where guesses miss (issue 56).
 
 Starts `headroom serve` on 127.0.0.1 with its defaults (n-gram speculation), then with
-each other method (`--speculative-config '{"method": "suffix"}'`), then with `'{"method":
-"off"}'`, and sends each the same chat requests (greedy, `--max-tokens` out) at each
-concurrency, closed loop:
+each other method (`--speculative-config '{"method": "suffix"}'`; `--methods draft` adds the
+default model as its own draft), then with `'{"method": "off"}'`, and sends each the same
+chat requests (greedy, `--max-tokens` out) at each concurrency, closed loop:
 
 - grounded: the answer copies much of the prompt (repeat, correct, quote with line numbers)
   a ShareGPT prompt of 400-1,500 characters from data/calibration/;
@@ -38,8 +38,17 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hol import PROMPTS, cpu_line, free_port, start_server, stop_server
 
-# The flags each method's server gets: n-gram is the default, so none.
-METHODS = {"ngram": [], "suffix": ["--speculative-config", '{"method": "suffix", "num_speculative_tokens": 4}']}
+from headroom.models.loader import default_model_path
+
+# The flags each method's server gets: n-gram is the default, so none. The draft is the
+# default model drafting for itself (the only model here): every guess is kept, and each
+# costs a forward as dear as the target's, which the price must see.
+DRAFT = {"method": "draft_model", "model": default_model_path(), "num_speculative_tokens": 4}
+METHODS = {
+    "ngram": [],
+    "suffix": ["--speculative-config", '{"method": "suffix", "num_speculative_tokens": 4}'],
+    "draft": ["--speculative-config", json.dumps(DRAFT)],
+}
 OFF = ["--speculative-config", '{"method": "off"}']
 WARM = ["Say hello.", "Name a colour."]
 TASKS = [
@@ -140,7 +149,7 @@ def main() -> None:
     p.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--requests", type=int, default=8, help="requests per level (at least the concurrency)")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=sorted(METHODS))
+    p.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=["ngram", "suffix"])
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--json", help="write every run's figures here")
     p.add_argument("--peer", help="NAME=URL: measure the server running there instead")

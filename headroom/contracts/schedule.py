@@ -27,6 +27,9 @@ class SchedulerOutput:
     # Guessed tokens (runtime/speculation.py), by request id: such a decode row is scheduled
     # 1 + len(guesses) tokens, its last token and the guesses after it.
     drafts: dict[str, list[int]] = field(default_factory=dict)
+    # Seconds a draft model's forwards took to guess them (runtime/drafter.py): part of the
+    # step's wall time, not of the target's step cost.
+    draft_s: float = 0.0
 
     @property
     def total_tokens(self) -> int:

@@ -9,8 +9,10 @@ every row that guesses in the step. The draft's cache is trusted up to its first
 target did not keep. Where the draft is the target's own model (the same ModelConfig), its
 weights are the target's, loaded once.
 
-The draft's forwards run on the engine thread before the target's, and the step-cost model
-does not see them: the price weighs what the guesses add to the target's step only.
+The draft's forwards run on the engine thread before the target's, timed apart from them:
+the draft has a step-cost model of its own (seeded at start as the target's is), so that the
+price of a row's guesses counts the draft's forwards they take (runtime/speculation.py), and
+the target's step-cost model learns the target's step alone.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +31,9 @@ from headroom.contracts.schedule import SchedulerOutput
 from headroom.executor.executor import Executor
 from headroom.models.loader import LoadedModel, default_model_path
 from headroom.runtime.block_manager import BlockManager
+from headroom.runtime.step_cost import StepCostModel, attention_pairs
 from headroom.runtime.suffix import Walk
+from headroom.runtime.warmup import measure_step_cost
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +58,8 @@ class Drafter:
         self.executor = executor
         self.blocks = BlockManager(executor.num_blocks, executor.block_size, enable_prefix_caching=False)
         self.sequences: dict[str, Sequence] = {}
+        self.cost = StepCostModel()  # what the draft's forwards cost
+        self.spent_s = 0.0  # seconds the draft's forwards took in the last propose()
 
     @classmethod
     def build(cls, config: Config, target: Executor) -> Drafter:
@@ -72,10 +79,13 @@ class Drafter:
                 f"speculative.model: {config.speculative.model!r} has another tokenizer than the model it drafts for"
             )
         log.info("draft model ready: %s", executor.describe())
-        return cls(executor)
+        drafter = cls(executor)
+        drafter.cost.prime(measure_step_cost(executor.runner, drafter.blocks))
+        return drafter
 
     def propose(self, wanted: list[tuple[Request, int]]) -> list[Walk]:
         """k greedy guesses for each (request, k), in one forward per guessed position."""
+        self.spent_s = 0.0
         walks = [Walk() for _ in wanted]
         rows: list[tuple[int, Sequence, int]] = []  # (index in wanted, its sequence, tokens to run)
         for i, (request, k) in enumerate(wanted):
@@ -97,29 +107,48 @@ class Drafter:
         sequence = self.sequences.get(request.request_id)
         if sequence is None:
             sequence = self.sequences[request.request_id] = Sequence(request.request_id)
-        else:  # its cache holds the guesses the target kept, not those after them
-            same = sequence.known
-            while same < min(sequence.num_tokens, len(tokens)) and sequence.all_token_ids[same] == tokens[same]:
-                same += 1
-            # ... and never the newest token, whose logits the next guess needs (the target
-            # may have kept fewer guesses than were drafted, then taken the next as its own).
-            sequence.num_computed_tokens = min(sequence.num_computed_tokens, same, len(tokens) - 1)
+        else:
+            sequence.num_computed_tokens = self._trusted(sequence, tokens)
         sequence.all_token_ids = list(tokens)
         sequence.known = len(tokens)
         return sequence
+
+    @staticmethod
+    def _trusted(sequence: Sequence, tokens: list[int]) -> int:
+        """How many of the target's `tokens` the draft's cache holds: the guesses the target
+        kept, not those after them, and never the newest token, whose logits the next guess
+        needs (the target may have kept fewer guesses than were drafted, then taken the next
+        as its own)."""
+        same = sequence.known
+        while same < min(sequence.num_tokens, len(tokens)) and sequence.all_token_ids[same] == tokens[same]:
+            same += 1
+        return min(sequence.num_computed_tokens, same, len(tokens) - 1)
+
+    def pending(self, request: Request) -> int:
+        """Tokens the draft runs for request before its first guess."""
+        sequence = self.sequences.get(request.request_id)
+        tokens = request.all_token_ids
+        return len(tokens) - (0 if sequence is None else self._trusted(sequence, tokens))
 
     @torch.inference_mode()
     def _forward(self, rows: list[tuple[int, Sequence, int]]) -> list[int]:
         """One draft forward over rows (sequence, tokens to run up to its last); the greedy
         token after each, in the order of rows."""
         order = sorted(range(len(rows)), key=lambda j: rows[j][2] > 1)  # decodes first
+        pairs = [attention_pairs(n, sequence.num_computed_tokens) for _, sequence, n in rows]
         out = SchedulerOutput(
             requests=[rows[j][1] for j in order],
             num_scheduled_tokens=[rows[j][2] for j in order],
             num_decodes=sum(1 for _, _, n in rows if n == 1),
+            attention_pairs=sum(pairs),
+            decode_pairs=sum(p for p, (_, _, n) in zip(pairs, rows, strict=True) if n == 1),
         )
+        started = time.perf_counter()
         result = self.executor.runner.execute(out, self.blocks, keep_hidden=False)
-        chosen = result.logits.argmax(dim=-1).tolist()
+        chosen = result.logits.argmax(dim=-1).tolist()  # on a GPU, waits for the forward
+        seconds = time.perf_counter() - started
+        self.spent_s += seconds
+        self.cost.observe(out.total_tokens, out.attention_pairs, seconds, out.decode_pairs)
         tokens = [0] * len(rows)
         for row, position in enumerate(result.sample_indices):
             j = order[position]

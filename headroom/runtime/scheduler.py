@@ -55,6 +55,7 @@ class _Step:
     preempted: list[Request] = field(default_factory=list)
     admitted: int = 0  # waiting requests started
     drafts: dict[str, list[int]] = field(default_factory=dict)  # request id -> guessed tokens
+    draft_s: float = 0.0  # the draft model's forwards for them
 
 
 class Scheduler:
@@ -218,6 +219,7 @@ class Scheduler:
         pairs = [attention_pairs(n, by_id[rid].num_computed_tokens) for rid, n in step.scheduled.items()]
         decode_pairs = sum(p for p, n in zip(pairs, step.scheduled.values(), strict=True) if n == 1)
         plan = self.speculator.plan(rows, sum(step.scheduled.values()), sum(pairs), decode_pairs, step.budget)
+        step.draft_s = self.speculator.drafted_s
         for rid, guess in plan.items():
             if self.block_manager.allocate_slots(by_id[rid], 1 + len(guess)) is None:
                 continue  # no block for the guesses: the row decodes as it would have
@@ -226,7 +228,7 @@ class Scheduler:
             step.drafts[rid] = guess
 
     def _output(self, step: _Step) -> SchedulerOutput:
-        out = SchedulerOutput(preempted=step.preempted, drafts=step.drafts)
+        out = SchedulerOutput(preempted=step.preempted, drafts=step.drafts, draft_s=step.draft_s)
         by_id = self.requests
         for rid, n in step.scheduled.items():
             out.requests.append(by_id[rid])

@@ -21,12 +21,17 @@ their guesses would stretch the protected rows' step for another class's gain. R
 offered in the policy's order, shorter classes first, and each row takes the k that
 gains most; so where a step is bound by arithmetic (many rows) D is large beside S / n
 and nothing is guessed, and where it is bound by reading the weights (a few rows) D is
-small and guesses are nearly free.
+small and guesses are nearly free. A draft model's guesses cost its forwards too, priced by
+the draft's own step-cost model and counted in D: its catch-up and k - 1 decodes for the row,
+and the fixed cost of each forward no row before it needed. They are priced before they
+are drafted (the draft is paid for whatever the row keeps), by the row's acceptance alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -82,6 +87,17 @@ def added_seconds(fit: StepCost, context: int, k: int) -> float:
     return fit.per_token_s * k + (fit.per_pair_s + fit.decode_extra_s) * extra
 
 
+def draft_seconds(fit: StepCost, length: int, pending: int, k: int, forwards: int) -> float:
+    """What drafting k guesses for a row of `length` tokens costs the draft model: a forward
+    of the `pending` tokens its cache lacks, then k - 1 decodes, batched with the other
+    rows' (`forwards`: the forwards they already take, whose fixed cost is paid)."""
+    first = attention_pairs(pending, length - pending)
+    decodes = (k - 1) * length + k * (k - 1) // 2  # attention_pairs(1, length + i - 1), i < k
+    decode_pairs = decodes + (first if pending == 1 else 0)
+    arithmetic = fit.per_token_s * (pending + k - 1) + fit.per_pair_s * (first + decodes)
+    return arithmetic + fit.decode_extra_s * decode_pairs + fit.base_s * max(0, k - forwards)
+
+
 @dataclass(frozen=True)
 class Acceptance:
     """A sequence's guesses so far: its measured acceptance, a prior of one in two."""
@@ -116,10 +132,12 @@ class Speculator:
         self.config = config
         self.cost = cost
         self._fit: StepCost | None = None
+        self._draft_fit: StepCost | None = None  # the drafter's, taken with _fit
         self._fit_at = 0  # the cost model's step count when _fit was taken
         self.suffixes = SuffixCache(config) if config.method == "suffix" else None
         self.drafter: Drafter | None = None  # the engine's, with method draft_model (runtime/drafter.py)
         self.priced = True  # tests of the outputs turn the price off, to guess wherever a row can
+        self.drafted_s = 0.0  # seconds the draft model's forwards took in the last plan()
 
     def eligible(self, request: Request) -> bool:
         """Guesses are verified exactly as decoding would draw each token (penalties,
@@ -151,7 +169,10 @@ class Speculator:
             rows = protected  # long rows never stretch a shorter class's step
         beneficiaries = len(rows)
         fit = self._price()
+        drafting = fit is not None and self.drafter is not None and self._draft_fit is not None
         seconds = 0.0 if fit is None else fit.predict(tokens, pairs, decode_pairs)
+        forwards = 0  # the draft's forwards the rows taken so far need
+        self.drafted_s = 0.0
         # Priced before anything is looked up: where no guess pays (a step of many rows), the
         # proposer costs nothing either. The budget is held for the most each row may take.
         wanted: list[tuple[Row, int]] = []
@@ -167,26 +188,46 @@ class Speculator:
             if fit is not None and rate * seconds <= beneficiaries * added_seconds(fit, row.context, 1):
                 continue
             most = min(self.config.num_speculative_tokens, budget, room(request))
+            if drafting:  # the draft is paid for before its guesses are seen: k is chosen now
+                pending = self.drafter.pending(request)
+                cost = partial(draft_seconds, self._draft_fit, request.num_tokens, pending, forwards=forwards)
+                most, added = self._best(row, [1.0] * most, fit, seconds, beneficiaries, cost)
+                if not most:
+                    continue
+                seconds += added
+                forwards = max(forwards, most)
             wanted.append((row, most))
             budget -= most
         walks = self.propose([(row.request, most) for row, most in wanted]) if wanted else []
+        if self.drafter is not None:
+            self.drafted_s = self.drafter.spent_s if wanted else 0.0
         drafts: dict[str, list[int]] = {}
         for (row, _), walk in zip(wanted, walks, strict=True):
-            request, acceptance = row.request, Acceptance.of(row.request)
             k = len(walk.tokens)  # nothing learned yet: guess, and learn the price
-            if fit is not None:  # the guesses that gain most, by the lesser of the two odds
-                k, best_gain, chances = 0, 0.0, 0.0
-                for j, chance in enumerate(walk.chances, 1):
-                    chances += chance
-                    gain = min(acceptance.expected(j), chances) * seconds
-                    gain -= beneficiaries * added_seconds(fit, row.context, j)
-                    if gain > best_gain:
-                        k, best_gain = j, gain
-            if not k:
-                continue
-            drafts[request.request_id] = walk.tokens[:k]
-            seconds += added_seconds(fit, row.context, k) if fit is not None else 0.0
+            if fit is not None and not drafting:  # the guesses that gain most
+                k, added = self._best(row, walk.chances, fit, seconds, beneficiaries, lambda j: 0.0)
+                seconds += added
+            if k:
+                drafts[row.request.request_id] = walk.tokens[:k]
         return drafts
+
+    @staticmethod
+    def _best(
+        row: Row, chances: list[float], fit: StepCost, seconds: float, beneficiaries: int, draft: Callable[[int], float]
+    ) -> tuple[int, float]:
+        """The number of guesses (of at most len(chances)) that gains most for a step of
+        `seconds`, by the lesser of the row's acceptance and the proposal's own odds, and what
+        they add to the step (the draft's forwards, `draft(k)`, among it); (0, 0.0) where
+        none pays."""
+        acceptance = Acceptance.of(row.request)
+        best, best_gain, best_added, odds = 0, 0.0, 0.0, 0.0
+        for j, chance in enumerate(chances, 1):
+            odds += chance
+            added = added_seconds(fit, row.context, j) + draft(j)
+            gain = min(acceptance.expected(j), odds) * seconds - beneficiaries * added
+            if gain > best_gain:
+                best, best_gain, best_added = j, gain, added
+        return best, best_added
 
     def _price(self) -> StepCost | None:
         """The step-cost model's fit, taken again every REFIT_STEPS steps: a fit costs about
@@ -197,6 +238,7 @@ class Speculator:
         steps = self.cost.num_steps
         if self._fit is None or steps - self._fit_at >= REFIT_STEPS:
             self._fit, self._fit_at = self.cost.cost(), steps
+            self._draft_fit = self.drafter.cost.cost() if self.drafter is not None else None
         return self._fit
 
     @staticmethod

@@ -50,7 +50,7 @@ class StepAccounting:
         stats.steps += 1
         stats.step_time_s += elapsed
         if learn:
-            self.cost.observe(total, out.attention_pairs, elapsed, out.decode_pairs)
+            self.cost.observe(total, out.attention_pairs, elapsed - out.draft_s, out.decode_pairs)
         # Read without waiting: a step that sampled nothing may still be on the device.
         self._timers.append(timer)
         while self._timers and self._timers[0].ready():

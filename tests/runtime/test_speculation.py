@@ -13,8 +13,9 @@ from headroom.config import ConfigError, SpeculativeConfig
 from headroom.contracts.request import AdmissionRecord, Request, SamplingParams, SizeClass
 from headroom.executor.grammar import Constraint
 from headroom.executor.sampler import Sampler
-from headroom.runtime.speculation import Row, Speculator, propose_ngram
-from headroom.runtime.step_cost import StepCost
+from headroom.runtime.speculation import Row, Speculator, draft_seconds, propose_ngram
+from headroom.runtime.step_cost import StepCost, attention_pairs
+from headroom.runtime.suffix import Walk
 
 EOS = 2
 VOCAB = 8
@@ -304,3 +305,80 @@ def test_rows_guess_whatever_moves_their_distribution_but_a_grammar_being_closed
         near_end.request_id: [5],
         constrained.request_id: every,
     }
+
+
+# ---- a draft model's price -------------------------------------------------------------
+
+
+class ScriptedDraft:
+    """A draft model at unit level: each forward costs `base` (tokens and attention free),
+    every row is one token behind, and it guesses what the n-gram proposer finds. It keeps
+    what it was asked for."""
+
+    def __init__(self, base: float):
+        self.cost = ScriptedCost(base, 0.0)
+        self.asked: list[list[tuple[str, int]]] = []
+        self.spent_s = 0.0
+
+    def pending(self, request: Request) -> int:
+        return 1
+
+    def propose(self, wanted: list[tuple[Request, int]]) -> list[Walk]:
+        self.asked.append([(request.request_id, k) for request, k in wanted])
+        self.spent_s = self.cost.base * max(k for _, k in wanted)
+        return [Walk(propose_ngram(r.all_token_ids, 2, 4, k), [1.0] * k) for r, k in wanted]
+
+
+def drafting(draft_base: float) -> tuple[Speculator, ScriptedDraft]:
+    """A speculator of a 10 ms step and 0.1 ms a token, its draft `draft_base` a forward."""
+    spec = Speculator(SpeculativeConfig(method="draft_model", model="/draft.gguf"), ScriptedCost(0.010, 0.0001))
+    spec.drafter = ScriptedDraft(draft_base)
+    return spec, spec.drafter
+
+
+def test_a_draft_forward_is_priced_by_its_tokens_pairs_and_the_fixed_cost_no_other_row_paid():
+    # Three tokens the draft lacks at 7 computed, then two decodes at 10 and 11.
+    pairs = attention_pairs(3, 7) + attention_pairs(1, 10) + attention_pairs(1, 11)
+    assert draft_seconds(StepCost(0.0, 0.0, 1.0), 10, 3, 3, 5) == pairs
+    assert draft_seconds(StepCost(0.0, 1.0, 0.0), 10, 3, 3, 5) == 5  # 3 + 2 tokens
+    # The fixed cost: forwards past those the rows before it need (two of them here).
+    assert draft_seconds(StepCost(1.0, 0.0, 0.0), 10, 3, 3, 1) == 2
+    assert draft_seconds(StepCost(1.0, 0.0, 0.0), 10, 3, 3, 3) == 0
+    # A row one token behind runs as decode rows only: all its pairs carry the extra price.
+    assert draft_seconds(StepCost(0.0, 0.0, 0.0, 1.0), 10, 1, 2, 0) == attention_pairs(1, 9) + attention_pairs(1, 10)
+
+
+def test_a_draft_models_forwards_count_in_the_price_of_its_guesses():
+    # One row, a 10.1 ms step, 0.1 ms a guessed token. A free draft: all four guesses pay
+    # (as n-gram ones do).
+    request = repeating()
+    spec, draft = drafting(0.0)
+    assert spec.plan([Row(request, 17)], 1, 18, 18, 100) == {request.request_id: [5, 6, 7, 4]}
+    assert draft.asked == [[(request.request_id, 4)]]
+    # At 3 ms a draft forward, at the prior's one in two: a first guess is worth 5.05 ms
+    # against 3.1, a second 2.5 ms against 3.1: one guess, and the draft is asked for one.
+    spec, draft = drafting(0.003)
+    assert spec.plan([Row(request, 17)], 1, 18, 18, 100) == {request.request_id: [5]}
+    assert draft.asked == [[(request.request_id, 1)]] and spec.drafted_s == 0.003
+    # At 6 ms none pays, and the draft never runs.
+    spec, draft = drafting(0.006)
+    assert spec.plan([Row(request, 17)], 1, 18, 18, 100) == {}
+    assert draft.asked == [] and spec.drafted_s == 0.0
+    # A row that keeps its guesses pays for the draft's forwards even at 6 ms.
+    spec.verified(request, proposed=40, accepted=40)
+    assert spec.plan([Row(request, 17)], 1, 18, 18, 100) == {request.request_id: [5, 6, 7, 4]}
+
+
+def test_a_draft_forward_another_row_pays_for_is_free_to_the_rows_after_it():
+    # Two rows at 3 ms a draft forward. Alone in the step, the second cannot pay for one:
+    # 0.5 * 10.2 ms against 2 * 3.1. After a first row that keeps its guesses took four
+    # forwards, its guesses cost only their tokens in the target's step.
+    keeper, newcomer = repeating(), repeating()
+    spec, draft = drafting(0.003)
+    assert spec.plan([Row(newcomer, 17), Row(keeper, 17)], 2, 36, 36, 100) == {}
+    spec.verified(keeper, proposed=40, accepted=40)
+    plan = spec.plan([Row(newcomer, 17), Row(keeper, 17)], 2, 36, 36, 100)
+    assert plan == {keeper.request_id: [5, 6, 7, 4]}  # the newcomer was priced before
+    plan = spec.plan([Row(keeper, 17), Row(newcomer, 17)], 2, 36, 36, 100)
+    assert plan == {keeper.request_id: [5, 6, 7, 4], newcomer.request_id: [5, 6, 7, 4]}
+    assert draft.asked[-1] == [(keeper.request_id, 4), (newcomer.request_id, 4)]
