@@ -158,40 +158,42 @@ def main() -> None:
     sets = prompt_sets(sum(max(args.requests, c) for c in args.levels))
     if args.peer:
         name, url = args.peer.split("=", 1)
-        figures = measure(name, url, sets, args)
-        for key, r in figures.items():
-            if key != "spec":
-                print(f"  {key:14s} {name} {r['tokens'] / r['seconds']:7.1f}")
-        spec = figures["spec"]
-        if spec.get("num_draft_tokens"):
-            kept = spec["num_accepted_tokens"] / spec["num_draft_tokens"]
-            print(f"{name} guesses: {spec['num_draft_tokens']:.0f}, {kept:.0%} kept")
-        if args.json:
-            Path(args.json).write_text(json.dumps({"cpu": cpu_line(), "peer": name, "figures": figures}, indent=1))
-        return
-    runs: dict[str, list[dict]] = {"off": [], **{m: [] for m in args.methods}}
-    for _ in range(args.repeat):  # the defaults first
-        for method in args.methods:
-            runs[method].append(run_server(method, METHODS[method], sets, args))
-        runs["off"].append(run_server("off", OFF, sets, args))
-    print("\npooled output tok/s: off, then each method and its ratio to off")
-    for key in runs["off"][0]:
+        runs: dict[str, list[dict]] = {name: [measure(name, url, sets, args)]}
+    else:
+        runs = {"off": [], **{m: [] for m in args.methods}}
+        for _ in range(args.repeat):  # the defaults first
+            for method in args.methods:
+                runs[method].append(run_server(method, METHODS[method], sets, args))
+            runs["off"].append(run_server("off", OFF, sets, args))
+    report(runs)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cpu": cpu_line(), "runs": runs}, indent=1))
+
+
+def report(runs: dict[str, list[dict]]) -> None:
+    """Pooled output tok/s per set and level for each server, and its ratio to off where
+    off ran beside it; then the guesses each kept (where its /metrics counts them)."""
+    print("\npooled output tok/s" + (": off, then each method and its ratio to off" if "off" in runs else ""))
+    for key in next(iter(runs.values()))[0]:
         if key == "spec":
             continue
         rate = {
             name: sum(r[key]["tokens"] for r in rs) / sum(r[key]["seconds"] for r in rs) for name, rs in runs.items()
         }
-        ratios = "  ".join(f"{m} {rate[m]:7.1f} {rate[m] / rate['off']:.2f}x" for m in args.methods)
-        print(f"  {key:14s} off {rate['off']:7.1f}  {ratios}")
-    for method in args.methods:
-        spec = runs[method][-1]["spec"]
+        cells = [
+            f"{name} {rate[name]:7.1f}"
+            + (f" {rate[name] / rate['off']:.2f}x" if "off" in rate and name != "off" else "")
+            for name in runs
+        ]
+        print(f"  {key:14s} " + "  ".join(cells))
+    for name, rs in runs.items():
+        spec = rs[-1]["spec"]
         if spec.get("num_draft_tokens"):
+            rows = f" in {spec['num_drafts']:.0f} rows" if "num_drafts" in spec else ""
             print(
-                f"{method} guesses: {spec['num_draft_tokens']:.0f} in {spec['num_drafts']:.0f} rows, "
+                f"{name} guesses: {spec['num_draft_tokens']:.0f}{rows}, "
                 f"{spec['num_accepted_tokens'] / spec['num_draft_tokens']:.0%} kept"
             )
-    if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": cpu_line(), "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":
