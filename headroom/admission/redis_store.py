@@ -290,12 +290,10 @@ class RedisStore:
         ask now), so that it holds nobody back until it would lapse."""
         if not self.available:
             return
-        with contextlib.suppress(StoreUnavailable):
-            try:
-                await self.client.hdel(self._keys(tenant)[3], waiter)
-            except RedisError as exc:
-                self._lost(exc)
-                raise StoreUnavailable(str(exc)) from None
+        try:
+            await self.client.hdel(self._keys(tenant)[3], waiter)
+        except RedisError as exc:  # the entry lapses by its TTL
+            self._lost(exc)
 
     def hold_locally(self, tenant: Tenant, cost: int) -> str:
         """A lease for a reservation made on the local share while Redis is away; the

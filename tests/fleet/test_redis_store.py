@@ -473,3 +473,18 @@ async def test_a_lost_redis_is_logged_once_per_loss_not_per_request(redis_server
         a.settle(ticket, 0, 0)
     await until(lambda: redis_view(redis_server, "flood") == (0, 0))
     await shutdown(a)
+
+
+async def test_forgetting_a_waiter_while_redis_is_away_raises_nothing_and_counts_the_loss(redis_server):
+    """forget() runs as a task of its own (admission.py): a lost Redis must not end it with
+    an error; the waiter's entry lapses by its TTL instead."""
+    a = await replica(redis_server, "a")
+    RUNNING[a].cancel()  # no ping may find the loss first
+    errors = a.store.errors
+    redis_server.stop()
+    await a.store.forget("flood", a.store.new_waiter())
+    assert not a.store.available and a.store.errors == errors + 1
+    await a.store.forget("flood", a.store.new_waiter())  # known lost: Redis is not asked
+    assert a.store.errors == errors + 1
+    redis_server.start()
+    await shutdown(a)
