@@ -22,8 +22,9 @@ offered in the policy's order, shorter classes first, and each row takes the k t
 gains most; so where a step is bound by arithmetic (many rows) D is large beside S / n
 and nothing is guessed, and where it is bound by reading the weights (a few rows) D is
 small and guesses are nearly free. A draft model's guesses cost its forwards too, priced by
-the draft's own step-cost model and counted in D: its catch-up and k - 1 decodes for the row,
-and the fixed cost of each forward no row before it needed. They are priced before they
+the draft's own step-cost model and counted in D: its catch-up (at most what one step of guessing leaves: a row's prompt
+enters the draft's cache once, a cost all its guesses share) and k - 1 decodes for the
+row, and the fixed cost of each forward no row before it needed. They are priced before they
 are drafted (the draft is paid for whatever the row keeps), by the row's acceptance alone.
 """
 
@@ -189,7 +190,10 @@ class Speculator:
                 continue
             most = min(self.config.num_speculative_tokens, budget, room(request))
             if drafting:  # the draft is paid for before its guesses are seen: k is chosen now
-                pending = self.drafter.pending(request)
+                # A row's first guess runs its whole prompt through the draft, once: every
+                # later guess of the row shares that cost, so a step is charged no more
+                # catch-up than a step of guessing leaves (the guesses kept, and one token).
+                pending = min(self.drafter.pending(request), 1 + self.config.num_speculative_tokens)
                 cost = partial(draft_seconds, self._draft_fit, request.num_tokens, pending, forwards=forwards)
                 most, added = self._best(row, [1.0] * most, fit, seconds, beneficiaries, cost)
                 if not most:

@@ -311,17 +311,18 @@ def test_rows_guess_whatever_moves_their_distribution_but_a_grammar_being_closed
 
 
 class ScriptedDraft:
-    """A draft model at unit level: each forward costs `base` (tokens and attention free),
-    every row is one token behind, and it guesses what the n-gram proposer finds. It keeps
-    what it was asked for."""
+    """A draft model at unit level: each forward costs `base` and `per_token` a token
+    (attention free), every row is `behind` tokens behind, and it guesses what the n-gram
+    proposer finds. It keeps what it was asked for."""
 
-    def __init__(self, base: float):
-        self.cost = ScriptedCost(base, 0.0)
+    def __init__(self, base: float, per_token: float = 0.0, behind: int = 1):
+        self.cost = ScriptedCost(base, per_token)
+        self.behind = behind
         self.asked: list[list[tuple[str, int]]] = []
         self.spent_s = 0.0
 
     def pending(self, request: Request) -> int:
-        return 1
+        return self.behind
 
     def propose(self, wanted: list[tuple[Request, int]]) -> list[Walk]:
         self.asked.append([(request.request_id, k) for request, k in wanted])
@@ -329,10 +330,10 @@ class ScriptedDraft:
         return [Walk(propose_ngram(r.all_token_ids, 2, 4, k), [1.0] * k) for r, k in wanted]
 
 
-def drafting(draft_base: float) -> tuple[Speculator, ScriptedDraft]:
+def drafting(draft_base: float, **draft) -> tuple[Speculator, ScriptedDraft]:
     """A speculator of a 10 ms step and 0.1 ms a token, its draft `draft_base` a forward."""
     spec = Speculator(SpeculativeConfig(method="draft_model", model="/draft.gguf"), ScriptedCost(0.010, 0.0001))
-    spec.drafter = ScriptedDraft(draft_base)
+    spec.drafter = ScriptedDraft(draft_base, **draft)
     return spec, spec.drafter
 
 
@@ -382,3 +383,16 @@ def test_a_draft_forward_another_row_pays_for_is_free_to_the_rows_after_it():
     plan = spec.plan([Row(keeper, 17), Row(newcomer, 17)], 2, 36, 36, 100)
     assert plan == {keeper.request_id: [5, 6, 7, 4], newcomer.request_id: [5, 6, 7, 4]}
     assert draft.asked[-1] == [(keeper.request_id, 4), (newcomer.request_id, 4)]
+
+
+def test_a_rows_prompt_enters_the_draft_once_and_no_step_is_charged_all_of_it():
+    # A free forward and 0.2 ms a draft token. A row whose 1,000-token prompt the draft has
+    # not seen would pay 200 ms for its first guess, and so never guess: it is charged the
+    # catch-up of a step of guessing (1 + 4 tokens), and four guesses pay
+    # (0.9375 x 10.1 ms against 5 + 3 draft tokens and 4 target ones).
+    request = repeating()
+    spec, draft = drafting(0.0, per_token=0.0002, behind=1000)
+    assert spec.plan([Row(request, 17)], 1, 18, 18, 100) == {request.request_id: [5, 6, 7, 4]}
+    # At 2 ms a draft token even the catch-up of five tokens costs more than a guess is worth.
+    spec, draft = drafting(0.0, per_token=0.002, behind=1000)
+    assert spec.plan([Row(request, 17)], 1, 18, 18, 100) == {} and draft.asked == []
