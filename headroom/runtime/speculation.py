@@ -22,10 +22,11 @@ offered in the policy's order, shorter classes first, and each row takes the k t
 gains most; so where a step is bound by arithmetic (many rows) D is large beside S / n
 and nothing is guessed, and where it is bound by reading the weights (a few rows) D is
 small and guesses are nearly free. A draft model's guesses cost its forwards too, priced by
-the draft's own step-cost model and counted in D: its catch-up (at most what one step of guessing leaves: a row's prompt
-enters the draft's cache once, a cost all its guesses share) and k - 1 decodes for the
-row, and the fixed cost of each forward no row before it needed. They are priced before they
-are drafted (the draft is paid for whatever the row keeps), by the row's acceptance alone.
+the draft's own step-cost model and counted in D: its catch-up (a row's prompt enters the
+draft's cache once, a cost shared by the steps left to the row: shared_catch_up) and k - 1
+decodes for the row, and the fixed cost of each forward no row before it needed. They are
+priced before they are drafted (the draft is paid for whatever the row keeps), by the
+row's acceptance alone.
 """
 
 from __future__ import annotations
@@ -88,7 +89,18 @@ def added_seconds(fit: StepCost, context: int, k: int) -> float:
     return fit.per_token_s * k + (fit.per_pair_s + fit.decode_extra_s) * extra
 
 
-def draft_seconds(fit: StepCost, length: int, pending: int, k: int, forwards: int) -> float:
+def shared_catch_up(pending: int, left: int, steady: int) -> float:
+    """The draft tokens a step of guessing is charged for a row `pending` tokens behind in
+    the draft's cache, with `left` tokens to make. A step of guessing leaves the draft
+    `steady` tokens behind (the guesses kept and one); what a row is behind past that (its
+    prompt, on its first guess) enters the draft once, a cost shared by the steps that make
+    its `left` tokens at `steady` a step."""
+    if pending <= steady:
+        return pending
+    return steady + (pending - steady) * steady / max(steady, left)
+
+
+def draft_seconds(fit: StepCost, length: int, pending: float, k: int, forwards: int) -> float:
     """What drafting k guesses for a row of `length` tokens costs the draft model: a forward
     of the `pending` tokens its cache lacks, then k - 1 decodes, batched with the other
     rows' (`forwards`: the forwards they already take, whose fixed cost is paid)."""
@@ -190,10 +202,7 @@ class Speculator:
                 continue
             most = min(self.config.num_speculative_tokens, budget, room(request))
             if drafting:  # the draft is paid for before its guesses are seen: k is chosen now
-                # A row's first guess runs its whole prompt through the draft, once: every
-                # later guess of the row shares that cost, so a step is charged no more
-                # catch-up than a step of guessing leaves (the guesses kept, and one token).
-                pending = min(self.drafter.pending(request), 1 + self.config.num_speculative_tokens)
+                pending = shared_catch_up(self.drafter.pending(request), room(request) + 1, 1 + most)
                 cost = partial(draft_seconds, self._draft_fit, request.num_tokens, pending, forwards=forwards)
                 most, added = self._best(row, [1.0] * most, fit, seconds, beneficiaries, cost)
                 if not most:

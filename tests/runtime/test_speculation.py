@@ -13,7 +13,7 @@ from headroom.config import ConfigError, SpeculativeConfig
 from headroom.contracts.request import AdmissionRecord, Request, SamplingParams, SizeClass
 from headroom.executor.grammar import Constraint
 from headroom.executor.sampler import Sampler
-from headroom.runtime.speculation import Row, Speculator, draft_seconds, propose_ngram
+from headroom.runtime.speculation import Row, Speculator, draft_seconds, propose_ngram, shared_catch_up
 from headroom.runtime.step_cost import StepCost, attention_pairs
 from headroom.runtime.suffix import Walk
 
@@ -385,14 +385,19 @@ def test_a_draft_forward_another_row_pays_for_is_free_to_the_rows_after_it():
     assert draft.asked[-1] == [(keeper.request_id, 4), (newcomer.request_id, 4)]
 
 
-def test_a_rows_prompt_enters_the_draft_once_and_no_step_is_charged_all_of_it():
-    # A free forward and 0.2 ms a draft token. A row whose 1,000-token prompt the draft has
-    # not seen would pay 200 ms for its first guess, and so never guess: it is charged the
-    # catch-up of a step of guessing (1 + 4 tokens), and four guesses pay
-    # (0.9375 x 10.1 ms against 5 + 3 draft tokens and 4 target ones).
-    request = repeating()
+def test_a_rows_prompt_enters_the_draft_once_and_its_price_is_shared_by_the_steps_left():
+    # A step of four guesses leaves the draft five tokens behind; what is behind past that
+    # is charged over the steps the row's tokens left take at five a step.
+    assert shared_catch_up(3, 100, 5) == 3
+    assert shared_catch_up(1005, 100, 5) == 5 + 1000 * 5 / 100
+    assert shared_catch_up(1005, 2, 5) == 1005  # its last step pays all of it
+    # A free forward and 0.2 ms a draft token; a 1,000-token prompt the draft has not seen.
+    # With 63 tokens left, a step is charged 84 tokens (16.8 ms), more than four guesses
+    # are worth (0.9375 x 10.1 ms); with 4,095 left, 6.2 tokens, and four guesses pay.
+    # Charged in full (200 ms), no row would ever guess.
     spec, draft = drafting(0.0, per_token=0.0002, behind=1000)
-    assert spec.plan([Row(request, 17)], 1, 18, 18, 100) == {request.request_id: [5, 6, 7, 4]}
-    # At 2 ms a draft token even the catch-up of five tokens costs more than a guess is worth.
-    spec, draft = drafting(0.0, per_token=0.002, behind=1000)
-    assert spec.plan([Row(request, 17)], 1, 18, 18, 100) == {} and draft.asked == []
+    short = repeating()
+    assert spec.plan([Row(short, 17)], 1, 18, 18, 100) == {} and draft.asked == []
+    long_ = repeating()
+    long_.sampling = SamplingParams(max_tokens=4096, temperature=0)
+    assert spec.plan([Row(long_, 17)], 1, 18, 18, 100) == {long_.request_id: [5, 6, 7, 4]}
