@@ -267,7 +267,7 @@ class EngineCore:
         trial = predicted is not None and self.threads.trying
         self.accounting.step_done(self.stats, out, held, elapsed, model_out.timer, learn=not trial)
         if predicted is not None:
-            self.threads.step_done(elapsed - out.draft_s, predicted)
+            self.threads.step_done(elapsed, predicted)
         for request, error in failed:  # after step_done: their last output carries the step they cost
             self.output_processor.finish(request, self.stats, error)
         for request, new in update.tokens:

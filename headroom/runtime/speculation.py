@@ -26,7 +26,8 @@ the draft's own step-cost model and counted in D: its catch-up (a row's prompt e
 draft's cache once, a cost shared by the steps left to the row: shared_catch_up) and k - 1
 decodes for the row, and the fixed cost of each forward no row before it needed. They are
 priced before they are drafted (the draft is paid for whatever the row keeps), by the
-row's acceptance alone.
+row's acceptance alone. Until the draft's cost model has a fit (a Drafter built without
+Drafter.build's timed start-up steps), its forwards are priced as free.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from headroom.runtime.drafter import Drafter
 
 REFIT_STEPS = 8
+CAUGHT_UP = 2  # the most a step of guessing leaves the draft behind (runtime/drafter.py)
 
 
 def propose_ngram(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -89,21 +91,23 @@ def added_seconds(fit: StepCost, context: int, k: int) -> float:
     return fit.per_token_s * k + (fit.per_pair_s + fit.decode_extra_s) * extra
 
 
-def shared_catch_up(pending: int, left: int, steady: int) -> float:
+def shared_catch_up(pending: int, left: int, per_step: int) -> float:
     """The draft tokens a step of guessing is charged for a row `pending` tokens behind in
     the draft's cache, with `left` tokens to make. A step of guessing leaves the draft
-    `steady` tokens behind (the guesses kept and one); what a row is behind past that (its
-    prompt, on its first guess) enters the draft once, a cost shared by the steps that make
-    its `left` tokens at `steady` a step."""
-    if pending <= steady:
+    CAUGHT_UP tokens behind at most (the target's own token, and the last guess where all
+    were kept); what a row is behind past that (its prompt, on its first guess) enters the
+    draft once, a cost shared by the steps that make its `left` tokens at up to `per_step`
+    a step."""
+    if pending <= CAUGHT_UP:
         return pending
-    return steady + (pending - steady) * steady / max(steady, left)
+    return CAUGHT_UP + (pending - CAUGHT_UP) * per_step / max(per_step, left)
 
 
 def draft_seconds(fit: StepCost, length: int, pending: float, k: int, forwards: int) -> float:
     """What drafting k guesses for a row of `length` tokens costs the draft model: a forward
-    of the `pending` tokens its cache lacks, then k - 1 decodes, batched with the other
-    rows' (`forwards`: the forwards they already take, whose fixed cost is paid)."""
+    of the `pending` tokens its cache lacks (a share of them, from shared_catch_up), then
+    k - 1 decodes, batched with the other rows' (`forwards`: the forwards they already
+    take, whose fixed cost is paid)."""
     first = attention_pairs(pending, length - pending)
     decodes = (k - 1) * length + k * (k - 1) // 2  # attention_pairs(1, length + i - 1), i < k
     decode_pairs = decodes + (first if pending == 1 else 0)
@@ -216,7 +220,7 @@ class Speculator:
             self.drafted_s = self.drafter.spent_s if wanted else 0.0
         drafts: dict[str, list[int]] = {}
         for (row, _), walk in zip(wanted, walks, strict=True):
-            k = len(walk.tokens)  # nothing learned yet: guess, and learn the price
+            k = len(walk.tokens)  # a drafting row's k, priced above; or unpriced: guess, and learn the price
             if fit is not None and not drafting:  # the guesses that gain most
                 k, added = self._best(row, walk.chances, fit, seconds, beneficiaries, lambda j: 0.0)
                 seconds += added

@@ -386,14 +386,14 @@ def test_a_draft_forward_another_row_pays_for_is_free_to_the_rows_after_it():
 
 
 def test_a_rows_prompt_enters_the_draft_once_and_its_price_is_shared_by_the_steps_left():
-    # A step of four guesses leaves the draft five tokens behind; what is behind past that
-    # is charged over the steps the row's tokens left take at five a step.
-    assert shared_catch_up(3, 100, 5) == 3
-    assert shared_catch_up(1005, 100, 5) == 5 + 1000 * 5 / 100
-    assert shared_catch_up(1005, 2, 5) == 1005  # its last step pays all of it
+    # A step of guessing leaves the draft two tokens behind at most; what is behind past
+    # that is charged over the steps the row's tokens left take, at five a step here.
+    assert shared_catch_up(2, 100, 5) == 2
+    assert shared_catch_up(1002, 100, 5) == 2 + 1000 * 5 / 100
+    assert shared_catch_up(1002, 2, 5) == 1002  # its last step pays all of it
     # A free forward and 0.2 ms a draft token; a 1,000-token prompt the draft has not seen.
-    # With 63 tokens left, a step is charged 84 tokens (16.8 ms), more than four guesses
-    # are worth (0.9375 x 10.1 ms); with 4,095 left, 6.2 tokens, and four guesses pay.
+    # With 63 tokens left, a step is charged 81 tokens (16.2 ms), more than four guesses
+    # are worth (0.9375 x 10.1 ms); with 4,095 left, 3.2 tokens, and four guesses pay.
     # Charged in full (200 ms), no row would ever guess.
     spec, draft = drafting(0.0, per_token=0.0002, behind=1000)
     short = repeating()

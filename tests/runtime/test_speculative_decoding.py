@@ -330,6 +330,8 @@ def test_the_drafts_cache_is_trusted_only_up_to_the_first_guess_not_kept(default
     assert len(first.tokens) == 4
     request.append_output(first.tokens[0])  # kept
     request.append_output(first.tokens[1] + 1)  # the target's own, not the draft's second guess
+    assert cached.pending(request) == 1  # the refused guesses are not its; the new token is to run
+    assert drafter().pending(request) == request.num_tokens  # an unseen row: all of it
     [again] = cached.propose([(request, 4)])
     [fresh] = drafter().propose([(request, 4)])
     assert again.tokens == fresh.tokens
@@ -338,8 +340,15 @@ def test_the_drafts_cache_is_trusted_only_up_to_the_first_guess_not_kept(default
     request.append_output(again.tokens[0])
     request.append_output(again.tokens[1])
     request.append_output(again.tokens[2])
+    assert cached.pending(request) == 1
     [third] = cached.propose([(request, 4)])
     [fresh] = drafter().propose([(request, 4)])
     assert third.tokens == fresh.tokens and len(third.tokens) == 4
+    # All four kept, then the target's own: the last guess never ran through the draft, so
+    # it is two behind (speculation.py's CAUGHT_UP).
+    for token in third.tokens:
+        request.append_output(token)
+    request.append_output(third.tokens[0])
+    assert cached.pending(request) == 2
     cached.forget("r")
     assert cached.blocks.num_used_blocks == 0 and not cached.sequences
