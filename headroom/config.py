@@ -283,8 +283,10 @@ class SchedulerConfig:
     # (bench/RESULTS.md, the seventh session: "one long chunk per short request").
     short_ttft_target_s: Seconds = 0.15
     long_ttft_target_s: Seconds = 10.0
-    # With no shorter request running or waiting, and none arrived for this long, long
-    # chunks take the whole token budget: there is nobody to protect.
+    # With no shorter request running or waiting, and none arrived for this long, a long
+    # chunk may add the whole short_ttft_target_s to a step (not a quarter of it; at least
+    # half the token budget's worth): nobody is there to protect, but the first to arrive
+    # waits for all of the step.
     long_lane_quiet_s: Seconds = 10.0
     # While shorter requests decode, long-class work (decode rows, then a prefill chunk)
     # may add at most this fraction of what the step costs without it (the shorter

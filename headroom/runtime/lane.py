@@ -30,6 +30,10 @@ UNTRAINED_LONG_CHUNK = 2 * MIN_PREFILL_TOKENS
 MIN_LONG_CHUNK = MIN_PREFILL_TOKENS  # the fewest tokens a long chunk takes when it takes any
 LONG_STEP_STRETCH = 0.25  # a long chunk may make a step this much longer than it is without
 TIGHTEST = 1 / 16  # the head-of-line loop's lowest scale on the long lane's allowance
+# After a quiet spell a long chunk takes at least this share of the step's token budget,
+# however far the TTFT target is below its price on a slow machine, where smaller chunks
+# slowed a long prompt's prefill (bench/RESULTS.md).
+QUIET_MIN_BUDGET_SHARE = 0.5
 
 log = logging.getLogger("headroom.hol")
 
@@ -229,16 +233,26 @@ class LongLane:
         With no shorter request present the chunk is bounded all the same (by the full
         allowance, without the loop's scaling): one arriving during the step waits for all
         of it, and one unbounded chunk alone can set the short class's p99 TTFT
-        (bench/RESULTS.md). Only where no shorter request has arrived for
-        long_lane_quiet_s is nothing protected: long work alone then runs at full speed."""
+        (bench/RESULTS.md). Where no shorter request has arrived for long_lane_quiet_s,
+        long work alone runs near full speed: a chunk may take the whole TTFT target, or
+        what half of the step's token budget costs at the deepest long prompt's context
+        where that is more (a slow machine), no more. The first short request after a
+        quiet spell arrives during such a chunk, and a whole-budget chunk (512 tokens,
+        dearer on an adapter) set the p99 TTFT of a tenant whose first requests met
+        another's first prompt."""
         config = self.config
         if not config.long_lane:
             return None
         full = max(config.short_ttft_target_s / 4, LONG_STEP_STRETCH * base_s)
         if not any(not is_long(r) for r in (*running, *waiting)):
-            # Nobody to protect now; one may arrive during the step, unless none has for
-            # long_lane_quiet_s: then long work runs at the step's full token budget.
-            return None if now - self.last_short_arrival >= config.long_lane_quiet_s else full
+            # Nobody to protect now; one may arrive during the step, and wait for all of it.
+            if now - self.last_short_arrival < config.long_lane_quiet_s:
+                return full
+            deepest = max(
+                (r.num_computed_tokens for r in (*running, *waiting) if is_long(r) and behind(r) > 1), default=0
+            )
+            least = self.cost.chunk_seconds(int(QUIET_MIN_BUDGET_SHARE * config.max_num_batched_tokens), deepest)
+            return max(full, config.short_ttft_target_s, least)
         waited = max(
             (now - r.arrival_time for r in (*running, *waiting) if is_long(r) and behind(r) > 1),
             default=0.0,

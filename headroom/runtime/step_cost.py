@@ -181,7 +181,10 @@ class StepCostModel:
         if a <= 0 and b <= 0:
             return limit
         n = min(limit, int(2 * seconds / (b + (b * b + 4 * a * seconds) ** 0.5)))
-        # The square root rounds; never hand out a chunk the model says is over.
+        # The square root rounds either way: never hand out a chunk the model says is over,
+        # nor one token short of what it says fits (a chunk priced exactly at the allowance).
         while n > 0 and self.chunk_seconds(n, context) > seconds:
             n -= 1
+        if n < limit and self.chunk_seconds(n + 1, context) <= seconds:
+            n += 1
         return n

@@ -40,6 +40,18 @@ def largest_chunk(seconds: float, context: int, limit: int) -> int:
     return n
 
 
+def quiet_chunks(target_s: float, upto: int, prompt: int, budget: int) -> list[int]:
+    """The oracle for a long prompt alone where nobody shorter has arrived lately: chunks
+    of what the whole TTFT target covers at each context, or half of the budget where that
+    is more, until `upto` tokens are in."""
+    sizes, context = [], 0
+    while context < upto:
+        n = min(prompt - context, max(largest_chunk(target_s, context, budget), budget // 2))
+        sizes.append(n)
+        context += n
+    return sizes
+
+
 # A time-per-token objective so loose it never binds: for the tests of the TTFT-derived
 # allowance alone (the tests of the objective itself use the default).
 NO_TPOT_BOUND = 100.0
@@ -92,13 +104,15 @@ def test_allowance_is_a_quarter_of_the_short_target_and_the_floor_grows_with_the
     long = create_request(prompt=3000, size_class="long", arrival=clock.t)
     short_running = create_request(prompt=10, size_class="short", arrival=clock.t)
     short_waiting = create_request(prompt=10, size_class="short", arrival=clock.t)
-    # Nobody to protect, and nobody shorter has arrived: nothing to bound.
-    assert lane.prefill_allowance([long], [], clock.t) is None
+    # Nobody to protect, and nobody shorter has arrived: the whole TTFT target, since the
+    # first short request to come waits for all of the step it arrives during.
+    assert lane.prefill_allowance([long], [], clock.t) == 0.5
     # Nobody to protect now, but one arrived lately and another may arrive during the
-    # step: bounded all the same, until long_lane_quiet_s has passed without one.
+    # step: a quarter of the target, until long_lane_quiet_s has passed without one.
     lane.note_arrival(short_running, clock.t - 1.0)
     assert lane.prefill_allowance([long], [], clock.t) == 0.125
-    assert lane.prefill_allowance([long], [], clock.t - 1.0 + s.config.long_lane_quiet_s) is None
+    assert lane.prefill_allowance([long], [], clock.t - 1.0 + s.config.long_lane_quiet_s - 0.01) == 0.125
+    assert lane.prefill_allowance([long], [], clock.t - 1.0 + s.config.long_lane_quiet_s) == 0.5
     assert lane.prefill_allowance([long, short_running], [], clock.t) == 0.125
     # A step that starts a shorter request carries nothing until the long one has waited
     # long_ttft_target_s, then the whole allowance ...
@@ -168,6 +182,43 @@ def test_chunks_follow_the_learned_cost_as_the_context_grows():
     assert long.num_computed_tokens == 1500
 
 
+def test_a_long_prompt_alone_after_a_quiet_spell_takes_chunks_of_the_whole_ttft_target_not_the_budget():
+    # Nobody shorter has arrived: a fresh server's first prompt. A 512-token chunk costs
+    # 1.29 s here at context 0; the first short request to arrive would wait for it all.
+    # Each chunk is what the TTFT target (1 s) covers at its context instead, and never
+    # under half the budget, which deep in the context is what binds.
+    clock = Clock()
+    s = create_scheduler(
+        max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock, short_ttft_target_s=1.0
+    )
+    teach(s.cost)
+    long = create_request(prompt=3000, size_class="long", max_tokens=2, arrival=clock.t)
+    s.add_request(long)
+    expected = quiet_chunks(1.0, 3000, 3000, 512)
+    assert chunks(s, long.request_id, len(expected)) == expected
+    assert expected[:6] == [414, 360, 322, 294, 273, 256] and max(expected) < 512
+    assert expected[0] == largest_chunk(1.0, 0, 512) and min(expected[:-1]) == 256
+    assert long.num_computed_tokens == 3000
+
+
+def test_after_a_quiet_spell_on_a_slow_machine_a_chunk_takes_at_least_half_of_the_budget():
+    # A token costs 10 ms: the 0.5 s TTFT target covers 50 of them, which on a slow
+    # machine run on the small-batch kernels. Half of the 512-token budget instead: 256
+    # tokens, 2.56 s.
+    s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, short_ttft_target_s=0.5)
+    model = s.cost
+    for tokens in (1, 2, 4, 8, 16, 64, 256, 512):
+        for context in (0, 500, 2000):
+            model.observe(tokens, attention_pairs(tokens, context), 0.04 + 0.01 * tokens)
+    long = create_request(prompt=3000, size_class="long", max_tokens=2)
+    assert s.lane.prefill_allowance([long], [], 0.0) == pytest.approx(2.56, rel=1e-6)
+    s.add_request(long)
+    assert chunks(s, long.request_id, 3) == [256, 256, 256]
+    # Once a shorter request has arrived, a quarter of the target again.
+    s.lane.note_arrival(create_request(prompt=10, size_class="short"), 0.0)
+    assert s.lane.prefill_allowance([long], [], 1.0) == 0.125
+
+
 def test_a_long_chunk_takes_its_minimum_even_where_one_token_costs_more_than_the_allowance():
     # Deep enough in a context, one token costs more than the allowance (1e-6 s a pair:
     # 0.2 s at 200,000 keys against 0.125 s). MIN_LONG_CHUNK all the same, or it crawls.
@@ -199,12 +250,14 @@ def test_while_a_short_decodes_a_chunk_spends_its_time_per_token_budget_and_take
     teach(s.cost)
     long = create_request(prompt=4000, size_class="long", max_tokens=2, arrival=clock.t)
     s.add_request(long)
-    assert chunks(s, long.request_id, 6) == [512] * 6  # nobody to protect: the whole budget
+    alone = quiet_chunks(0.15, 3072, 4000, 512)  # nobody to protect: the whole TTFT target
+    assert chunks(s, long.request_id, len(alone)) == alone
     short = create_request(prompt=10, size_class="short", max_tokens=9, arrival=clock.t)
     s.add_request(short)
-    assert largest_chunk(0.0375, 3072, 512) == 7
+    context = long.num_computed_tokens
+    assert largest_chunk(0.0375, context, 512) == 7
     sizes = chunks(s, long.request_id, 12)
-    context, expected, saved, skips = 3072, [0], 0.0, 0  # nothing beside the step that starts it
+    expected, saved, skips = [0], 0.0, 0  # nothing beside the step that starts it
     for step in range(1, 12):
         decoding = step <= 8  # its prefill step gives the first token, then 8 decodes
         left = 0.0375
@@ -238,7 +291,8 @@ def test_a_long_decode_row_and_a_long_chunk_share_the_time_per_token_budget():
     teach(s.cost)
     decoding = create_request(prompt=2000, size_class="long", max_tokens=100, arrival=clock.t)
     s.add_request(decoding)
-    assert chunks(s, decoding.request_id, 4) == [512, 512, 512, 464]  # nobody to protect
+    alone = quiet_chunks(0.15, 2000, 2000, 512)  # nobody to protect
+    assert chunks(s, decoding.request_id, len(alone)) == alone
     short = create_request(prompt=10, size_class="short", max_tokens=100, arrival=clock.t)
     s.add_request(short)
     assert scheduled(run_step(s)[0]) == {short.request_id: 10}  # the long decode sits it out
@@ -270,13 +324,14 @@ def test_with_no_time_per_token_stretch_long_prefill_still_moves_by_the_floor():
     teach(s.cost)
     long = create_request(prompt=4000, size_class="long", max_tokens=2, arrival=clock.t)
     s.add_request(long)
-    assert chunks(s, long.request_id, 2) == [512, 512]
+    alone = quiet_chunks(0.15, 1024, 4000, 512)
+    assert chunks(s, long.request_id, len(alone)) == alone
     s.add_request(create_request(prompt=10, size_class="short", max_tokens=50, arrival=clock.t))
     assert chunks(s, long.request_id, 9) == [0, 0, 0, 0, 16, 0, 0, 0, 16]
 
 
 def test_a_second_long_chunk_in_a_step_gets_only_what_the_first_left():
-    # Long A has 10 prompt tokens left at context 10,000 (12 ms a token there), long B a
+    # Long A has 10 prompt tokens left at context 9,912 (12 ms a token there), long B a
     # prompt at 0 (2 ms a token). A short one decodes, with a budget of 5 x its ~12 ms
     # step (the TTFT-derived allowance, 0.5 s, never binds). A's 10 tokens cost 120 ms:
     # it sits out one step, saving 60 ms, and takes them in the next, leaving ~0 for B,
@@ -291,9 +346,11 @@ def test_a_second_long_chunk_in_a_step_gets_only_what_the_first_left():
         short_tpot_stretch=5.0,
     )
     teach(s.cost)
-    a = create_request(prompt=10_010, size_class="long", max_tokens=2, arrival=clock.t)
+    alone = quiet_chunks(2.0, 9_900, 20_000, 500)  # nobody to protect
+    assert sum(alone) == 9_912
+    a = create_request(prompt=sum(alone) + 10, size_class="long", max_tokens=2, arrival=clock.t)
     s.add_request(a)
-    assert chunks(s, a.request_id, 20) == [500] * 20  # nobody to protect
+    assert chunks(s, a.request_id, len(alone)) == alone
     short = create_request(prompt=10, size_class="short", max_tokens=50, arrival=clock.t)
     b = create_request(prompt=1000, size_class="long", max_tokens=2, arrival=clock.t)
     s.add_request(short)
@@ -315,7 +372,8 @@ def test_a_deep_chunk_that_sits_out_holds_the_turn_against_a_shallow_one():
     teach(s.cost)
     deep = create_request(prompt=4000, size_class="long", max_tokens=2, arrival=clock.t)
     s.add_request(deep)
-    assert chunks(s, deep.request_id, 6) == [512] * 6
+    alone = quiet_chunks(0.15, 3072, 4000, 512)
+    assert chunks(s, deep.request_id, len(alone)) == alone
     clock.t += 1.0
     shallow = create_request(prompt=1000, size_class="long", max_tokens=2, arrival=clock.t)
     short = create_request(prompt=10, size_class="short", max_tokens=200, arrival=clock.t)
@@ -323,8 +381,16 @@ def test_a_deep_chunk_that_sits_out_holds_the_turn_against_a_shallow_one():
     s.add_request(short)
     assert s.lane.admits(shallow, s.running, s.block_manager)
     assert largest_chunk(0.0375, 3072, 512) == 7 and largest_chunk(0.0375, 0, 512) == 18
+    context = deep.num_computed_tokens
     sizes = [scheduled(run_step(s)[0]) for _ in range(10)]
-    assert [step.get(deep.request_id, 0) for step in sizes] == [0, 0, 0, 22, 0, 0, 21, 0, 0, 21]
+    # The step that starts the short one carries no chunk; then A sits out twice and spends
+    # the three steps' allowance, 0.1125 s, each turn.
+    expected = [0] * 10
+    for step in (3, 6, 9):
+        expected[step] = largest_chunk(3 * 0.0375, context, 512)
+        context += expected[step]
+    assert [step.get(deep.request_id, 0) for step in sizes] == expected
+    assert expected[3] >= MIN_LONG_CHUNK
     assert all(shallow.request_id not in step for step in sizes)
     assert all(short.request_id in step for step in sizes)
 
