@@ -284,9 +284,9 @@ class SchedulerConfig:
     short_ttft_target_s: Seconds = 0.15
     long_ttft_target_s: Seconds = 10.0
     # With no shorter request running or waiting, and none arrived for this long, a long
-    # chunk may add the whole short_ttft_target_s to a step (not a quarter of it; at least
-    # half the token budget's worth): nobody is there to protect, but the first to arrive
-    # waits for all of the step.
+    # chunk may add the whole short_ttft_target_s to a step (not a quarter of it), or what
+    # half the token budget costs at its context where that is more: nobody is there to
+    # protect, but the first to arrive waits for all of the step.
     long_lane_quiet_s: Seconds = 10.0
     # While shorter requests decode, long-class work (decode rows, then a prefill chunk)
     # may add at most this fraction of what the step costs without it (the shorter

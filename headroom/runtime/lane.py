@@ -30,9 +30,9 @@ UNTRAINED_LONG_CHUNK = 2 * MIN_PREFILL_TOKENS
 MIN_LONG_CHUNK = MIN_PREFILL_TOKENS  # the fewest tokens a long chunk takes when it takes any
 LONG_STEP_STRETCH = 0.25  # a long chunk may make a step this much longer than it is without
 TIGHTEST = 1 / 16  # the head-of-line loop's lowest scale on the long lane's allowance
-# After a quiet spell a long chunk takes at least this share of the step's token budget,
-# however far the TTFT target is below its price on a slow machine, where smaller chunks
-# slowed a long prompt's prefill (bench/RESULTS.md).
+# After a quiet spell a long chunk may add what this share of the step's token budget
+# costs at its context, where that is more than the TTFT target: on a slow machine the
+# target's few tokens a chunk slowed a long prompt's prefill (bench/RESULTS.md).
 QUIET_MIN_BUDGET_SHARE = 0.5
 
 log = logging.getLogger("headroom.hol")

@@ -122,8 +122,9 @@ def engine_counters(stats: EngineStats, scheduler: Scheduler, refiner: ProbeRefi
 def long_lane_state(config: SchedulerConfig, scheduler: Scheduler, now: float) -> LongLaneState:
     lane = scheduler.lane
     allowance = lane.allowance(scheduler.running, scheduler.waiting, now)
-    # The chunk a long prompt would get with shorter requests running and none waiting; while
-    # they decode, a chunk under MIN_LONG_CHUNK takes turns instead, at MIN_LONG_CHUNK or more.
+    # The chunk a long prompt would get under this step's allowance (with no long prompt: with
+    # shorter requests running and none waiting); while they decode, a chunk under
+    # MIN_LONG_CHUNK takes turns instead, at MIN_LONG_CHUNK or more.
     sized = allowance if allowance is not None else config.short_ttft_target_s / 4 * lane.factor
     return LongLaneState(
         enabled=config.long_lane,

@@ -109,7 +109,7 @@ def test_a_short_request_starts_during_a_long_prefill_with_default_settings(serv
     ).json()["long_lane"]
     assert stats["enabled"] is True and stats["factor"] == 1.0
     assert stats["short_ttft_target_s"] == engine.config.scheduler.short_ttft_target_s
-    assert stats["allowance_s"] is None  # idle: no shorter request for a long one to hold up
+    assert stats["allowance_s"] is None  # idle: no long prompt left to size a chunk for
     assert stats["steps_observed"] > 0 and stats["step_cost"] is not None, stats
     assert stats["step_cost"]["per_token_s"] > 0, stats
     assert stats["chunk_tokens"]["0"] >= stats["chunk_tokens"]["4096"] > 0, stats
