@@ -30,7 +30,7 @@ def large_batch_dtype(device: torch.device) -> tuple[torch.dtype, str]:
     what serves them: the tiled integer kernel instead where the CPU has AVX-512 VNNI (the
     float matmuls then serve only shapes it does not tile)."""
     kernels, _ = cpu_kernels()
-    tiled = device.type == "cpu" and kernels is not None and kernels.qdot_available()
+    tiled = device.type == "cpu" and kernels is not None and kernels.qgemm_available()
     native = [flag for flag in BF16_FLAGS if flag in cpu_flags()] if device.type == "cpu" else []
     dtype, why = (
         (torch.bfloat16, f"bfloat16 matmuls ({native[0]})")

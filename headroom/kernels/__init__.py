@@ -45,6 +45,7 @@ SOURCES = (
     "linear/q4_linear.cpp",
     "linear/q8_linear.cpp",
     "linear/qdot_linear.cpp",
+    "linear/qdot_avx2.cpp",
     "linear/lora_add.cpp",
     "attention/paged_attention.cpp",
     "attention/decode_spans.cpp",

@@ -14,7 +14,9 @@ at twice int4's bytes but with a cheaper unpacking.
 
 A decode step of one sequence reads every weight once, so fewer bytes win there; a
 batch of many rows is compute-bound. Batches of at most `small_batch` rows (the
-crossover measured at start) take the packed weights. Larger ones take, on a CPU with
+crossover measured at start) take the packed weights, through integer dot products of x
+rounded to int8 per group (llama.cpp's Q8_1 activations) on a CPU with AVX2 or AVX-512
+VNNI (qdot_linear), else as floats (q4_linear, q8_linear). Larger ones take, on a CPU with
 AVX-512 VNNI, the same 8-bit integer arithmetic on a second copy of the weights laid out
 in tiles of 16 rows, one byte each, or two 4-bit weights a byte for int4 (qgemm_linear;
 the byte tiles took 1.4-1.6x less time than oneDNN's bfloat16 at 32-4096 rows on a 2-core
@@ -150,7 +152,8 @@ class QuantLinear(nn.Module):
         if kernels is None:
             raise RuntimeError(f"quantised linears need headroom's CPU kernels: {why}")
         self.kernels, self.bits, self.small_batch = kernels, bits, small_batch
-        # The integer-dot kernel (AVX-512 VNNI) where this build has it; it reads 64 weights at a time.
+        # The integer-dot kernel (AVX2 or AVX-512 VNNI) where this build has it; it reads 64
+        # weights at a time.
         self.qdot = kernels.qdot_available() and weight.shape[1] % 64 == 0
         self.out_features = weight.shape[0]
         self.bias = bias
@@ -171,7 +174,7 @@ class QuantLinear(nn.Module):
         # weights (int4 two a byte), where the kernel has it; otherwise the float matmul.
         self.tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.large: LargeBatchMatmul | None = None
-        if tiled and self.qdot and self.out_features % TILE == 0:
+        if tiled and self.qdot and kernels.qgemm_available() and self.out_features % TILE == 0:
             self.tiles = integer_tiles(q, scale, low, bits)
         else:
             self.large = LargeBatchMatmul(weight, large_dtype)

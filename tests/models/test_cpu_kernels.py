@@ -137,8 +137,8 @@ def int8_activation_reference(x: torch.Tensor, linear: QuantLinear) -> torch.Ten
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 3, 9, 33])
 def test_linear_of_a_k_multiple_of_64_computes_what_its_path_promises(bits, rows):
-    # With AVX-512 VNNI, the integer-dot kernel: exactly the int8-activation arithmetic;
-    # elsewhere, the float-activation kernels: a float matmul of the packed weights.
+    # With AVX2 or AVX-512 VNNI, the integer-dot kernel: exactly the int8-activation
+    # arithmetic; elsewhere, the float-activation kernels: a float matmul of the packed weights.
     torch.manual_seed(rows)
     weight = q4_1_weight(300, 192) if bits == 4 else q8_0_weight(300, 192)
     linear = QuantLinear(weight, None, bits, small_batch=64)
@@ -157,7 +157,7 @@ def test_batches_above_small_batch_take_the_tiled_kernel_and_the_same_arithmetic
     # 336 outputs: 21 tiles of 16, so ten pairs and a tile alone; rows 5-11 reach every
     # partial row tile (1-5 rows after whole tiles of 6).
     kernels, _ = cpu_kernels()
-    if not kernels.qdot_available():
+    if not kernels.qgemm_available():
         pytest.skip("the tiled integer kernel needs AVX-512 VNNI; this CPU's large batches take a float matmul")
     torch.manual_seed(rows)
     weight = q4_1_weight(336, 192) if bits == 4 else q8_0_weight(336, 192)
@@ -195,6 +195,26 @@ def test_integer_tiles_lay_out_four_weights_of_16_rows_a_register_and_int4_two_a
     # int4's scales and minima are float16 (Q4_1's own), the same values in the same order.
     assert two.shape == (2, 4, 4, 16, 4) and all(torch.equal(a, b.half()) for a, b in zip(rest, (scales, mins)))
     assert torch.equal(two & 0xF, one[:, :, :4]) and torch.equal(two >> 4, one[:, :, 4:])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_largest_weights_against_the_largest_activations_do_not_saturate(bits):
+    # Weights of +-1, so each group's q is at its top (15 for int4, 255 for int8) where w is
+    # 1 and at its bottom elsewhere; x of +-1, so its quantised bytes are +-127, the same
+    # signs as a weight row's (rows 1 and 2) or all +1 (row 0). Two such products of int8
+    # weights are 64,770, past the int16 that AVX2's byte multiply (vpmaddubsw) sums pairs
+    # into and saturates at; every path must still give the integer answer.
+    signs = torch.randint(0, 2, (64, 128), generator=torch.Generator().manual_seed(0)) * 2 - 1
+    weight = signs.float()
+    weight[0] = 1
+    x = torch.stack([torch.ones(128), weight[3], -weight[5]])
+    linear = QuantLinear(weight, None, bits, small_batch=64)
+    q = linear.qweight if bits == 8 else torch.cat([linear.qweight & 0xF, linear.qweight >> 4], 1)
+    assert q.max().item() == 2**bits - 1
+    # The weights as held (int4's float16 scale of 2/15 is not exact), times x: within float
+    # rounding of what the integers give, where one saturated pair is off by about 2.
+    expected = x @ linear.dequantized().t()
+    assert torch.allclose(linear(x), expected, rtol=0, atol=1e-3)
 
 
 def test_a_shape_the_kernel_does_not_tile_keeps_the_float_matmul():

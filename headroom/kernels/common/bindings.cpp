@@ -20,6 +20,7 @@ void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor si
 torch::Tensor qdot_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
                           int64_t bits);
 bool qdot_available();
+bool qgemm_available();
 torch::Tensor qgemm_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, torch::Tensor mins);
 void lora_add_(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor b, torch::Tensor spans,
                torch::Tensor rows, torch::Tensor starts, torch::Tensor slots);
@@ -56,5 +57,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out[rows] += x[rows] @ A[slot] @ B[slot] in place, for groups of rows each under one slot's LoRA weights",
         no_gil, py::arg("out"), py::arg("x"), py::arg("a"), py::arg("b"), py::arg("spans"), py::arg("rows"),
         py::arg("starts"), py::arg("slots"));
-  m.def("qdot_available", &qdot_available, "whether this build has the AVX-512 VNNI integer-dot linear");
+  m.def("qdot_available", &qdot_available, "whether this build has the integer-dot linear (AVX2 or AVX-512 VNNI)");
+  m.def("qgemm_available", &qgemm_available, "whether this build has the tiled integer linear (AVX-512 VNNI)");
 }

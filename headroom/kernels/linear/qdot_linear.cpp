@@ -1,4 +1,5 @@
-// y = x @ W^T by integer dot products (AVX-512 VNNI), for CPUs that have them.
+// y = x @ W^T by integer dot products (AVX-512 VNNI), for CPUs that have them; on AVX2
+// alone, the same arithmetic through qdot_avx2.cpp (small batches: the tiles are VNNI's).
 // W: unsigned groups of 32 along K with a scale and a minimum each (w = scale * q + min),
 // either 8-bit (q in 0..255, one byte each) or 4-bit (q in 0..15, packed per 64 weights:
 // byte i of a chunk holds weight i in its low nibble and weight 32 + i in its high one, so
@@ -10,6 +11,7 @@
 #include "tensor.h"
 
 #include "pool.h"
+#include "qdot_avx2.h"
 
 #include <cmath>
 #include <algorithm>
@@ -275,6 +277,14 @@ void qgemm_rows(const QuantisedRows& x, const uint8_t* wp, const S* sp, const S*
 }  // namespace
 
 bool qdot_available() {
+#if defined(HEADROOM_VNNI) || defined(HEADROOM_AVX2)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool qgemm_available() {
 #ifdef HEADROOM_VNNI
   return true;
 #else
@@ -286,7 +296,7 @@ bool qdot_available() {
 // (N, K/32) float32 -> (M, N) float32. K must be a multiple of 64.
 torch::Tensor qdot_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
                           int64_t bits) {
-  TORCH_CHECK(qdot_available(), "qdot_linear needs AVX-512 VNNI, which this build lacks");
+  TORCH_CHECK(qdot_available(), "qdot_linear needs AVX2 or AVX-512 VNNI, which this build lacks");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(qweight.scalar_type() == torch::kUInt8 && scales.scalar_type() == torch::kFloat32 &&
@@ -307,7 +317,9 @@ torch::Tensor qdot_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
     qdot_rows<4>(xq, qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(),
                  y.data_ptr<float>(), M, K, N);
   }
-
+#elif defined(HEADROOM_AVX2)
+  headroom::qdot_avx2(x.data_ptr<float>(), qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                      mins.data_ptr<float>(), y.data_ptr<float>(), M, K, N, bits);
 #endif
   return y;
 }
@@ -317,7 +329,7 @@ torch::Tensor qdot_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
 // in the high nibbles of step s's; scales, mins: (N/16, K/32, 16), both float32 or both
 // float16 -> (M, N) float32.
 torch::Tensor qgemm_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, torch::Tensor mins) {
-  TORCH_CHECK(qdot_available(), "qgemm_linear needs AVX-512 VNNI, which this build lacks");
+  TORCH_CHECK(qgemm_available(), "qgemm_linear needs AVX-512 VNNI, which this build lacks");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
   TORCH_CHECK(tiles.scalar_type() == torch::kUInt8 && tiles.is_contiguous() && scales.is_contiguous() &&
                   mins.is_contiguous() && scales.scalar_type() == mins.scalar_type() &&

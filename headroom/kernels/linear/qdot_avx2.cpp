@@ -1,0 +1,163 @@
+// qdot_linear's arithmetic for CPUs with AVX2 and no AVX-512 VNNI: the same weights (layout
+// as qdot_linear.cpp states it), x rounded the same way per row and group of 32 to int8, and
+// the same integer dot products, exactly, so the two kernels differ only in float rounding.
+// AVX2 multiplies unsigned by signed bytes into saturating int16 pairs (vpmaddubsw), which a
+// 4-bit weight (0..15) times an int8 x (-127..127) never saturates; an 8-bit weight could, so
+// it goes in as its two nibbles, the high one's pairs weighted 16 when they widen to int32.
+// Per group of 32 weights and row that is 3 integer instructions (4-bit) where the float
+// kernel (q4_linear.cpp) widens each weight to float: 12 to unpack and 4 multiply-adds.
+#include "qdot_avx2.h"
+
+#include "pool.h"
+#include "simd.h"
+
+#ifdef HEADROOM_AVX2
+#include <cstdint>
+#include <vector>
+
+namespace {
+constexpr int64_t kGroup = 32;
+constexpr int64_t kChunk = 64;  // two groups: 32 bytes of 4-bit weights
+constexpr int kRows = 4;        // weight rows per tile: one x load feeds four chains
+constexpr int kTile = 2;        // activation rows per tile (8 accumulators of 16 registers)
+
+struct Rows {
+  std::vector<int8_t> q;    // (M, K)
+  std::vector<float> d;     // (M, G): each group's scale
+  std::vector<float> sum;   // (M, G): d * sum of the group's q, for the minima's share
+};
+
+// Round half to even (vcvtps2dq), scale max|x| / 127: what qdot_linear.cpp's quantise_rows does.
+Rows quantise(const float* x, int64_t M, int64_t K) {
+  const int64_t G = K / kGroup;
+  Rows out{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo the packs' lane interleave
+  headroom::parallel_rows(M, M * G, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* xg = x + i * kGroup;
+      __m256 v[4], amax = _mm256_setzero_ps();
+      for (int k = 0; k < 4; ++k) {
+        v[k] = _mm256_loadu_ps(xg + 8 * k);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
+      }
+      __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+      m = _mm_max_ss(m, _mm_movehdup_ps(m));
+      const float d = _mm_cvtss_f32(m) / 127.f;
+      const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+      __m256i q[4];
+      for (int k = 0; k < 4; ++k) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));
+      const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+      const __m256i words = _mm256_packs_epi32(q[0], q[1]), words2 = _mm256_packs_epi32(q[2], q[3]);
+      const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words2), order);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + i * kGroup), bytes);
+      __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+      s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+      s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+      out.d[i] = d;
+      out.sum[i] = d * static_cast<float>(_mm_cvtsi128_si32(s));
+    }
+  });
+  return out;
+}
+
+// One group's 32 weight bytes against 32 bytes of x, as 8 int32 sums of 4 products each.
+template <int Bits>
+inline __m256i group_dot(__m256i w, __m256i x) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (Bits == 4) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+  } else {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i low = _mm256_maddubs_epi16(_mm256_and_si256(w, nibble), x);
+    const __m256i high = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), nibble), x);
+    return _mm256_add_epi32(_mm256_madd_epi16(low, ones), _mm256_madd_epi16(high, _mm256_set1_epi16(16)));
+  }
+}
+
+// Group g (of chunk c) of a weight row: 4-bit, the chunk's low nibbles for its first group
+// and high ones for its second; 8-bit, the group's own 32 bytes.
+template <int Bits>
+inline __m256i load_group(const uint8_t* row, int64_t g) {
+  if constexpr (Bits == 4) {
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (g / 2) * (kChunk / 2)));
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    return g % 2 ? _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble) : _mm256_and_si256(packed, nibble);
+  } else {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * kGroup));
+  }
+}
+
+// NB weight rows (from n) against RT rows of x (from r0): NB * RT float accumulators.
+template <int Bits, int NB, int RT>
+inline void dot_tile(const Rows& x, int64_t r0, const uint8_t* w, const float* s, const float* mins, float* y,
+                     int64_t n, int64_t K, int64_t N) {
+  const int64_t G = K / kGroup, row_bytes = K * Bits / 8;
+  __m256 acc[RT][NB];
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = load_group<Bits>(w + j * row_bytes, g);
+    for (int r = 0; r < RT; ++r) {
+      const int64_t row = r0 + r;
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + row * K + g * kGroup));
+      const float xd = x.d[row * G + g];
+      for (int j = 0; j < NB; ++j) {
+        const __m256 both = _mm256_set1_ps(s[j * G + g] * xd);
+        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_dot<Bits>(wv[j], xv)), both, acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < RT; ++r) {
+    const float* xsum = x.sum.data() + (r0 + r) * G;
+    for (int j = 0; j < NB; ++j) {
+      // The minima's share: sum over groups of min * d * sum(q_x).
+      const float* mn = mins + j * G;
+      __m256 offset = _mm256_setzero_ps();
+      int64_t g = 0;
+      for (; g + 8 <= G; g += 8) offset = _mm256_fmadd_ps(_mm256_loadu_ps(mn + g), _mm256_loadu_ps(xsum + g), offset);
+      float tail = 0.f;
+      for (; g < G; ++g) tail += mn[g] * xsum[g];
+      y[(r0 + r) * N + n + j] = headroom::hsum(_mm256_add_ps(acc[r][j], offset)) + tail;
+    }
+  }
+}
+
+template <int Bits, int NB>
+inline void dot_rows(const Rows& x, int64_t M, const uint8_t* w, const float* s, const float* mins, float* y,
+                     int64_t n, int64_t K, int64_t N) {
+  int64_t r0 = 0;
+  for (; r0 + kTile <= M; r0 += kTile) dot_tile<Bits, NB, kTile>(x, r0, w, s, mins, y, n, K, N);
+  if (r0 < M) dot_tile<Bits, NB, 1>(x, r0, w, s, mins, y, n, K, N);
+}
+
+template <int Bits>
+void rows(const Rows& x, const uint8_t* wp, const float* sp, const float* mp, float* yp, int64_t M, int64_t K,
+          int64_t N) {
+  const int64_t G = K / kGroup, row_bytes = K * Bits / 8, blocks = (N + kRows - 1) / kRows;
+  headroom::parallel_rows(M, blocks, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n = b * kRows;
+      if (n + kRows <= N) {
+        dot_rows<Bits, kRows>(x, M, wp + n * row_bytes, sp + n * G, mp + n * G, yp, n, K, N);
+      } else {
+        for (int64_t m = n; m < N; ++m) dot_rows<Bits, 1>(x, M, wp + m * row_bytes, sp + m * G, mp + m * G, yp, m, K, N);
+      }
+    }
+  });
+}
+}  // namespace
+
+namespace headroom {
+void qdot_avx2(const float* x, const uint8_t* w, const float* scales, const float* mins, float* y, int64_t M,
+               int64_t K, int64_t N, int64_t bits) {
+  const Rows xq = quantise(x, M, K);
+  if (bits == 8)
+    rows<8>(xq, w, scales, mins, y, M, K, N);
+  else
+    rows<4>(xq, w, scales, mins, y, M, K, N);
+}
+}  // namespace headroom
+#endif
