@@ -12,8 +12,8 @@ llama.cpp's tokenizer splits some whitespace runs differently from the tokenizer
 (e.g. "\\n " before a digit), so for a like-for-like figure pass --tokenize-with the URL of
 a llama-server serving the same GGUF: every mode is then scored on llama.cpp's token ids.
 
-Rows: float32; int8 and int4 with every chunk on the packed path (on a CPU with AVX-512
-VNNI that path rounds activations to 8 bits per group of 32, as llama.cpp does); and the
+Rows: float32; int8 and int4 with every chunk on the packed path (on a CPU with AVX2 or
+AVX-512 VNNI that path rounds activations to 8 bits per group of 32, as llama.cpp does); and the
 bfloat16 matmuls that serve batches too large for the packed weights where the CPU has
 native bf16. The "+ bf16 KV" rows read the prompt's keys and values back from a bfloat16
 cache, as `headroom serve` does beside quantised weights (--kv-cache-dtype auto). The

@@ -136,15 +136,19 @@ def int8_activation_reference(x: torch.Tensor, linear: QuantLinear) -> torch.Ten
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 3, 9, 33])
-def test_linear_of_a_k_multiple_of_64_computes_what_its_path_promises(bits, rows):
+@pytest.mark.parametrize("shape", [(300, 192), (301, 320)])
+def test_linear_of_a_k_multiple_of_64_computes_what_its_path_promises(bits, rows, shape):
     # With AVX2 or AVX-512 VNNI, the integer-dot kernel: exactly the int8-activation
     # arithmetic; elsewhere, the float-activation kernels: a float matmul of the packed weights.
+    # (301, 320): 10 groups a row, past a vector of 8 groups' minima, and 301 outputs, one
+    # past the kernels' blocks of 4 rows.
     torch.manual_seed(rows)
-    weight = q4_1_weight(300, 192) if bits == 4 else q8_0_weight(300, 192)
+    n, k = shape
+    weight = q4_1_weight(n, k) if bits == 4 else q8_0_weight(n, k)
     linear = QuantLinear(weight, None, bits, small_batch=64)
     kernels, _ = cpu_kernels()
     assert linear.qdot == kernels.qdot_available()
-    x = torch.randn(rows, 192) * torch.linspace(0.1, 3, 192)  # groups of very different ranges
+    x = torch.randn(rows, k) * torch.linspace(0.1, 3, k)  # groups of very different ranges
     x[0, :32] = 0  # an all-zero group: scale 0, contributes nothing
     expected = int8_activation_reference(x, linear) if linear.qdot else x @ linear.dequantized().t()
     assert torch.allclose(linear(x), expected, rtol=1e-5, atol=1e-4)

@@ -18,19 +18,19 @@
 namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kChunk = 64;  // two groups: 32 bytes of 4-bit weights
-constexpr int kRows = 4;        // weight rows per tile: one x load feeds four chains
-constexpr int kTile = 2;        // activation rows per tile (8 accumulators of 16 registers)
+constexpr int kWeightRows = 4;  // weight rows per tile: one x load feeds four chains
+constexpr int kXRows = 2;       // rows of x per tile (8 accumulators of 16 registers)
 
-struct Rows {
+struct QuantisedX {
   std::vector<int8_t> q;    // (M, K)
   std::vector<float> d;     // (M, G): each group's scale
   std::vector<float> sum;   // (M, G): d * sum of the group's q, for the minima's share
 };
 
 // Round half to even (vcvtps2dq), scale max|x| / 127: what qdot_linear.cpp's quantise_rows does.
-Rows quantise(const float* x, int64_t M, int64_t K) {
+QuantisedX quantise(const float* x, int64_t M, int64_t K) {
   const int64_t G = K / kGroup;
-  Rows out{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
+  QuantisedX out{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo the packs' lane interleave
   headroom::parallel_rows(M, M * G, 256, [&](int64_t i0, int64_t i1) {
@@ -91,7 +91,7 @@ inline __m256i load_group(const uint8_t* row, int64_t g) {
 
 // NB weight rows (from n) against RT rows of x (from r0): NB * RT float accumulators.
 template <int Bits, int NB, int RT>
-inline void dot_tile(const Rows& x, int64_t r0, const uint8_t* w, const float* s, const float* mins, float* y,
+inline void dot_tile(const QuantisedX& x, int64_t r0, const uint8_t* w, const float* s, const float* mins, float* y,
                      int64_t n, int64_t K, int64_t N) {
   const int64_t G = K / kGroup, row_bytes = K * Bits / 8;
   __m256 acc[RT][NB];
@@ -126,22 +126,22 @@ inline void dot_tile(const Rows& x, int64_t r0, const uint8_t* w, const float* s
 }
 
 template <int Bits, int NB>
-inline void dot_rows(const Rows& x, int64_t M, const uint8_t* w, const float* s, const float* mins, float* y,
+inline void dot_rows(const QuantisedX& x, int64_t M, const uint8_t* w, const float* s, const float* mins, float* y,
                      int64_t n, int64_t K, int64_t N) {
   int64_t r0 = 0;
-  for (; r0 + kTile <= M; r0 += kTile) dot_tile<Bits, NB, kTile>(x, r0, w, s, mins, y, n, K, N);
+  for (; r0 + kXRows <= M; r0 += kXRows) dot_tile<Bits, NB, kXRows>(x, r0, w, s, mins, y, n, K, N);
   if (r0 < M) dot_tile<Bits, NB, 1>(x, r0, w, s, mins, y, n, K, N);
 }
 
 template <int Bits>
-void rows(const Rows& x, const uint8_t* wp, const float* sp, const float* mp, float* yp, int64_t M, int64_t K,
+void qdot_rows(const QuantisedX& x, const uint8_t* wp, const float* sp, const float* mp, float* yp, int64_t M, int64_t K,
           int64_t N) {
-  const int64_t G = K / kGroup, row_bytes = K * Bits / 8, blocks = (N + kRows - 1) / kRows;
+  const int64_t G = K / kGroup, row_bytes = K * Bits / 8, blocks = (N + kWeightRows - 1) / kWeightRows;
   headroom::parallel_rows(M, blocks, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n = b * kRows;
-      if (n + kRows <= N) {
-        dot_rows<Bits, kRows>(x, M, wp + n * row_bytes, sp + n * G, mp + n * G, yp, n, K, N);
+      const int64_t n = b * kWeightRows;
+      if (n + kWeightRows <= N) {
+        dot_rows<Bits, kWeightRows>(x, M, wp + n * row_bytes, sp + n * G, mp + n * G, yp, n, K, N);
       } else {
         for (int64_t m = n; m < N; ++m) dot_rows<Bits, 1>(x, M, wp + m * row_bytes, sp + m * G, mp + m * G, yp, m, K, N);
       }
@@ -153,11 +153,11 @@ void rows(const Rows& x, const uint8_t* wp, const float* sp, const float* mp, fl
 namespace headroom {
 void qdot_avx2(const float* x, const uint8_t* w, const float* scales, const float* mins, float* y, int64_t M,
                int64_t K, int64_t N, int64_t bits) {
-  const Rows xq = quantise(x, M, K);
+  const QuantisedX xq = quantise(x, M, K);
   if (bits == 8)
-    rows<8>(xq, w, scales, mins, y, M, K, N);
+    qdot_rows<8>(xq, w, scales, mins, y, M, K, N);
   else
-    rows<4>(xq, w, scales, mins, y, M, K, N);
+    qdot_rows<4>(xq, w, scales, mins, y, M, K, N);
 }
 }  // namespace headroom
 #endif
