@@ -62,9 +62,11 @@ bfloat16 (oneDNN's kernels, where the CPU has them, round less often), so its pe
 bound where activations stay float is 0.005, just outside that.
 
 On 2026-12-02 on a 2-core AMD EPYC Zen 1 (AVX2 only), the AVX2 integer-dot kernel: int8
-1.00311x, int4 1.00521x, int4 with a float16 cache 1.00529x, every row agreeing but for
+1.00018x, int4 1.00521x, int4 with a float16 cache 1.00529x, every row agreeing but for
 near-ties (raw 0-16 tokens); served 1.00003x and 8/8 raw (large batches, perplexity's
-included, take the float32 matmul there: no tiles without VNNI).
+included, take the float32 matmul there: no tiles without VNNI). An earlier form of the
+kernel (8-bit weights as two nibbles: the same integers, the minimum's float sum in
+another order) gave int8 1.00311x: the luck of rounding described above.
 """
 
 from __future__ import annotations

@@ -2,10 +2,12 @@
 // as qdot_linear.cpp states it), x rounded the same way per row and group of 32 to int8, and
 // the same integer dot products, exactly, so the two kernels differ only in float rounding.
 // AVX2 multiplies unsigned by signed bytes into saturating int16 pairs (vpmaddubsw), which a
-// 4-bit weight (0..15) times an int8 x (-127..127) never saturates; an 8-bit weight could, so
-// it goes in as its two nibbles, the high one's pairs weighted 16 when they widen to int32.
-// Per group of 32 weights and row that is 3 integer instructions (4-bit) where the float
-// kernel (q4_linear.cpp) widens each weight to float: 12 to unpack and 4 multiply-adds.
+// 4-bit weight (0..15) times an int8 x (-127..127) never saturates. An 8-bit weight (0..255)
+// could, so it goes in less 128: its magnitude (at most 128, unsigned) against x given its
+// sign (vpsignb; |x| <= 127), the same products, no pair past 32,512; the 128 comes back
+// through the minimum (min + 128 * scale). Per group of 32 weights and row that is 2
+// integer instructions for 4-bit weights (5 for 8-bit), where the float kernels widen each
+// weight to float (for 4-bit, 12 instructions to unpack before 4 multiply-adds).
 #include "qdot_avx2.h"
 
 #include "pool.h"
@@ -69,10 +71,8 @@ inline __m256i group_dot(__m256i w, __m256i x) {
   if constexpr (Bits == 4) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
   } else {
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
-    const __m256i low = _mm256_maddubs_epi16(_mm256_and_si256(w, nibble), x);
-    const __m256i high = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), nibble), x);
-    return _mm256_add_epi32(_mm256_madd_epi16(low, ones), _mm256_madd_epi16(high, _mm256_set1_epi16(16)));
+    const __m256i centred = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(centred), _mm256_sign_epi8(x, centred)), ones);
   }
 }
 
@@ -113,13 +113,18 @@ inline void dot_tile(const QuantisedX& x, int64_t r0, const uint8_t* w, const fl
   for (int r = 0; r < RT; ++r) {
     const float* xsum = x.sum.data() + (r0 + r) * G;
     for (int j = 0; j < NB; ++j) {
-      // The minima's share: sum over groups of min * d * sum(q_x).
-      const float* mn = mins + j * G;
+      // The minima's share: sum over groups of min * d * sum(q_x), 8-bit weights' centre added.
+      const float *mn = mins + j * G, *sc = s + j * G;
+      constexpr float centre = Bits == 8 ? 128.f : 0.f;
+      const __m256 centres = _mm256_set1_ps(centre);
       __m256 offset = _mm256_setzero_ps();
       int64_t g = 0;
-      for (; g + 8 <= G; g += 8) offset = _mm256_fmadd_ps(_mm256_loadu_ps(mn + g), _mm256_loadu_ps(xsum + g), offset);
+      for (; g + 8 <= G; g += 8) {
+        const __m256 low = _mm256_fmadd_ps(_mm256_loadu_ps(sc + g), centres, _mm256_loadu_ps(mn + g));
+        offset = _mm256_fmadd_ps(low, _mm256_loadu_ps(xsum + g), offset);
+      }
       float tail = 0.f;
-      for (; g < G; ++g) tail += mn[g] * xsum[g];
+      for (; g < G; ++g) tail += (mn[g] + centre * sc[g]) * xsum[g];
       y[(r0 + r) * N + n + j] = headroom::hsum(_mm256_add_ps(acc[r][j], offset)) + tail;
     }
   }
