@@ -46,6 +46,7 @@ SOURCES = (
     "linear/q8_linear.cpp",
     "linear/qdot_linear.cpp",
     "linear/qdot_avx2.cpp",
+    "linear/quantise.cpp",
     "linear/lora_add.cpp",
     "attention/paged_attention.cpp",
     "attention/decode_spans.cpp",

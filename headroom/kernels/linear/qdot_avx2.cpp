@@ -1,5 +1,5 @@
 // qdot_linear's arithmetic for CPUs with AVX2 and no AVX-512 VNNI: the same weights (layout
-// as qdot_linear.cpp states it), x rounded the same way per row and group of 32 to int8, and
+// as qdot_linear.cpp states it), the same int8 x (quantise.cpp), and
 // the same integer dot products, exactly, so the two kernels differ only in float rounding.
 // AVX2 multiplies unsigned by signed bytes into saturating int16 pairs (vpmaddubsw), which a
 // 4-bit weight (0..15) times an int8 x (-127..127) never saturates. An 8-bit weight (0..255)
@@ -11,58 +11,19 @@
 #include "qdot_avx2.h"
 
 #include "pool.h"
+#include "quantise.h"
 #include "simd.h"
 
 #ifdef HEADROOM_AVX2
 #include <cstdint>
-#include <vector>
 
 namespace {
+using headroom::QuantisedX;
+
 constexpr int64_t kGroup = 32;
 constexpr int64_t kChunk = 64;  // two groups: 32 bytes of 4-bit weights
 constexpr int kWeightRows = 4;  // weight rows per tile: one x load feeds four chains
 constexpr int kXRows = 2;       // rows of x per tile (8 accumulators of 16 registers)
-
-struct QuantisedX {
-  std::vector<int8_t> q;    // (M, K)
-  std::vector<float> d;     // (M, G): each group's scale
-  std::vector<float> sum;   // (M, G): d * sum of the group's q, for the minima's share
-};
-
-// Round half to even (vcvtps2dq), scale max|x| / 127: what qdot_linear.cpp's quantise_rows does.
-QuantisedX quantise(const float* x, int64_t M, int64_t K) {
-  const int64_t G = K / kGroup;
-  QuantisedX out{std::vector<int8_t>(M * K), std::vector<float>(M * G), std::vector<float>(M * G)};
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo the packs' lane interleave
-  headroom::parallel_rows(M, M * G, 256, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* xg = x + i * kGroup;
-      __m256 v[4], amax = _mm256_setzero_ps();
-      for (int k = 0; k < 4; ++k) {
-        v[k] = _mm256_loadu_ps(xg + 8 * k);
-        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
-      }
-      __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-      m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-      m = _mm_max_ss(m, _mm_movehdup_ps(m));
-      const float d = _mm_cvtss_f32(m) / 127.f;
-      const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
-      __m256i q[4];
-      for (int k = 0; k < 4; ++k) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));
-      const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-      const __m256i words = _mm256_packs_epi32(q[0], q[1]), words2 = _mm256_packs_epi32(q[2], q[3]);
-      const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words2), order);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + i * kGroup), bytes);
-      __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-      s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-      s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-      out.d[i] = d;
-      out.sum[i] = d * static_cast<float>(_mm_cvtsi128_si32(s));
-    }
-  });
-  return out;
-}
 
 // One group's 32 weight bytes against 32 bytes of x, as 8 int32 sums of 4 products each.
 template <int Bits>
@@ -158,7 +119,7 @@ void qdot_rows(const QuantisedX& x, const uint8_t* wp, const float* sp, const fl
 namespace headroom {
 void qdot_avx2(const float* x, const uint8_t* w, const float* scales, const float* mins, float* y, int64_t M,
                int64_t K, int64_t N, int64_t bits) {
-  const QuantisedX xq = quantise(x, M, K);
+  const QuantisedX xq = quantise_x(x, M, K);
   if (bits == 8)
     qdot_rows<8>(xq, w, scales, mins, y, M, K, N);
   else

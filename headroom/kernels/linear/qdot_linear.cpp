@@ -4,14 +4,16 @@
 // either 8-bit (q in 0..255, one byte each) or 4-bit (q in 0..15, packed per 64 weights:
 // byte i of a chunk holds weight i in its low nibble and weight 32 + i in its high one, so
 // one chunk unpacks to two whole groups in order). x is quantised per row and group of 32
-// to int8 with one scale (llama.cpp's Q8_1 activations), so a group's dot product is one
-// vpdpbusd per 64 weights, scaled once; the minimum adds min * sum(x) over the group. That
-// sum is the quantised x's, as in Q8_1: then the error is sum(w * e) over the weights as
-// they are, not over scale * q, which is far from zero mean. No weight is widened to float.
+// to int8 with one scale (quantise.cpp: llama.cpp's Q8_1 activations), so a group's dot
+// product is one vpdpbusd per 64 weights, scaled once; the minimum adds min * sum(x) over
+// the group. That sum is the quantised x's, as in Q8_1: then the error is sum(w * e) over
+// the weights as they are, not over scale * q, which is far from zero mean. No weight is
+// widened to float.
 #include "tensor.h"
 
 #include "pool.h"
 #include "qdot_avx2.h"
+#include "quantise.h"
 
 #include <cmath>
 #include <algorithm>
@@ -24,34 +26,7 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kChunk = 64;  // two groups: one 512-bit register of 8-bit weights
 
 #ifdef HEADROOM_VNNI
-struct QuantisedRows {
-  std::vector<int8_t> q;       // (M, K)
-  std::vector<float> scale;    // (M, G)
-  torch::Tensor sum;           // (M, G): sum of each group of the quantised x, times its scale
-};
-
-QuantisedRows quantise_rows(const float* x, int64_t M, int64_t K) {
-  const int64_t G = K / kGroup;
-  QuantisedRows out{std::vector<int8_t>(M * K), std::vector<float>(M * G), torch::empty({M, G})};
-  float* sums = out.sum.data_ptr<float>();
-  const __m512 sign = _mm512_set1_ps(-0.f);
-  headroom::parallel_rows(M, M * G, 256, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* xg = x + i * kGroup;
-      const __m512 a = _mm512_loadu_ps(xg), b = _mm512_loadu_ps(xg + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
-      const float d = amax / 127.f;
-      const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
-      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));  // round to nearest even
-      const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q.data() + i * kGroup), _mm512_cvtsepi32_epi8(qa));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q.data() + i * kGroup + 16), _mm512_cvtsepi32_epi8(qb));
-      out.scale[i] = d;
-      sums[i] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
-    }
-  });
-  return out;
-}
+using headroom::QuantisedX;
 
 // 64 weights (two groups) as unsigned bytes, in order.
 template <int Bits>
@@ -76,7 +51,7 @@ inline __m512 pair(float a, float b) {
 // weight load feeds RT rows and NB independent chains hide the multiply-add latency (one
 // row at a time was latency-bound: ~80 cycles an output, 2x the memory time at batch 1).
 template <int Bits, int NB, int RT>
-inline void dot_tile(const QuantisedRows& x, const float* sums, const __m512* xscale, int64_t r0,
+inline void dot_tile(const QuantisedX& x, const float* sums, const __m512* xscale, int64_t r0,
                      const uint8_t* w, const float* s, const float* mins, float* y, int64_t n, int64_t K,
                      int64_t N) {
   const int64_t G = K / kGroup, C = K / kChunk, row_bytes = K * Bits / 8;
@@ -115,7 +90,7 @@ inline void dot_tile(const QuantisedRows& x, const float* sums, const __m512* xs
 }
 
 template <int Bits, int NB>
-inline void dot_rows(const QuantisedRows& x, const float* sums, const __m512* xscale, int64_t M,
+inline void dot_rows(const QuantisedX& x, const float* sums, const __m512* xscale, int64_t M,
                      const uint8_t* w, const float* s, const float* mins, float* y, int64_t n, int64_t K,
                      int64_t N) {
   int64_t r0 = 0;
@@ -129,15 +104,15 @@ inline void dot_rows(const QuantisedRows& x, const float* sums, const __m512* xs
 }
 
 template <int Bits>
-void qdot_rows(const QuantisedRows& x, const uint8_t* wp, const float* sp, const float* mp, float* yp,
+void qdot_rows(const QuantisedX& x, const uint8_t* wp, const float* sp, const float* mp, float* yp,
                int64_t M, int64_t K, int64_t N) {
   constexpr int64_t NB = 4;
   const int64_t G = K / kGroup, C = K / kChunk, row_bytes = K * Bits / 8;
-  const float* sums = x.sum.data_ptr<float>();
+  const float* sums = x.sum.data();
   // The activations' scales as chunk vectors, once per call rather than once per weight row.
   std::vector<__m512> xscale(M * C);
   for (int64_t r = 0; r < M; ++r)
-    for (int64_t c = 0; c < C; ++c) xscale[r * C + c] = pair(x.scale[r * G + 2 * c], x.scale[r * G + 2 * c + 1]);
+    for (int64_t c = 0; c < C; ++c) xscale[r * C + c] = pair(x.d[r * G + 2 * c], x.d[r * G + 2 * c + 1]);
   const int64_t blocks = (N + NB - 1) / NB;
   headroom::parallel_rows(M, blocks, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
@@ -233,15 +208,15 @@ inline void tile_gemm(const int8_t* xq, const float* xd, const float* xsum, cons
 }
 
 template <int Bits, int NB, typename S>
-inline void gemm_rows(const QuantisedRows& x, const float* sums, int64_t m0, int64_t m1, const uint8_t* w,
+inline void gemm_rows(const QuantisedX& x, const float* sums, int64_t m0, int64_t m1, const uint8_t* w,
                       const S* ws, const S* wm, float* y, int64_t K, int64_t N) {
   const int64_t G = K / kGroup;
   int64_t m = m0;
   for (; m + kRowTile <= m1; m += kRowTile)
-    tile_gemm<Bits, kRowTile, NB>(x.q.data() + m * K, x.scale.data() + m * G, sums + m * G, w, ws, wm, y + m * N, K,
+    tile_gemm<Bits, kRowTile, NB>(x.q.data() + m * K, x.d.data() + m * G, sums + m * G, w, ws, wm, y + m * N, K,
                                   N);
   const int8_t* xq = x.q.data() + m * K;
-  const float *xd = x.scale.data() + m * G, *xs = sums + m * G;
+  const float *xd = x.d.data() + m * G, *xs = sums + m * G;
   switch (m1 - m) {
     case 5: tile_gemm<Bits, 5, NB>(xq, xd, xs, w, ws, wm, y + m * N, K, N); break;
     case 4: tile_gemm<Bits, 4, NB>(xq, xd, xs, w, ws, wm, y + m * N, K, N); break;
@@ -253,13 +228,13 @@ inline void gemm_rows(const QuantisedRows& x, const float* sums, int64_t m0, int
 }
 
 template <int Bits, typename S>
-void qgemm_rows(const QuantisedRows& x, const uint8_t* wp, const S* sp, const S* mp, float* yp, int64_t M,
+void qgemm_rows(const QuantisedX& x, const uint8_t* wp, const S* sp, const S* mp, float* yp, int64_t M,
                 int64_t K, int64_t N) {
   // Threads split the weight tiles; each passes all rows over its tiles. (Splitting rows
   // too, in chunks, left the threads unequal work at 512 rows and gained nothing at 4096.)
   const int64_t G = K / kGroup, tiles = N / kTile, pairs = (tiles + kTilePair - 1) / kTilePair;
   const int64_t tile_bytes = tile_size(K, Bits);
-  const float* sums = x.sum.data_ptr<float>();
+  const float* sums = x.sum.data();
   headroom::parallel_rows(M, pairs, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t t = p * kTilePair;
@@ -309,7 +284,7 @@ torch::Tensor qdot_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
               "shapes do not match a group-32 weight with K a multiple of 64");
   auto y = torch::empty({M, N}, x.options());
 #ifdef HEADROOM_VNNI
-  const QuantisedRows xq = quantise_rows(x.data_ptr<float>(), M, K);
+  const QuantisedX xq = headroom::quantise_x(x.data_ptr<float>(), M, K);
   if (bits == 8) {
     qdot_rows<8>(xq, qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(),
                  y.data_ptr<float>(), M, K, N);
@@ -345,7 +320,7 @@ torch::Tensor qgemm_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor s
   const int64_t N = tiles.size(0) * 16;
   auto y = torch::empty({M, N}, x.options());
 #ifdef HEADROOM_VNNI
-  const QuantisedRows xq = quantise_rows(x.data_ptr<float>(), M, K);
+  const QuantisedX xq = headroom::quantise_x(x.data_ptr<float>(), M, K);
   auto run = [&](const auto* sp, const auto* mp) {
     if (tiles.size(2) == 8)
       qgemm_rows<8>(xq, tiles.data_ptr<uint8_t>(), sp, mp, y.data_ptr<float>(), M, K, N);
