@@ -187,10 +187,13 @@ class ModelConfig:
         description="the names clients may use in `model`, the first being its id, the one /v1/models lists "
         "first (default: the file or directory name, with and without its GGUF quantisation suffix)",
     )
-    # bfloat16 matmuls are ~2x faster than float32 where the CPU has AMX tiles, and emulated
-    # (much slower) where it has not (executor/device.py: resolve_dtype).
+    # On the CPU the packed weights' kernels take float32 activations; bfloat16 matmuls
+    # are ~2x faster than float32 only where the CPU has AMX tiles (executor/device.py:
+    # resolve_dtype).
     dtype: Dtype = Field(
-        "auto", description="the weights' dtype (auto: bfloat16 on CUDA or on a CPU with AMX tiles, else float32)"
+        "auto",
+        description="the weights' dtype (auto: bfloat16 on CUDA; float32 on the CPU, or bfloat16 where the CPU "
+        "has AMX tiles and no weights are packed)",
     )
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N (auto: cuda where there is one)")
     # auto: see executor/device.py: resolve_quantization.

@@ -84,15 +84,19 @@ def resolve_quantization(
     )
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, quantization: str = "auto") -> torch.dtype:
+    """bfloat16 on CUDA. On the CPU float32, which the packed weights' kernels take (and
+    which quantization auto packs for wherever they build): with AMX, int4 in float32 ran
+    3x bfloat16's tokens/s at one stream and 1.3x at 32 (bench/RESULTS.md). bfloat16 only
+    where nothing is packed and the CPU has AMX tiles, whose bfloat16 matmuls are ~2x
+    float32's (emulated, and much slower, elsewhere)."""
     if name != "auto":
         return getattr(torch, name)
     if device.type == "cuda":
         return torch.bfloat16
-    # bf16 matmuls are ~2x faster than fp32 where the CPU has AMX tiles, and emulated
-    # (much slower) where it has not.
+    packed = quantization != "none" and cpu_kernels()[0] is not None
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    return torch.bfloat16 if amx else torch.float32
+    return torch.bfloat16 if amx and not packed else torch.float32
 
 
 def resolve_kv_dtype(name: str, device: torch.device, dtype: torch.dtype, quantization: str) -> tuple[torch.dtype, str]:
@@ -117,7 +121,7 @@ def prepare_model(config: ModelConfig) -> tuple[LoadedModel, str]:
     as resolve_quantization decides, and, in float32 on the CPU, hand its small ops to
     headroom's kernels. Returns it with the reason for its weight path."""
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    dtype = resolve_dtype(config.dtype, device, config.quantization)
     loaded = load_model(config, device, dtype)
     args = loaded.args
     loaded.quantization, small_batch, large_dtype, reason = resolve_quantization(

@@ -1,7 +1,7 @@
 """--quantization auto's choice from the crossover it measures at start, with scripted
 timings: the packed mode that costs least against float over batch sizes 1-64, packed
 weights up to the batch where the large-batch path overtakes them, and float32 when no
-packed mode beats it."""
+packed mode beats it; and --dtype auto on the CPU, float32 wherever weights are packed."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from headroom.config import ConfigError
 from headroom.executor import device as device_module
-from headroom.executor.device import resolve_quantization
+from headroom.executor.device import resolve_dtype, resolve_quantization
 from headroom.models.quant import BATCH_SIZES, Crossover
 
 CPU = torch.device("cpu")
@@ -98,3 +98,18 @@ def test_auto_is_none_off_the_float32_cpu_path_and_measures_nothing(measured):
     with pytest.raises(ConfigError, match="^quantization int4 runs on the CPU with dtype float32 only$"):
         resolve_quantization("int4", CPU, torch.bfloat16, 576, 1536)
     assert asked == []
+
+
+def test_auto_dtype_on_the_cpu_is_float32_for_packed_weights_even_with_amx(monkeypatch):
+    # The packed weights' kernels take float32 activations: an AMX CPU once got bfloat16
+    # and so no packed weights at all (a third of int4's tokens/s at one stream).
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    monkeypatch.setattr(device_module, "cpu_kernels", lambda: (object(), "the VNNI kernels"))
+    assert resolve_dtype("auto", CPU, "auto") == resolve_dtype("auto", CPU, "int4") == torch.float32
+    assert resolve_dtype("auto", CPU, "none") == torch.bfloat16  # nothing packed: AMX's bfloat16 matmuls
+    assert resolve_dtype("float32", CPU, "none") == torch.float32
+    monkeypatch.setattr(device_module, "cpu_kernels", lambda: (None, "build failed"))
+    assert resolve_dtype("auto", CPU, "auto") == torch.bfloat16  # nothing can be packed
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    assert resolve_dtype("auto", CPU, "none") == resolve_dtype("auto", CPU, "auto") == torch.float32
+    assert resolve_dtype("bfloat16", CPU, "auto") == torch.bfloat16
