@@ -277,8 +277,9 @@ class SchedulerConfig:
     # measured step cost to add at most a quarter of short_ttft_target_s to a step (or a
     # quarter of the step, where one step is slower than that); the head-of-line monitor
     # scales that down while the short class suffers, but never below a floor that grows
-    # with the long request's wait and is whole at long_ttft_target_s. long_lane = false
-    # turns it all off.
+    # with the long request's wait and is whole at its deadline: long_ttft_target_s, or
+    # sooner twice what its whole prefill is predicted to cost (runtime/lane.py:
+    # long_wait_share). long_lane = false turns it all off.
     long_lane: bool = True
     # A long chunk may add a quarter of this to a step. 0.15 s keeps the short class's p99
     # TTFT near its p99 alone at a bounded cost to the long class's first token; 0.25 s
@@ -298,7 +299,8 @@ class SchedulerConfig:
     # before (the one that sat out longest), and none sits out more than
     # long_decode_max_skip steps in a row, so a long decode keeps at least 1 / (1 + that)
     # of its pace; a chunk takes what they leave (and no more than its prefill allowance),
-    # plus what it saved sitting out as below.
+    # plus what it saved sitting out as below, plus as much again as the whole budget
+    # times the share of its deadline the long prompt has waited (at most once more).
     short_tpot_stretch: NonNegative = 0.5
     long_decode_max_skip: NonNegativeInt = 3
     # While shorter requests decode, a long prefill chunk that its step's allowance cannot

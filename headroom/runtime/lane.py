@@ -34,6 +34,11 @@ TIGHTEST = 1 / 16  # the head-of-line loop's lowest scale on the long lane's all
 # costs at its context, where that is more than the TTFT target: on a slow machine the
 # target's few tokens a chunk slowed a long prompt's prefill (bench/RESULTS.md).
 QUIET_MIN_BUDGET_SHARE = 0.5
+# A long prompt's deadline: this many times what its prefill adds to a step alone (or
+# long_ttft_target_s, where that is sooner). Beside steady short decodes a prompt's TTFT
+# was over twice first come, first served's, however long it had waited (bench/RESULTS.md:
+# the noisy neighbour).
+LONG_DEADLINE_ALONE = 2.0
 
 log = logging.getLogger("headroom.hol")
 
@@ -64,6 +69,9 @@ class Turn:
     chunk_turns: bool = False  # long chunks the allowance cannot cover may sit out (shorter requests decode)
     chunk_skipped: bool = False  # a long chunk sat this step out, and holds the turn
     carry_s: float = 0.0  # what the chunk that sat out left unspent, for the next step's
+    # What a long prompt's wait adds to the chunks' share of the time-per-token budget
+    # (long_wait_share of it): long decodes do not spend it.
+    wait_s: float = 0.0
     chunked: set[str] = field(default_factory=set)  # requests given a long chunk (scheduled, unless preempted)
 
 
@@ -99,12 +107,17 @@ class LongLane:
         # decodes and then long chunks share the short class's time-per-token budget.
         sit_out = self.decodes_sit_out(running, waiting, block_manager, now)
         tpot_s = None if sit_out else self.short_tpot_budget(running, waiting)
+        # The time-per-token budget bounds long chunks less as a long prompt nears its
+        # deadline, and half as much from there on: unbound past it, the interactive
+        # tenant's tail grew and no long TTFT fell (bench/RESULTS.md).
+        share = self.long_wait_share(running, waiting, now)
         return Turn(
             allowance + self._chunk_saved_s if turns else allowance,
             0.0 if sit_out else tpot_s,
             tpot_bound=turns and tpot_s is not None,
             row_floor=tpot_s is not None,
             chunk_turns=turns,
+            wait_s=share * tpot_s if tpot_s else 0.0,
         )
 
     def decode_order(self, request: Request) -> int:
@@ -156,7 +169,7 @@ class LongLane:
             if turn.tpot_left is None:
                 # Forced rows may have overspent the budget: the chunk then has only
                 # its savings, and takes its turn by the floor.
-                turn.tpot_left = max(0.0, turn.decode_left) + self._chunk_saved_s
+                turn.tpot_left = max(0.0, turn.decode_left) + self._chunk_saved_s + turn.wait_s
             allowance = min(allowance, turn.tpot_left)
         if allowance > 0:
             n = self.chunk_tokens(context, allowance, limit, floor)
@@ -223,12 +236,12 @@ class LongLane:
 
         A short request meets at most two steps before its first token: the one running
         when it arrives and its own. Its own step carries no long chunk, unless the long
-        request has waited long_ttft_target_s. The one it arrives during may carry a
-        quarter of the short class's TTFT target, or a quarter of what the step costs
-        without it (base_s) where a step is already slower than the target, whichever is
-        more. The head-of-line loop scales that down while the short class still suffers; the
+        request has reached its deadline (long_wait_share). The one it arrives during may
+        carry a quarter of the short class's TTFT target, or a quarter of what the step
+        costs without it (base_s) where a step is already slower than the target,
+        whichever is more. The head-of-line loop scales that down while the short class still suffers; the
         floor keeps the long class moving even then: it grows with the oldest prefilling
-        long request's wait and is the whole allowance at long_ttft_target_s.
+        long request's wait and is the whole allowance at its deadline.
 
         With no shorter request present the chunk is bounded all the same (by the full
         allowance, without the loop's scaling): one arriving during the step waits for all
@@ -253,18 +266,29 @@ class LongLane:
             )
             least = self.cost.chunk_seconds(int(QUIET_MIN_BUDGET_SHARE * config.max_num_batched_tokens), deepest)
             return max(full, config.short_ttft_target_s, least)
-        waited = max(
-            (now - r.arrival_time for r in (*running, *waiting) if is_long(r) and behind(r) > 1),
-            default=0.0,
-        )
-        floor = min(1.0, waited / config.long_ttft_target_s)
+        floor = self.long_wait_share(running, waiting, now)
         if any(not is_long(r) for r in waiting):
             # A shorter request starts in this step: its first token comes at the step's
             # end, so a long chunk here would be paid in full by its TTFT. None, until the
-            # long request has waited long_ttft_target_s: a chunk deep in a long context
+            # long request reaches its deadline: a chunk deep in a long context
             # pays attention's gather of the whole context however few its tokens.
             return full if floor >= 1.0 else 0.0
         return full * max(floor, self.factor)
+
+    def long_wait_share(self, running: list[Request], waiting: list[Request], now: float) -> float:
+        """How far the long prompts still prefilling are into their deadlines, the furthest
+        (0 to 1). A prompt's deadline is long_ttft_target_s, or sooner LONG_DEADLINE_ALONE
+        times what its whole prefill is predicted to add to a step: a long prompt's TTFT
+        should stay within a small multiple of what it would be on its own, not just
+        within a target set for the longest prompts."""
+        target = self.config.long_ttft_target_s
+        share = 0.0
+        for r in (*running, *waiting):
+            if is_long(r) and behind(r) > 1:
+                alone = LONG_DEADLINE_ALONE * self.cost.chunk_seconds(r.num_prompt_tokens, 0)
+                deadline = min(target, alone) if alone > 0 else target
+                share = max(share, (now - r.arrival_time) / deadline)
+        return min(1.0, share)
 
     def short_tpot_budget(self, running: list[Request], waiting: list[Request]) -> float | None:
         """Seconds that long work (decode rows and prefill chunks together) may add to this
@@ -277,7 +301,8 @@ class LongLane:
         within it (longest sat out first, one of those that sat out runs each step, none
         sits out more than long_decode_max_skip steps in a row), then on a long chunk,
         which sits out what it cannot cover and carries the unspent seconds over (none
-        more than long_prefill_max_skip steps in a row)."""
+        more than long_prefill_max_skip steps in a row). The chunks get as much again times
+        long_wait_share (begin)."""
         if not self.config.long_lane or not any(is_long(r) for r in (*running, *waiting)):
             return None
         shorts = [r.num_computed_tokens for r in running if not is_long(r) and behind(r) == 1]

@@ -326,6 +326,52 @@ def test_a_long_decode_row_and_a_long_chunk_share_the_time_per_token_budget():
     assert sizes == expected == [0] * 16 + [16, 0, 0, 0]
 
 
+def chunks_after_a_wait(waited: float, steps: int) -> list[int]:
+    """A 1,000-token long prompt's chunks beside a short decode, the prompt having arrived
+    `waited` seconds before (the clock stands still), checked step by step against the
+    oracle. Its whole prefill is scripted at 3 s, so its deadline is twice that (under
+    the 10 s long_ttft_target_s): the chunk may spend the short class's budget and as much
+    again times the share of the deadline waited (at most once more), plus what it saved
+    sitting out."""
+    clock = Clock()
+    s = create_scheduler(
+        max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock, long_prefill_max_skip=20
+    )
+    teach(s.cost)
+    short = create_request(prompt=10, size_class="short", max_tokens=100, arrival=clock.t)
+    s.add_request(short)
+    assert scheduled(run_step(s)[0]) == {short.request_id: 10}
+    prompt = create_request(prompt=1000, size_class="long", max_tokens=2, arrival=clock.t - waited)
+    s.add_request(prompt)
+    alone = PER_TOKEN * 1000 + PER_PAIR * attention_pairs(1000, 0)
+    assert alone == pytest.approx(3.0)
+    share = min(1.0, waited / (2 * alone))
+    assert s.lane.long_wait_share([], [prompt], clock.t) == pytest.approx(share)
+    saved, skips, sizes = 0.0, 0, []
+    for _ in range(steps):
+        budget = 0.5 * scripted_cost(1, attention_pairs(1, short.num_computed_tokens))
+        left = min(0.0375, budget * (1 + share)) + saved
+        n = largest_chunk(left, prompt.num_computed_tokens, 512 - 1)
+        if n < MIN_LONG_CHUNK:
+            n = MIN_LONG_CHUNK if skips >= 20 else 0
+        skips, saved = (0, 0.0) if n else (skips + 1, left)
+        step = scheduled(run_step(s)[0])
+        assert step.get(short.request_id) == 1
+        assert step.get(prompt.request_id, 0) == n
+        sizes.append(n)
+    return sizes
+
+
+def test_a_long_prompts_wait_loosens_the_time_per_token_budget_on_its_chunks_up_to_its_deadline():
+    # At context 0 a token costs 2 ms and the budget is half the short's ~12 ms step, so
+    # each chunk sits out and saves until its savings cover MIN_LONG_CHUNK (~32 ms): sooner
+    # the longer the prompt has waited, twice as soon from its deadline (6 s here) on, and
+    # no sooner after.
+    totals = {waited: sum(chunks_after_a_wait(waited, 24)) for waited in (0.0, 2.0, 5.0, 6.0, 18.0)}
+    assert totals[0.0] < totals[2.0] < totals[5.0] < totals[6.0] == totals[18.0]
+    assert 1.9 * totals[0.0] <= totals[6.0] <= 2 * totals[0.0]
+
+
 def test_with_no_time_per_token_stretch_long_prefill_still_moves_by_the_floor():
     clock = Clock()
     s = create_scheduler(
@@ -417,8 +463,9 @@ def test_without_a_learned_cost_long_chunks_start_small():
 
 def test_the_tightest_loop_cannot_starve_a_long_prefill():
     # The loop has tightened the lane as far as it goes, and a new short request arrives
-    # at every other step (a step that starts one gives the long one nothing until it has
-    # waited 10 s). The long one's share still grows with its wait, whole after 10 s.
+    # at every other step (a step that starts one gives the long one nothing until its
+    # deadline: 6 s, twice its scripted 3 s prefill). The long one's share still grows
+    # with its wait, whole from its deadline on.
     clock = Clock()
     s = create_scheduler(
         max_num_seqs=64,
@@ -447,7 +494,7 @@ def test_the_tightest_loop_cannot_starve_a_long_prefill():
     # nothing leaves the turn as it was.
     context, expected, saved, skips = 0, [], 0.0, 0
     for step in range(len(sizes)):
-        floor = min(1.0, 0.5 * step / 10.0)
+        floor = min(1.0, 0.5 * step / 6.0)
         starts_short = step % 2 == 0
         share = (1.0 if floor >= 1.0 else 0.0) if starts_short else max(TIGHTEST, floor)
         limit = min(1000 - context, 512 - 10 - step // 2 if starts_short else 512 - (step + 1) // 2)
@@ -466,9 +513,9 @@ def test_the_tightest_loop_cannot_starve_a_long_prefill():
         expected.append(n)
         context += n
     assert sizes == expected
-    # Nothing beside the first short; at TIGHTEST the chunk sits out two turns, then
-    # spends what they saved on more than MIN_LONG_CHUNK tokens.
-    assert sizes[:5] == [0, 0, 0, 0, 0] and sizes[5] > MIN_LONG_CHUNK
+    # Nothing beside the first short; at TIGHTEST the chunk sits out a turn, then spends
+    # what it saved on more than MIN_LONG_CHUNK tokens.
+    assert sizes[:3] == [0, 0, 0] and sizes[3] > MIN_LONG_CHUNK
     assert long.num_computed_tokens == 1000 and len(sizes) < 60
 
 
