@@ -193,7 +193,7 @@ class ModelConfig:
     dtype: Dtype = Field(
         "auto",
         description="the weights' dtype (auto: bfloat16 on CUDA; float32 on the CPU, or bfloat16 where the CPU "
-        "has AMX tiles and no weights are packed)",
+        "has AMX tiles and no weights can be packed)",
     )
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N (auto: cuda where there is one)")
     # auto: see executor/device.py: resolve_quantization.

@@ -88,13 +88,14 @@ def resolve_dtype(name: str, device: torch.device, quantization: str = "auto") -
     """bfloat16 on CUDA. On the CPU float32, which the packed weights' kernels take (and
     which quantization auto packs for wherever they build): with AMX, int4 in float32 ran
     3x bfloat16's tokens/s at one stream and 1.3x at 32 (bench/RESULTS.md). bfloat16 only
-    where nothing is packed and the CPU has AMX tiles, whose bfloat16 matmuls are ~2x
-    float32's (emulated, and much slower, elsewhere)."""
+    where nothing can be packed (--quantization none, or no kernels) and the CPU has AMX
+    tiles, whose bfloat16 matmuls are ~2x float32's (emulated, and much slower, elsewhere)."""
     if name != "auto":
         return getattr(torch, name)
     if device.type == "cuda":
         return torch.bfloat16
-    packed = quantization != "none" and cpu_kernels()[0] is not None
+    # A named mode is packed or fails with its own reason (resolve_quantization).
+    packed = quantization in ("int4", "int8") or (quantization == "auto" and cpu_kernels()[0] is not None)
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     return torch.bfloat16 if amx and not packed else torch.float32
 

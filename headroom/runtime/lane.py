@@ -239,9 +239,10 @@ class LongLane:
         request has reached its deadline (long_wait_share). The one it arrives during may
         carry a quarter of the short class's TTFT target, or a quarter of what the step
         costs without it (base_s) where a step is already slower than the target,
-        whichever is more. The head-of-line loop scales that down while the short class still suffers; the
-        floor keeps the long class moving even then: it grows with the oldest prefilling
-        long request's wait and is the whole allowance at its deadline.
+        whichever is more. The head-of-line loop scales that down while the short class
+        still suffers; the floor keeps the long class moving even then: it is the share of
+        its deadline that the furthest-gone long prompt has waited (long_wait_share), the
+        whole allowance at the deadline.
 
         With no shorter request present the chunk is bounded all the same (by the full
         allowance, without the loop's scaling): one arriving during the step waits for all
@@ -276,16 +277,19 @@ class LongLane:
         return full * max(floor, self.factor)
 
     def long_wait_share(self, running: list[Request], waiting: list[Request], now: float) -> float:
-        """How far the long prompts still prefilling are into their deadlines, the furthest
-        (0 to 1). A prompt's deadline is long_ttft_target_s, or sooner LONG_DEADLINE_ALONE
-        times what its whole prefill is predicted to add to a step: a long prompt's TTFT
-        should stay within a small multiple of what it would be on its own, not just
-        within a target set for the longest prompts."""
+        """How far the long prompts still waiting for their first token are into their
+        deadlines, the furthest (0 to 1). A prompt's deadline is long_ttft_target_s, or
+        sooner LONG_DEADLINE_ALONE times what its prefill (past any cached prefix) is
+        predicted to add to a step: a long prompt's TTFT should stay within a small
+        multiple of what it would be on its own, not just within a target set for the
+        longest prompts. A preempted request recomputing its prompt has had its first
+        token, and has no deadline."""
         target = self.config.long_ttft_target_s
         share = 0.0
         for r in (*running, *waiting):
-            if is_long(r) and behind(r) > 1:
-                alone = LONG_DEADLINE_ALONE * self.cost.chunk_seconds(r.num_prompt_tokens, 0)
+            if is_long(r) and behind(r) > 1 and r.first_token_time is None:
+                cached = r.num_cached_tokens
+                alone = LONG_DEADLINE_ALONE * self.cost.chunk_seconds(r.num_prompt_tokens - cached, cached)
                 deadline = min(target, alone) if alone > 0 else target
                 share = max(share, (now - r.arrival_time) / deadline)
         return min(1.0, share)

@@ -372,6 +372,20 @@ def test_a_long_prompts_wait_loosens_the_time_per_token_budget_on_its_chunks_up_
     assert 1.9 * totals[0.0] <= totals[6.0] <= 2 * totals[0.0]
 
 
+def test_a_long_prompts_deadline_prices_only_what_it_must_compute_and_ends_at_its_first_token():
+    clock = Clock()
+    s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock)
+    teach(s.cost)
+    prompt = create_request(prompt=1000, size_class="long", max_tokens=2, arrival=clock.t - 1.5)
+    assert s.lane.long_wait_share([], [prompt], clock.t) == pytest.approx(1.5 / 6.0)  # twice its 3 s prefill
+    prompt.num_cached_tokens = 500  # half of it from the prefix cache: 500 tokens at context 500 to compute
+    alone = PER_TOKEN * 500 + PER_PAIR * attention_pairs(500, 500)
+    assert alone == pytest.approx(1.5)
+    assert s.lane.long_wait_share([], [prompt], clock.t) == pytest.approx(1.5 / (2 * alone))
+    prompt.first_token_time = clock.t - 1.0  # preempted after its first token, recomputing: no deadline
+    assert s.lane.long_wait_share([], [prompt], clock.t) == 0.0
+
+
 def test_with_no_time_per_token_stretch_long_prefill_still_moves_by_the_floor():
     clock = Clock()
     s = create_scheduler(
