@@ -86,8 +86,8 @@ def resolve_quantization(
 
 def resolve_dtype(name: str, device: torch.device, quantization: str = "auto") -> torch.dtype:
     """bfloat16 on CUDA. On the CPU float32, which the packed weights' kernels take (and
-    which quantization auto packs for wherever they build): with AMX, int4 in float32 ran
-    3x bfloat16's tokens/s at one stream and 1.3x at 32 (bench/RESULTS.md). bfloat16 only
+    which quantization auto packs for wherever they build): even with AMX, int4 in float32
+    ran well ahead of the bfloat16 model (bench/RESULTS.md). bfloat16 only
     where nothing can be packed (--quantization none, or no kernels) and the CPU has AMX
     tiles, whose bfloat16 matmuls are ~2x float32's (emulated, and much slower, elsewhere)."""
     if name != "auto":

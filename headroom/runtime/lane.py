@@ -108,8 +108,8 @@ class LongLane:
         sit_out = self.decodes_sit_out(running, waiting, block_manager, now)
         tpot_s = None if sit_out else self.short_tpot_budget(running, waiting)
         # The time-per-token budget bounds long chunks less as a long prompt nears its
-        # deadline, and half as much from there on: unbound past it, the interactive
-        # tenant's tail grew and no long TTFT fell (bench/RESULTS.md).
+        # deadline, up to twice the budget from there on: unbound past it, the
+        # interactive tenant's tail grew and no long TTFT fell (bench/RESULTS.md).
         share = self.long_wait_share(running, waiting, now)
         return Turn(
             allowance + self._chunk_saved_s if turns else allowance,
