@@ -109,15 +109,16 @@ class LongLane:
         tpot_s = None if sit_out else self.short_tpot_budget(running, waiting)
         # The time-per-token budget bounds long chunks less as a long prompt nears its
         # deadline, up to twice the budget from there on: unbound past it, the
-        # interactive tenant's tail grew and no long TTFT fell (bench/RESULTS.md).
-        share = self.long_wait_share(running, waiting, now)
+        # interactive tenant's tail grew and no long TTFT fell (bench/RESULTS.md). Only
+        # where that budget binds: most steps have no long prompt to look for.
+        wait_s = self.long_wait_share(running, waiting, now) * tpot_s if tpot_s else 0.0
         return Turn(
             allowance + self._chunk_saved_s if turns else allowance,
             0.0 if sit_out else tpot_s,
             tpot_bound=turns and tpot_s is not None,
             row_floor=tpot_s is not None,
             chunk_turns=turns,
-            wait_s=share * tpot_s if tpot_s else 0.0,
+            wait_s=wait_s,
         )
 
     def decode_order(self, request: Request) -> int:
