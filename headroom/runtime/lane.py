@@ -76,9 +76,16 @@ class Turn:
 
 
 class LongLane:
-    def __init__(self, config: SchedulerConfig, cost: StepCostModel, order_key: Callable[[Request, float], tuple]):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cost: StepCostModel,
+        order_key: Callable[[Request, float], tuple],
+        block_manager: BlockManager,
+    ):
         self.config = config
         self.cost = cost
+        self.block_manager = block_manager  # the lane's KV share is of its blocks
         self.order_key = order_key  # the scheduling policy's: which waiting request starts first
         # In (0, 1]: the head-of-line loop lowers it while the short class suffers.
         self.factor = 1.0
@@ -95,7 +102,7 @@ class LongLane:
 
     # ---- one step ----------------------------------------------------------------------
 
-    def begin(self, running: list[Request], waiting: list[Request], block_manager: BlockManager, now: float) -> Turn:
+    def begin(self, running: list[Request], waiting: list[Request], now: float) -> Turn:
         """The lane's share of the step about to be scheduled."""
         allowance = self.allowance(running, waiting, now)
         # Long chunks take turns only while shorter requests decode: their time per token
@@ -105,7 +112,7 @@ class LongLane:
         # A step that starts a shorter request leaves long decodes out (its prefill
         # allowance already decided the chunk); else, while shorter requests decode, long
         # decodes and then long chunks share the short class's time-per-token budget.
-        sit_out = self.decodes_sit_out(running, waiting, block_manager, now)
+        sit_out = self.decodes_sit_out(running, waiting, now)
         tpot_s = None if sit_out else self.short_tpot_budget(running, waiting)
         # The time-per-token budget bounds long chunks less as a long prompt nears its
         # deadline, up to twice the budget from there on: unbound past it, the
@@ -205,8 +212,9 @@ class LongLane:
 
     # ---- the lane's limits ---------------------------------------------------------------
 
-    def admits(self, request: Request, running: list[Request], block_manager: BlockManager) -> bool:
+    def admits(self, request: Request, running: list[Request]) -> bool:
         """May a waiting request start now, given its lane's limits?"""
+        block_manager = self.block_manager
         if not is_long(request) or not self.config.long_lane:
             return True
         longs = [r for r in running if is_long(r)]
@@ -284,10 +292,14 @@ class LongLane:
         predicted to add to a step: a long prompt's TTFT should stay within a small
         multiple of what it would be on its own, not just within a target set for the
         longest prompts. A preempted request recomputing its prompt has had its first
-        token, and has no deadline."""
+        token, and has no deadline. A waiting prompt counts only where the lane would
+        admit it now: one held back by long_max_running or long_kv_share gets no chunk
+        whatever its share, and counting it would spend the short class's budget on the
+        running prompt's chunks for it (and lift the head-of-line loop's scaling)."""
         target = self.config.long_ttft_target_s
         share = 0.0
-        for r in (*running, *waiting):
+        admitted = [r for r in waiting if is_long(r) and self.admits(r, running)]
+        for r in (*running, *admitted):
             if is_long(r) and behind(r) > 1 and r.first_token_time is None:
                 cached = r.num_cached_tokens
                 alone = LONG_DEADLINE_ALONE * self.cost.chunk_seconds(r.num_prompt_tokens - cached, cached)
@@ -315,9 +327,7 @@ class LongLane:
             return None
         return self.config.short_tpot_stretch * self.cost.decodes_seconds(shorts)
 
-    def decodes_sit_out(
-        self, running: list[Request], waiting: list[Request], block_manager: BlockManager, now: float
-    ) -> bool:
+    def decodes_sit_out(self, running: list[Request], waiting: list[Request], now: float) -> bool:
         """Do long-class decodes sit out this step (up to long_decode_max_skip in a row)?
 
         They do where the step starts a shorter request: its first token comes at the
@@ -334,13 +344,12 @@ class LongLane:
         longs = sum(1 for r in running if is_long(r))
         if not longs or not self.config.long_lane or len(running) >= self.config.max_num_seqs:
             return False
-        admissible = [r for r in waiting if self.admits(r, running, block_manager)]
+        admissible = [r for r in waiting if self.admits(r, running)]
         if not admissible:
             return False
         head = min(admissible, key=lambda r: self.order_key(r, now))
-        return (
-            not is_long(head) and block_manager.blocks_needed(head.num_tokens) + longs <= block_manager.num_free_blocks
-        )
+        blocks = self.block_manager
+        return not is_long(head) and blocks.blocks_needed(head.num_tokens) + longs <= blocks.num_free_blocks
 
     def chunk_tokens(self, context: int, allowance_s: float, limit: int, floor: bool = True) -> int:
         """Prefill tokens a long request at `context` may take within allowance_s. Where

@@ -72,7 +72,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.cost = StepCostModel()  # fed by the engine after every step
         self.policy = SchedulingPolicy(config)
-        self.lane = LongLane(config, self.cost, self.policy.order_key)
+        self.lane = LongLane(config, self.cost, self.policy.order_key, block_manager)
         self.speculator = Speculator(speculative, self.cost) if speculative and speculative.enabled else None
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Request] = []  # sorted by the policy at each schedule()
@@ -105,7 +105,7 @@ class Scheduler:
         step = _Step(
             now,
             self.config.max_num_batched_tokens,
-            self.lane.begin(self.running, self.waiting, self.block_manager, now),
+            self.lane.begin(self.running, self.waiting, now),
         )
         self._schedule_running(step)
         self._schedule_waiting(step)
@@ -165,7 +165,7 @@ class Scheduler:
         for request in candidates:
             if step.preempted or step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if not slots.admits(request) or not self.lane.admits(request, self.running, self.block_manager):
+            if not slots.admits(request) or not self.lane.admits(request, self.running):
                 continue
             computed = self.block_manager.get_computed_blocks(request)
             num_cached = len(computed) * self.block_manager.block_size

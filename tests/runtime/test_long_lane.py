@@ -386,6 +386,35 @@ def test_a_long_prompts_deadline_prices_only_what_it_must_compute_and_ends_at_it
     assert s.lane.long_wait_share([], [prompt], clock.t) == 0.0
 
 
+def a_late_long_prompt_behind_a_running_one(**limits):
+    """One long prompt part-way through its prefill, just arrived; another that has waited
+    a minute, past any deadline, in the queue."""
+    clock = Clock()
+    s = create_scheduler(max_num_seqs=8, max_num_batched_tokens=512, num_blocks=2000, clock=clock, **limits)
+    teach(s.cost)
+    running = create_request(prompt=4000, size_class="long", max_tokens=2, arrival=clock.t)
+    s.add_request(running)
+    run_step(s)
+    assert s.running == [running] and 0 < running.num_computed_tokens < 4000
+    late = create_request(prompt=1000, size_class="long", max_tokens=2, arrival=clock.t - 60.0)
+    s.add_request(late)
+    return s, late, clock.t
+
+
+@pytest.mark.parametrize("limits", [{"long_max_running": 1}, {"long_kv_share": 0.6}])
+def test_a_long_prompt_the_lane_holds_back_has_no_say_in_the_running_ones_share(limits):
+    # The late prompt cannot start (the lane's seat cap, or its share of the cache: 1,000
+    # blocks held and 250 more needed, over 0.6 of 2,000), so it gets no chunk: its wait
+    # must not loosen the running prompt's time-per-token budget.
+    s, late, now = a_late_long_prompt_behind_a_running_one(**limits)
+    assert not s.lane.admits(late, s.running)
+    assert s.lane.long_wait_share(s.running, s.waiting, now) == 0.0
+    # Where the lane would admit it, its wait counts: the whole share.
+    s, late, now = a_late_long_prompt_behind_a_running_one(long_max_running=None, long_kv_share=1.0)
+    assert s.lane.admits(late, s.running)
+    assert s.lane.long_wait_share(s.running, s.waiting, now) == 1.0
+
+
 def test_with_no_time_per_token_stretch_long_prefill_still_moves_by_the_floor():
     clock = Clock()
     s = create_scheduler(
@@ -449,7 +478,7 @@ def test_a_deep_chunk_that_sits_out_holds_the_turn_against_a_shallow_one():
     short = create_request(prompt=10, size_class="short", max_tokens=200, arrival=clock.t)
     s.add_request(shallow)
     s.add_request(short)
-    assert s.lane.admits(shallow, s.running, s.block_manager)
+    assert s.lane.admits(shallow, s.running)
     assert largest_chunk(0.0375, 3072, 512) == 7 and largest_chunk(0.0375, 0, 512) == 18
     context = deep.num_computed_tokens
     sizes = [scheduled(run_step(s)[0]) for _ in range(10)]
