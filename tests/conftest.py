@@ -25,6 +25,7 @@ from headroom.runtime.engine import Engine
 # and tests compare tokens exactly. tests/runtime/test_threads.py brings trials back where it
 # tests them; servers started as processes run as a user's do.
 threads.FIRST_TRIAL_S = float("inf")
+threads.SLOW = float("inf")  # nor a trial its watch starts: no step is that slow
 
 
 @pytest.fixture(scope="session")

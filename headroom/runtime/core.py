@@ -211,8 +211,10 @@ class EngineCore:
             predicted = None
             if self.threads is not None:
                 self.threads.begin_step()
-                if self.threads.measuring():
-                    predicted = self.scheduler.cost.predict(out.total_tokens, out.attention_pairs, out.decode_pairs)
+                if self.threads.enabled:  # a trial's step priced afresh, the others by the last fit
+                    cost = self.scheduler.cost
+                    price = cost.predict if self.threads.measuring() else cost.predict_last
+                    predicted = price(out.total_tokens, out.attention_pairs, out.decode_pairs)
         try:
             model_out = self.runner.execute(
                 out, self.block_manager, keep_hidden=self.hidden_due is None or self.hidden_due(out)
@@ -242,7 +244,7 @@ class EngineCore:
         started: float,
         predicted: float | None = None,
     ) -> None:
-        """predicted: the step's cost as the model predicted it, where the thread tuner measures it."""
+        """predicted: the step's cost as the model predicted it, where the thread tuner has a count to try."""
         self._running_step = None
         # Blocks each request held for this step, read before anything below frees them.
         held = [len(self.block_manager.block_table(r.request_id)) for r in out.requests]

@@ -151,6 +151,12 @@ class StepCostModel:
         fit = self.cost()
         return 0.0 if fit is None else fit.predict(num_tokens, pairs, decode_pairs)
 
+    def predict_last(self, num_tokens: int, pairs: int, decode_pairs: int = 0) -> float:
+        """As predict, by the last fit made, without fitting again (0 before any fit): for
+        a price wanted at every step, where a fit would cost more than the step."""
+        fit = self._fit
+        return 0.0 if fit is None else fit.predict(num_tokens, pairs, decode_pairs)
+
     def decodes_seconds(self, contexts: list[int]) -> float:
         """A step's predicted wall time if it holds only decode rows at these contexts."""
         pairs = sum(attention_pairs(1, context) for context in contexts)

@@ -17,6 +17,13 @@ all lose by as much ends there, so a quiet machine pays two slow steps a trial. 
 first step at a new count is not scored (it pays for the change), and a trial whose steps
 come more than STALE_S apart (the engine idled) is dropped.
 
+Between trials it watches: where TRIAL_STEPS steps in a row each cost over SLOW times
+what the kept count's steps did at the last trial (against the prediction; 1 before any),
+a neighbour has likely come, and the trial starts at once with those steps as its
+measure of the current count. Waiting for the trial due (up to LAST_TRIAL_S away) left a
+fresh server's first steps beside a busy core at 3-5x their price for seconds
+(bench/RESULTS.md: the noisy neighbour).
+
 torch.set_num_threads also sets the count every thread started later begins with, so the
 engine gives the configured count back (release) when it stops stepping on a thread, and
 puts its own in force again at the next step (begin_step).
@@ -34,6 +41,7 @@ FIRST_TRIAL_S = 5.0
 LAST_TRIAL_S = 60.0
 STALE_S = 1.0
 MARGIN = 0.8
+SLOW = 2.0
 
 
 class ThreadTuner:
@@ -50,6 +58,8 @@ class ThreadTuner:
         self._every = FIRST_TRIAL_S
         self._due = now() + FIRST_TRIAL_S
         self._held: list[float] = []  # ratios of steps at the current count, just before a trial
+        self._watched: list[float] = []  # ratios of the last steps between trials (up to TRIAL_STEPS)
+        self._kept = 1.0  # the kept count's median ratio at the last trial
         self._tried: list[float] = []  # ratios of the trial's steps at the other count
         self._fresh = False  # the next step is the first at the trial's count
         self._last = float("-inf")  # when the last measured step ended
@@ -83,18 +93,23 @@ class ThreadTuner:
         self._applied = self.current == self.most
 
     def measuring(self) -> bool:
-        """Does the next step count (the caller then predicts its cost)?"""
+        """Is the next step a trial's (the caller then predicts its cost afresh)? The others
+        are watched, priced by the cost model's last fit (a fit each step costs more than
+        a small model's step saves)."""
         return self.enabled and (bool(self._held) or self._now() >= self._due)
 
     def step_done(self, elapsed_s: float, predicted_s: float) -> None:
-        """A step measured while measuring(): its wall time and the model's prediction."""
+        """A step's wall time and the model's prediction (afresh where measuring())."""
         now, last = self._now(), self._last
         self._last = now
-        if self._held and now - elapsed_s - last > STALE_S:  # idle since: the trial compares nothing
+        if now - elapsed_s - last > STALE_S:  # idle since: the trial (or the watch) compares nothing
             if self.trying:
                 self._set(self.current)
-            self._held, self._tried = [], []
+            self._held, self._tried, self._watched = [], [], []
         if predicted_s <= 0 or elapsed_s <= 0:
+            return
+        if not self._held and now < self._due:
+            self._watch(elapsed_s / predicted_s)
             return
         if len(self._held) < TRIAL_STEPS:
             self._held.append(elapsed_s / predicted_s)
@@ -115,8 +130,20 @@ class ThreadTuner:
             self.current = self.other  # already set
             self.switches += 1
             self._every = FIRST_TRIAL_S
+            self._kept = statistics.median(self._tried)
         else:
             self._set(self.current)
             self._every = min(LAST_TRIAL_S, 2 * self._every)
-        self._held, self._tried = [], []
+            self._kept = held
+        self._held, self._tried, self._watched = [], [], []
         self._due = now + self._every
+
+    def _watch(self, ratio: float) -> None:
+        """A step between trials: TRIAL_STEPS in a row over SLOW times the kept count's
+        last measure start the trial now, at the other count, with them as its measure of
+        the current one."""
+        self._watched = [*self._watched, ratio][-TRIAL_STEPS:]
+        if len(self._watched) == TRIAL_STEPS and min(self._watched) > SLOW * self._kept:
+            self._held, self._watched = self._watched, []
+            self._set(self.other)
+            self._fresh = True

@@ -21,6 +21,19 @@ def test_a_primed_model_is_ready_and_fits_the_start_up_steps_exactly():
     assert (fit.base_s, fit.per_token_s, fit.per_pair_s) == pytest.approx((BASE, PER_TOKEN, PER_PAIR), rel=1e-6)
 
 
+def test_the_last_fit_prices_without_fitting_again_until_something_fits():
+    model = StepCostModel()
+    model.prime(start_up_samples())
+    assert model.predict_last(1, 64) == 0.0  # nothing fitted yet
+    before = model.predict(1, 64)
+    assert before == pytest.approx(scripted_cost(1, 64))
+    for t, c in itertools.product((1, 16, 64, 256), (0, 500, 2000)):  # a neighbour: three times the price
+        model.observe(t, attention_pairs(t, c), 3 * scripted_cost(t, attention_pairs(t, c)))
+    assert model.predict_last(1, 64) == before  # the tuner's watch: the price from before
+    after = model.predict(1, 64)
+    assert after > 1.2 * before and model.predict_last(1, 64) == after
+
+
 def start_up_samples() -> list[StepSample]:
     return [
         StepSample(t, attention_pairs(t, c), scripted_cost(t, attention_pairs(t, c)))

@@ -13,13 +13,14 @@ from headroom.runtime import threads
 from headroom.runtime.engine import Engine
 from headroom.runtime.threads import LAST_TRIAL_S, STALE_S, TRIAL_STEPS, ThreadTuner
 
-FIRST_TRIAL_S = 5.0  # as threads.py ships it; tests/conftest.py sets it to inf for the other tests
+FIRST_TRIAL_S, SLOW = 5.0, 2.0  # as threads.py ships them; tests/conftest.py sets both to inf for the other tests
 
 
 @pytest.fixture(autouse=True)
 def trials(monkeypatch):
-    """tests/conftest.py turns trials off for the engines of the other tests."""
+    """tests/conftest.py turns trials (and the watch) off for the engines of the other tests."""
     monkeypatch.setattr(threads, "FIRST_TRIAL_S", FIRST_TRIAL_S)
+    monkeypatch.setattr(threads, "SLOW", SLOW)
 
 
 class Machine:
@@ -36,15 +37,16 @@ class Machine:
         self.applied.append(n)
 
     def run(self, tuner: ThreadTuner, seconds: float, step_s: float = 0.05) -> list[int]:
-        """Steps of step_s predicted seconds each, for `seconds` of the clock; returns the
-        thread count of each step measured."""
+        """Steps of step_s predicted seconds each, for `seconds` of the clock, each told to
+        the tuner as the engine does; returns the thread count of each trial step."""
         end, measured = self.now + seconds, []
         while self.now < end:
             elapsed = step_s * self.cost[self.threads]
             if tuner.measuring():
                 measured.append(self.threads)
-                tuner.step_done(elapsed, step_s)
             self.now += elapsed
+            if tuner.enabled:
+                tuner.step_done(elapsed, step_s)
         return measured
 
 
@@ -110,6 +112,31 @@ def test_after_a_switch_the_next_trial_comes_soon():
     while tuner.current == 1:
         machine.run(tuner, 0.1)
     assert machine.now - switched < FIRST_TRIAL_S + 2.0  # not after the 40 s the quiet trials had reached
+
+
+def test_a_neighbour_that_comes_between_trials_starts_one_at_once():
+    machine = Machine({2: 1.0, 1: 1.8})
+    tuner = tuner_on(machine)
+    machine.run(tuner, 40.0)  # three trials lost: the next is due at 75 s
+    assert machine.applied == [1, 2] * 3
+    machine.cost = {2: 3.0, 1: 1.1}  # a neighbour came
+    came = machine.now
+    while tuner.current == 2:
+        machine.run(tuner, 0.01)
+    # Six steps over twice the last trial's measure, the change, six at one thread: 1.5 s.
+    assert machine.now - came < 1.6
+    assert machine.applied == [1, 2] * 3 + [1] and tuner.switches == 1
+
+
+def test_a_watched_trial_that_loses_raises_the_bar_for_the_next():
+    machine = Machine({2: 1.0, 1: 1.8})
+    tuner = tuner_on(machine)
+    machine.run(tuner, 40.0)
+    machine.cost = {2: 3.0, 1: 5.4}  # slower at both counts: one thread still loses
+    machine.run(tuner, 30.0)
+    # One trial at once, lost after two steps; then three times the old measure is the new
+    # one, and no step is twice that: the next trial waits for its due (120 s).
+    assert machine.applied == [1, 2] * 4 and tuner.current == 2 and tuner.switches == 0
 
 
 def test_one_slow_step_does_not_end_a_trial_that_wins():
