@@ -19,10 +19,9 @@ come more than STALE_S apart (the engine idled) is dropped.
 
 Between trials it watches: where TRIAL_STEPS steps in a row each cost over SLOW times
 what the kept count's steps did at the last trial (against the prediction; 1 before any),
-a neighbour has likely come, and the trial starts at once with those steps as its
-measure of the current count. Waiting for the trial due (up to LAST_TRIAL_S away) left a
-fresh server's first steps beside a busy core at 3-5x their price for seconds
-(bench/RESULTS.md: the noisy neighbour).
+a neighbour has likely come, and the trial starts at once. Waiting for the trial due (up
+to LAST_TRIAL_S away) left a fresh server's first steps beside a busy core at 3-5x their
+price for seconds (bench/RESULTS.md: the noisy neighbour).
 
 torch.set_num_threads also sets the count every thread started later begins with, so the
 engine gives the configured count back (release) when it stops stepping on a thread, and
@@ -109,7 +108,7 @@ class ThreadTuner:
         if predicted_s <= 0 or elapsed_s <= 0:
             return
         if not self._held and now < self._due:
-            self._watch(elapsed_s / predicted_s)
+            self._watch(elapsed_s / predicted_s, now)
             return
         if len(self._held) < TRIAL_STEPS:
             self._held.append(elapsed_s / predicted_s)
@@ -138,12 +137,11 @@ class ThreadTuner:
         self._held, self._tried, self._watched = [], [], []
         self._due = now + self._every
 
-    def _watch(self, ratio: float) -> None:
+    def _watch(self, ratio: float, now: float) -> None:
         """A step between trials: TRIAL_STEPS in a row over SLOW times the kept count's
-        last measure start the trial now, at the other count, with them as its measure of
-        the current one."""
+        last measure make the trial due now. Its steps are priced afresh, the current
+        count's too: against the last fit's prices, which may be stale, the other count's
+        fresh ones could win on a quiet machine."""
         self._watched = [*self._watched, ratio][-TRIAL_STEPS:]
         if len(self._watched) == TRIAL_STEPS and min(self._watched) > SLOW * self._kept:
-            self._held, self._watched = self._watched, []
-            self._set(self.other)
-            self._fresh = True
+            self._due, self._watched = now, []
