@@ -214,7 +214,6 @@ class LongLane:
 
     def admits(self, request: Request, running: list[Request]) -> bool:
         """May a waiting request start now, given its lane's limits?"""
-        block_manager = self.block_manager
         if not is_long(request) or not self.config.long_lane:
             return True
         longs = [r for r in running if is_long(r)]
@@ -224,6 +223,7 @@ class LongLane:
         if self.config.long_kv_share < 1.0:
             # What running longs will hold once their prompts are in, not what they hold
             # part-way through a chunked prefill.
+            block_manager = self.block_manager
             held = sum(block_manager.blocks_needed(r.num_tokens) for r in longs)
             needed = block_manager.blocks_needed(request.num_tokens)
             if held + needed > self.config.long_kv_share * block_manager.num_blocks:
