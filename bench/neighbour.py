@@ -18,6 +18,7 @@ import json
 import multiprocessing
 import statistics
 import sys
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -46,12 +47,15 @@ def run_once(admission: bool, args, shorts, longs, seed: int) -> dict:
             neighbour.join(args.busy + 30)
             if neighbour.is_alive():
                 neighbour.kill()
+        # The thread tuner's count at the end and how often it switched (/health).
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as response:
+            threads = json.load(response).get("threads")
     finally:
         stop_server(proc)
     short = [r.ttft for r in run.results if r.cls == "short" and r.status == 200 and r.ttft is not None]
     (long,) = [r for r in run.results if r.cls == "long"]
     failed = [r.status for r in run.results if r.status != 200]
-    return {"long_ttft": long.ttft, "short_ttft": short, "failed": failed}
+    return {"long_ttft": long.ttft, "short_ttft": short, "failed": failed, "threads": threads}
 
 
 def main() -> None:
@@ -75,7 +79,7 @@ def main() -> None:
             print(
                 f"{name:9s} run {i + 1}: long TTFT {r['long_ttft']:6.2f} s; short TTFT p50 "
                 f"{statistics.median(r['short_ttft']):.2f} s p99 {pct(r['short_ttft'], 0.99):.2f} s "
-                f"({len(r['short_ttft'])} ok, {len(r['failed'])} failed)",
+                f"({len(r['short_ttft'])} ok, {len(r['failed'])} failed); threads {r['threads']}",
                 flush=True,
             )
     pooled = {}
