@@ -152,9 +152,10 @@ class StepCostModel:
         return 0.0 if fit is None else fit.predict(num_tokens, pairs, decode_pairs)
 
     def predict_last(self, num_tokens: int, pairs: int, decode_pairs: int = 0) -> float:
-        """As predict, by the last fit made, without fitting again (0 before any fit): for
-        a price wanted at every step, where a fit would cost more than the step."""
-        fit = self._fit
+        """As predict, by the last fit made, without fitting again (the first is made here
+        where none has been; 0 before anything is learned): for a price wanted at every
+        step, where a fit would cost more than the step."""
+        fit = self._fit if self._fit is not None else self.cost()
         return 0.0 if fit is None else fit.predict(num_tokens, pairs, decode_pairs)
 
     def decodes_seconds(self, contexts: list[int]) -> float:

@@ -17,9 +17,10 @@ all lose by as much ends there, so a quiet machine pays two slow steps a trial. 
 first step at a new count is not scored (it pays for the change), and a trial whose steps
 come more than STALE_S apart (the engine idled) is dropped.
 
-Between trials it watches: where TRIAL_STEPS steps in a row each cost over SLOW times
-what the kept count's steps did at the last trial (against the prediction; 1 before any),
-a neighbour has likely come, and the trial starts at once. Waiting for the trial due (up
+Between trials it watches, each step priced by the cost model's last fit: the first
+TRIAL_STEPS after a trial (or the start) set a baseline, their median ratio or 1 where
+that is less, and where TRIAL_STEPS in a row later each cost over SLOW times it, a
+neighbour has likely come, and the trial starts at once. Waiting for the trial due (up
 to LAST_TRIAL_S away) left a fresh server's first steps beside a busy core at 3-5x their
 price for seconds (bench/RESULTS.md: the noisy neighbour).
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 
 TRIAL_STEPS = 6
@@ -57,11 +59,11 @@ class ThreadTuner:
         self._every = FIRST_TRIAL_S
         self._due = now() + FIRST_TRIAL_S
         self._held: list[float] = []  # ratios of steps at the current count, just before a trial
-        self._watched: list[float] = []  # ratios of the last steps between trials (up to TRIAL_STEPS)
-        self._kept = 1.0  # the kept count's median ratio at the last trial
+        self._watched: deque[float] = deque(maxlen=TRIAL_STEPS)  # ratios of the last steps between trials
+        self._baseline: float | None = None  # the watch's measure of the kept count (None: being taken)
         self._tried: list[float] = []  # ratios of the trial's steps at the other count
         self._fresh = False  # the next step is the first at the trial's count
-        self._last = float("-inf")  # when the last measured step ended
+        self._last = float("-inf")  # when the last step ended
         self._applied = True  # `current` is in force on the stepping thread
 
     @property
@@ -89,12 +91,13 @@ class ThreadTuner:
         if self.enabled and (self.current != self.most or self.trying):
             self._set(self.most)
         self._held, self._tried = [], []
+        self._watched.clear()
         self._applied = self.current == self.most
 
     def measuring(self) -> bool:
         """Is the next step a trial's (the caller then predicts its cost afresh)? The others
-        are watched, priced by the cost model's last fit (a fit each step costs more than
-        a small model's step saves)."""
+        are watched, priced by the cost model's last fit: a fit each step would cost more
+        than a small model's step."""
         return self.enabled and (bool(self._held) or self._now() >= self._due)
 
     def step_done(self, elapsed_s: float, predicted_s: float) -> None:
@@ -104,10 +107,12 @@ class ThreadTuner:
         if now - elapsed_s - last > STALE_S:  # idle since: the trial (or the watch) compares nothing
             if self.trying:
                 self._set(self.current)
-            self._held, self._tried, self._watched = [], [], []
+            self._held, self._tried = [], []
+            self._watched.clear()
         if predicted_s <= 0 or elapsed_s <= 0:
             return
-        if not self._held and now < self._due:
+        # A step that began before the trial was due was priced as a watched one (measuring()).
+        if not self._held and now - elapsed_s < self._due:
             self._watch(elapsed_s / predicted_s, now)
             return
         if len(self._held) < TRIAL_STEPS:
@@ -129,19 +134,26 @@ class ThreadTuner:
             self.current = self.other  # already set
             self.switches += 1
             self._every = FIRST_TRIAL_S
-            self._kept = statistics.median(self._tried)
         else:
             self._set(self.current)
             self._every = min(LAST_TRIAL_S, 2 * self._every)
-            self._kept = held
-        self._held, self._tried, self._watched = [], [], []
+        self._held, self._tried = [], []
+        self._watched.clear()
+        self._baseline = None  # the kept count, measured afresh the watch's way
         self._due = now + self._every
 
     def _watch(self, ratio: float, now: float) -> None:
-        """A step between trials: TRIAL_STEPS in a row over SLOW times the kept count's
-        last measure make the trial due now. Its steps are priced afresh, the current
-        count's too: against the last fit's prices, which may be stale, the other count's
-        fresh ones could win on a quiet machine."""
-        self._watched = [*self._watched, ratio][-TRIAL_STEPS:]
-        if len(self._watched) == TRIAL_STEPS and min(self._watched) > SLOW * self._kept:
-            self._due, self._watched = now, []
+        """A step between trials. The baseline and the steps compared with it are priced
+        alike (the last fit); a trial's ratios are not, so they set no baseline. Where the
+        watch makes the trial due, its steps are priced afresh, the current count's too:
+        against the last fit's prices, which may be stale, the other count's fresh ones
+        could win on a quiet machine."""
+        self._watched.append(ratio)
+        if len(self._watched) < TRIAL_STEPS:
+            return
+        if self._baseline is None:
+            self._baseline = max(1.0, statistics.median(self._watched))
+            self._watched.clear()
+        elif min(self._watched) > SLOW * self._baseline:
+            self._due = now
+            self._watched.clear()

@@ -23,9 +23,9 @@ def test_a_primed_model_is_ready_and_fits_the_start_up_steps_exactly():
 
 def test_the_last_fit_prices_without_fitting_again_until_something_fits():
     model = StepCostModel()
+    assert model.predict_last(1, 64) == 0.0  # nothing learned
     model.prime(start_up_samples())
-    assert model.predict_last(1, 64) == 0.0  # nothing fitted yet
-    before = model.predict(1, 64)
+    before = model.predict_last(1, 64)  # the first fit, made here
     assert before == pytest.approx(scripted_cost(1, 64))
     for t, c in itertools.product((1, 16, 64, 256), (0, 500, 2000)):  # a neighbour: three times the price
         model.observe(t, attention_pairs(t, c), 3 * scripted_cost(t, attention_pairs(t, c)))

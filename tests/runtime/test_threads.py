@@ -31,6 +31,7 @@ class Machine:
         self.threads = 2
         self.now = 0.0
         self.applied: list[int] = []
+        self.stale = 1.0  # what the cost model's last fit prices a watched step at, against a fresh fit
 
     def set_threads(self, n: int) -> None:
         self.threads = n
@@ -42,11 +43,12 @@ class Machine:
         end, measured = self.now + seconds, []
         while self.now < end:
             elapsed = step_s * self.cost[self.threads]
-            if tuner.measuring():
+            trial = tuner.measuring()
+            if trial:
                 measured.append(self.threads)
             self.now += elapsed
             if tuner.enabled:
-                tuner.step_done(elapsed, step_s)
+                tuner.step_done(elapsed, step_s if trial else step_s * self.stale)
         return measured
 
 
@@ -103,7 +105,7 @@ def test_steps_it_cannot_price_do_not_count_and_one_thread_is_left_alone():
 def test_after_a_switch_the_next_trial_comes_soon():
     machine = Machine({2: 1.0, 1: 1.8})
     tuner = tuner_on(machine)
-    machine.run(tuner, 40.0)  # three trials lost: the next is 40 s away
+    machine.run(tuner, 40.0)  # three trials lost: the next is 40 s away (the watch starts it sooner)
     machine.cost = {2: 3.0, 1: 1.1}  # a neighbour came
     while tuner.current == 2:
         machine.run(tuner, 0.1)
@@ -135,9 +137,24 @@ def test_a_watched_trial_that_loses_raises_the_bar_for_the_next():
     machine.run(tuner, 40.0)
     machine.cost = {2: 3.0, 1: 5.4}  # slower at both counts: one thread still loses
     machine.run(tuner, 30.0)
-    # One trial at once, lost after two steps; then three times the old measure is the new
-    # one, and no step is twice that: the next trial waits for its due (120 s).
+    # One trial at once, lost after two steps; then three times the old measure is the
+    # watch's new baseline, and no step is twice that: the next trial waits for its due.
     assert machine.applied == [1, 2] * 4 and tuner.current == 2 and tuner.switches == 0
+
+
+def test_a_stale_fit_that_prices_every_watched_step_low_starts_no_trial():
+    # The last fit prices the watched steps at a third of a fresh fit's, on a quiet machine:
+    # every one costs three times its price, but so did the baseline's, priced alike.
+    machine = Machine({2: 1.0, 1: 1.8})
+    machine.stale = 1 / 3
+    tuner = tuner_on(machine)
+    machine.run(tuner, 40.0)
+    assert machine.applied == [1, 2] * 3  # the trials due at 5, 15 and 35 s, no more
+    machine.cost = {2: 3.0, 1: 1.1}  # a neighbour: the watch still sees it
+    came = machine.now
+    while tuner.current == 2:
+        machine.run(tuner, 0.01)
+    assert machine.now - came < 2.3
 
 
 def test_one_slow_step_does_not_end_a_trial_that_wins():
@@ -145,7 +162,7 @@ def test_one_slow_step_does_not_end_a_trial_that_wins():
     beside one that wins lets the trial run its course."""
     machine = Machine({2: 3.0, 1: 1.1})
     tuner = tuner_on(machine)
-    machine.now = FIRST_TRIAL_S
+    machine.now = FIRST_TRIAL_S + 1.0  # the steps begin after the trial is due
     for _ in range(TRIAL_STEPS):
         tuner.step_done(0.3, 0.1)  # at two threads: ratio 3
     assert machine.threads == 1
