@@ -250,8 +250,8 @@ class LongLane:
         costs without it (base_s) where a step is already slower than the target,
         whichever is more. The head-of-line loop scales that down while the short class
         still suffers; the floor keeps the long class moving even then: it is the share of
-        its deadline that the furthest-gone long prompt has waited (long_wait_share), the
-        whole allowance at the deadline.
+        its deadline that the furthest-gone long prompt the lane admits has waited
+        (long_wait_share), the whole allowance at the deadline.
 
         With no shorter request present the chunk is bounded all the same (by the full
         allowance, without the loop's scaling): one arriving during the step waits for all
@@ -295,7 +295,9 @@ class LongLane:
         token, and has no deadline. A waiting prompt counts only where the lane would
         admit it now: one held back by long_max_running or long_kv_share gets no chunk
         whatever its share, and counting it would spend the short class's budget on the
-        running prompt's chunks for it (and lift the head-of-line loop's scaling)."""
+        running prompt's chunks for it (and lift the head-of-line loop's scaling). One
+        that waits only for a seat (max_num_seqs) or free blocks still counts: those free
+        up as requests finish, the lane's limits do not."""
         target = self.config.long_ttft_target_s
         share = 0.0
         admitted = [r for r in waiting if is_long(r) and self.admits(r, running)]
