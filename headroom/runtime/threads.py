@@ -90,8 +90,7 @@ class ThreadTuner:
         """The steps stop on this thread: the configured count back, a trial dropped."""
         if self.enabled and (self.current != self.most or self.trying):
             self._set(self.most)
-        self._held, self._tried = [], []
-        self._watched.clear()
+        self._clear()
         self._applied = self.current == self.most
 
     def measuring(self) -> bool:
@@ -107,8 +106,7 @@ class ThreadTuner:
         if now - elapsed_s - last > STALE_S:  # idle since: the trial (or the watch) compares nothing
             if self.trying:
                 self._set(self.current)
-            self._held, self._tried = [], []
-            self._watched.clear()
+            self._clear()
         if predicted_s <= 0 or elapsed_s <= 0:
             return
         # A step that began before the trial was due was priced as a watched one (measuring()).
@@ -137,10 +135,14 @@ class ThreadTuner:
         else:
             self._set(self.current)
             self._every = min(LAST_TRIAL_S, 2 * self._every)
-        self._held, self._tried = [], []
-        self._watched.clear()
+        self._clear()
         self._baseline = None  # the kept count, measured afresh the watch's way
         self._due = now + self._every
+
+    def _clear(self) -> None:
+        """A trial, and the watch's window, start over."""
+        self._held, self._tried = [], []
+        self._watched.clear()
 
     def _watch(self, ratio: float, now: float) -> None:
         """A step between trials. The baseline and the steps compared with it are priced
