@@ -196,6 +196,12 @@ class ModelConfig:
         "has AMX tiles and no weights can be packed)",
     )
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N (auto: cuda where there is one)")
+    # executor/device.py: resolve_attention_dtype says when auto takes bfloat16.
+    attention_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="the CPU prefill attention's dot products (auto: bfloat16 beside a 16-bit KV cache where the "
+        "CPU has AVX-512 BF16, else float32; the float32 cache of the reference path keeps float32)",
+    )
     # auto: see executor/device.py: resolve_quantization.
     quantization: Quantization = Field(
         "auto",

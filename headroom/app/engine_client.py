@@ -113,6 +113,10 @@ class AsyncEngine:
                 "name": ex.backend.name,
                 "reason": getattr(ex.backend, "reason", None),
                 "block_size": ex.block_size,
+                "arithmetic": {
+                    "dtype": str(ex.attention_dtype).removeprefix("torch."),
+                    "reason": ex.attention_dtype_reason,
+                },
             },
             "cuda_graphs": ex.cuda_graphs,
             "threads": self.threads(),

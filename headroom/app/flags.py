@@ -34,6 +34,7 @@ _FLAGS = {
     "dtype": ("model", "dtype"),
     "quantization": ("model", "quantization"),
     "device": ("model", "device"),
+    "attention_dtype": ("model", "attention_dtype"),
     "max_model_len": ("model", "max_model_len"),
     "attention_backend": (None, "attention_backend"),
     "lora_modules": (None, "lora"),

@@ -13,7 +13,7 @@ from headroom.config import Config, ConfigError
 from headroom.contracts.attention import AttentionBackend
 from headroom.executor.attention import select_backend
 from headroom.executor.cuda_graphs import graph_plan
-from headroom.executor.device import prepare_model, resolve_kv_dtype
+from headroom.executor.device import prepare_model, resolve_attention_dtype, resolve_kv_dtype
 from headroom.executor.model_runner import ModelRunner, kv_block_bytes
 from headroom.kernels import cpu_kernels
 from headroom.models.loader import LoadedModel
@@ -35,6 +35,8 @@ class Executor:
     runner: ModelRunner
     cuda_graphs: str  # what /health and the start line say about them
     loras: LoraRegistry
+    attention_dtype: torch.dtype  # of the CPU prefill attention's dot products
+    attention_dtype_reason: str
 
     @classmethod
     def build(cls, config: Config, loaded: LoadedModel | None = None) -> Executor:
@@ -50,6 +52,11 @@ class Executor:
         backend = select_backend(config.attention_backend, device)
         block_size = config.cache.block_size or backend.block_size
         kv_dtype, kv_dtype_reason = resolve_kv_dtype(config.cache.kv_cache_dtype, device, dtype, loaded.quantization)
+        attention_dtype, dots, attention_dtype_reason = resolve_attention_dtype(
+            config.model.attention_dtype, device, backend.name, kv_dtype, args
+        )
+        if dots:  # only cpu_paged has a form other than float32's
+            backend.dots = dots
         num_blocks = config.cache.num_blocks or int(
             config.cache.kv_cache_memory_gib * 2**30 // kv_block_bytes(args, block_size, kv_dtype)
         )
@@ -98,6 +105,8 @@ class Executor:
             runner,
             cuda_graphs,
             loras,
+            attention_dtype,
+            attention_dtype_reason,
         )
 
     def describe(self) -> str:
@@ -106,7 +115,8 @@ class Executor:
             f"model={self.loaded.name} device={self.device} dtype={str(self.dtype).removeprefix('torch.')} "
             f"quantization={self.loaded.quantization} ({self.quantization_reason}) "
             f"kv_cache_dtype={str(self.kv_dtype).removeprefix('torch.')} ({self.kv_dtype_reason}) "
-            f"backend={self.backend.name} block_size={self.block_size} kv_blocks={self.num_blocks} "
+            f"backend={self.backend.name} attention_dtype={str(self.attention_dtype).removeprefix('torch.')} "
+            f"block_size={self.block_size} kv_blocks={self.num_blocks} "
             f"({self.num_blocks * self.block_size} tokens) cuda_graphs={self.cuda_graphs}"
         )
 

@@ -1,5 +1,5 @@
 """Logits for every position of one token sequence, in a single prefill through the
-paged model with the torch reference attention, and perplexity over chunks of a text
+paged model with the torch reference attention (or another backend), and perplexity over chunks of a text
 scored the way llama.cpp's llama-perplexity does (the second half of each chunk), of the
 base model or under one of its LoRA adapters."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from headroom.contracts.attention import AttentionMetadata
+from headroom.contracts.attention import AttentionBackend, AttentionMetadata
 from headroom.contracts.request import AdapterRef
 from headroom.executor.attention.torch_ref import TorchAttention
 from headroom.models.llama import ForwardContext
@@ -23,11 +23,16 @@ BLOCK = 16
 
 @torch.inference_mode()
 def sequence_logits(
-    model, ids: list[int], kv_dtype: torch.dtype = torch.float32, adapter: tuple[LoraRegistry, AdapterRef] | None = None
+    model,
+    ids: list[int],
+    kv_dtype: torch.dtype = torch.float32,
+    adapter: tuple[LoraRegistry, AdapterRef] | None = None,
+    attention: AttentionBackend | None = None,
 ) -> torch.Tensor:
     """(len(ids), vocab): row i predicts token i + 1. The prompt's attention reads its keys
-    and values back from a cache of kv_dtype, as a served prefill does. With an adapter
-    (the registry that loaded it, its ref), every row runs under it."""
+    and values back from a cache of kv_dtype, as a served prefill does, through `attention`
+    (default: the torch reference). With an adapter (the registry that loaded it, its
+    ref), every row runs under it."""
     n = len(ids)
     blocks = -(-n // BLOCK)
     args = model.args
@@ -46,7 +51,9 @@ def sequence_logits(
         seq_lens_cpu=[n],
     )
     lora = adapter[0].step([(adapter[1], n)]) if adapter is not None else None
-    hidden = model(torch.tensor(ids), torch.arange(n), ForwardContext(meta, caches, TorchAttention(), lora=lora))
+    hidden = model(
+        torch.tensor(ids), torch.arange(n), ForwardContext(meta, caches, attention or TorchAttention(), lora=lora)
+    )
     return model.compute_logits(hidden)
 
 
@@ -61,13 +68,14 @@ def chunked_perplexity(
     chunks: list[list[int]],
     kv_dtype: torch.dtype = torch.float32,
     adapter: tuple[LoraRegistry, AdapterRef] | None = None,
+    attention: AttentionBackend | None = None,
 ) -> float:
     """exp(mean NLL) over the second half of each chunk: every scored token has at least
     half a chunk of context."""
     total, count = 0.0, 0
     for ids in chunks:
         first = len(ids) // 2
-        logits = sequence_logits(model, ids, kv_dtype, adapter)
+        logits = sequence_logits(model, ids, kv_dtype, adapter, attention)
         total += F.cross_entropy(logits[first:-1], torch.tensor(ids[first + 1 :]), reduction="sum").item()
         count += len(ids) - 1 - first
     return math.exp(total / count)

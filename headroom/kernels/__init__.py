@@ -142,6 +142,10 @@ def cpu_kernels() -> tuple[ModuleType | None, str]:
         flags += ["-mavx2", "-mfma", "-mf16c"]
     if VNNI_FLAGS <= cpu:
         flags += ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni"]
+        if "avx512_bf16" in cpu:
+            flags.append("-mavx512bf16")
+            if {"amx_tile", "amx_bf16"} <= cpu:
+                flags += ["-mamx-tile", "-mamx-bf16"]
     try:
         with (
             build_lock(build_dir) if build_dir else contextlib.nullcontext(),
@@ -159,4 +163,6 @@ def cpu_kernels() -> tuple[ModuleType | None, str]:
         log.warning("headroom's CPU kernels did not build (%s); using PyTorch's ops", exc)
         return None, f"build failed: {str(exc).splitlines()[0][:200]}"
     simd = "AVX-512 VNNI" if "-mavx512vnni" in flags else "AVX2+FMA" if "-mavx2" in flags else "portable C++"
+    if "-mavx512bf16" in flags:
+        simd += ", BF16 and AMX" if "-mamx-bf16" in flags else " and BF16"
     return module, f"headroom's CPU kernels ({simd})"

@@ -366,6 +366,10 @@ def test_draining_server_answers_503(server):
             "name": "cpu_paged",
             "reason": "auto on cpu: cpu_paged is the best available",
             "block_size": 16,
+            "arithmetic": {
+                "dtype": "float32",
+                "reason": "auto: float32 beside a float32 cache (the reference path stays exact)",
+            },
         },
         "cuda_graphs": "off (no CUDA graphs on cpu)",
         "weights": {

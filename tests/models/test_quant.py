@@ -79,6 +79,8 @@ import torch
 
 from headroom.config import CacheConfig, Config, ModelConfig
 from headroom.contracts.request import SamplingParams
+from headroom.executor.attention.cpu_paged import CpuPagedAttention
+from headroom.executor.device import resolve_attention_dtype
 from headroom.executor.scoring import chunked_perplexity, corpus
 from headroom.kernels import cpu_kernels
 from headroom.models.loader import load_model
@@ -103,20 +105,33 @@ PROMPTS = [
     "Why is the sky blue?",
 ]
 MAX_TOKENS = 16
+CPU = torch.device("cpu")
 CHUNKS, CTX = 6, 256  # of the calibration corpus, scored as llama-perplexity does
 CORPUS = Path(__file__).resolve().parents[2] / "data" / "calibration" / "sharegpt_prompts.jsonl"
 
 
-def perplexity(model, ids: list[int], kv_dtype: torch.dtype = torch.float32) -> float:
-    return chunked_perplexity(model, [ids[i * CTX : (i + 1) * CTX] for i in range(CHUNKS)], kv_dtype)
+def perplexity(model, ids: list[int], kv_dtype: torch.dtype = torch.float32, attention: str = "float32") -> float:
+    """Over CHUNKS chunks; the prompt's attention through the torch reference, or with
+    `attention` "bfloat16" or "auto" through the CPU kernel with the dot products that
+    the server would choose (auto: what it measures fastest here)."""
+    backend = None
+    if attention != "float32":
+        backend = CpuPagedAttention()
+        _, backend.dots, _ = resolve_attention_dtype(attention, CPU, "cpu_paged", kv_dtype, model.args)
+    return chunked_perplexity(model, [ids[i * CTX : (i + 1) * CTX] for i in range(CHUNKS)], kv_dtype, attention=backend)
 
 
 def greedy(
-    loaded, prompts: list[list[int]], kv_dtype: str = "float32", logprobs: int | None = None
+    loaded, prompts: list[list[int]], kv_dtype: str = "float32", logprobs: int | None = None, attention: str = "float32"
 ) -> tuple[list[list[int]], list[list[dict[int, float]]]]:
     """Each prompt's greedy tokens and, with `logprobs`, the log-probabilities of the most
     likely tokens at each position ({token id: logprob}, the chosen one included)."""
-    engine = Engine(Config(cache=CacheConfig(num_blocks=256, kv_cache_dtype=kv_dtype)), loaded=loaded)
+    engine = Engine(
+        Config(
+            model=ModelConfig(attention_dtype=attention), cache=CacheConfig(num_blocks=256, kv_cache_dtype=kv_dtype)
+        ),
+        loaded=loaded,
+    )
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=logprobs)
     seen: dict[str, list[dict[int, float]]] = defaultdict(list)
     requests = engine.generate(
@@ -199,32 +214,44 @@ BOUNDS = {
     ("served", False): (7, 14, 0.001),
     ("served", True): (4, 10, 0.009),
     ("kv_f16", False): (8, 16, 0.0005),
+    ("kv_f16+attn_bf16", False): (7, 14, 0.001),
 }
 # variant -> (mode, batches served packed, dtype of the float matmuls above, KV cache dtype,
-# whether batches above take the tiled integer kernel): the packed path for every step, or
-# the bfloat16 matmuls for every step; int4+kv_f16 is the packed path beside the float16 KV
-# cache that auto serves with it, and served is what `headroom serve` runs by default on a
-# CPU with AVX-512 VNNI: packed up to batch 4, the tiled kernel above, a float16 cache.
+# whether batches above take the tiled integer kernel, the prefill attention's dot products):
+# the packed path for every step, or the bfloat16 matmuls for every step; int4+kv_f16 is the
+# packed path beside the float16 KV cache that auto serves with it, and served is what
+# `headroom serve` runs by default on a CPU with AVX-512 VNNI: packed up to batch 4, the
+# tiled kernel above, a float16 cache, and the attention's dot products auto chooses
+# (bfloat16 where it measures faster). kv_f16+attn_bf16 is the float weights beside a
+# float16 cache with bfloat16 dot products in prefill attention: that arithmetic alone.
 VARIANTS = {
-    "int8": ("int8", 4096, torch.float32, torch.float32, False),
-    "int4": ("int4", 4096, torch.float32, torch.float32, False),
-    "bf16": ("int8", 0, torch.bfloat16, torch.float32, False),
-    "int4+kv_f16": ("int4", 4096, torch.float32, torch.float16, False),
-    "served": ("int4", 4, torch.float32, torch.float16, True),
-    "kv_f16": ("int8", 0, torch.float32, torch.float16, False),
+    "int8": ("int8", 4096, torch.float32, torch.float32, False, "float32"),
+    "int4": ("int4", 4096, torch.float32, torch.float32, False, "float32"),
+    "bf16": ("int8", 0, torch.bfloat16, torch.float32, False, "float32"),
+    "int4+kv_f16": ("int4", 4096, torch.float32, torch.float16, False, "float32"),
+    "served": ("int4", 4, torch.float32, torch.float16, True, "auto"),
+    "kv_f16": ("int8", 0, torch.float32, torch.float16, False, "float32"),
+    "kv_f16+attn_bf16": ("int8", 0, torch.float32, torch.float16, False, "bfloat16"),
 }
+
+
+def bf16_attention() -> bool:
+    kernels, _ = cpu_kernels()
+    return kernels is not None and kernels.bf16_attention_form() > 0
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_faster_mode_against_fp32(reference, variant):
     prompts, ids, ref_tokens, ref_choices, ref_ppl = reference
-    mode, small_batch, large_dtype, kv_dtype, tiled = VARIANTS[variant]
-    loaded = load_model(ModelConfig(), torch.device("cpu"), torch.float32)
+    mode, small_batch, large_dtype, kv_dtype, tiled, attention = VARIANTS[variant]
+    if attention == "bfloat16" and not bf16_attention():
+        pytest.skip("bfloat16 dot products in attention need AVX-512 BF16 or AMX; this CPU's attention is float32")
+    loaded = load_model(ModelConfig(), CPU, torch.float32)
     quantize_model(loaded.model, mode, small_batch, large_dtype, tiled)
-    ppl = perplexity(loaded.model, ids, kv_dtype)
-    rows, _ = greedy(loaded, prompts, str(kv_dtype).removeprefix("torch."))
+    ppl = perplexity(loaded.model, ids, kv_dtype, attention)
+    rows, _ = greedy(loaded, prompts, str(kv_dtype).removeprefix("torch."), attention=attention)
     before, full, raw = agreement(rows, ref_tokens, ref_choices)
-    quantised = activations_quantised() and variant not in ("bf16", "kv_f16")
+    quantised = activations_quantised() and variant not in ("bf16", "kv_f16", "kv_f16+attn_bf16")
     print(
         f"{variant} (8-bit activations: {quantised}): perplexity {ppl:.4f} vs fp32 {ref_ppl:.4f} "
         f"({ppl / ref_ppl:.5f}x); tokens before first divergence {before} (ties aside; raw {raw}), "

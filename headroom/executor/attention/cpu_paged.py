@@ -7,6 +7,8 @@ builds without the kernels, take the torch reference it extends."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from headroom.contracts.attention import AttentionMetadata
@@ -14,6 +16,32 @@ from headroom.executor.attention.torch_ref import TorchAttention, write_kv
 from headroom.kernels import cpu_kernels
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the caches the C++ kernel reads
+# How a chunk's tiles take their dot products (the kernel's paged_tile.h).
+DOTS = {0: "float32 FMAs", 1: "bfloat16 pairs (AVX-512 BF16)", 2: "bfloat16 AMX tiles"}
+
+
+def time_dots(
+    kernels, dots: int, heads: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype, repeats: int = 5
+) -> float:
+    """Seconds a 256-token chunk's attention over a 1,024-token context of the model's
+    heads takes with these dot products: the fastest of `repeats` (the others met a
+    neighbour). Which form wins depends on the core (AMD runs a bfloat16 pair as fast as
+    a float32 FMA; Intel's vdpbf16ps at a fraction of it, its AMX tiles far faster), so it
+    is measured where it serves."""
+    block, context, chunk = 16, 1024, 256
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(context // block, block, kv_heads, head_dim, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(context // block, block, kv_heads, head_dim, generator=gen).to(kv_dtype)
+    q = torch.randn(chunk, heads, head_dim, generator=gen)
+    table = torch.arange(context // block, dtype=torch.int32)[None]
+    lens = torch.tensor([context], dtype=torch.int32)
+    starts = torch.tensor([0, chunk], dtype=torch.int32)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first warms the caches and the thread pool
+        began = time.perf_counter()
+        kernels.paged_prefill_attention(q, k_cache, v_cache, table, lens, starts, head_dim**-0.5, dots)
+        best = min(best, time.perf_counter() - began)
+    return best
 
 
 class CpuPagedAttention(TorchAttention):
@@ -29,6 +57,7 @@ class CpuPagedAttention(TorchAttention):
 
     def __init__(self) -> None:
         self.kernels, _ = cpu_kernels()
+        self.dots = 0  # how the chunks take their dot products (kernels: bf16_attention_form; device.py)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.num_decodes == meta.num_seqs and k_cache.dtype in KERNEL_DTYPES and q.dtype == torch.float32:
@@ -39,7 +68,7 @@ class CpuPagedAttention(TorchAttention):
         if self._prefill_in_place(q, k_cache):
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             return self.kernels.paged_prefill_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, self.dots
             )
         return super().forward(q, k, v, k_cache, v_cache, meta, scale)
 

@@ -33,13 +33,17 @@ struct Item {
 }  // namespace
 
 bool paged_prefill_available(int64_t head_dim) { return headroom::tile_available(head_dim); }
+int64_t bf16_attention_form() { return headroom::bf16_dots_available(); }
 
 // q: (N, Hq, D) float32, sequence b's rows at query_start_loc[b]:query_start_loc[b+1], the
 // last positions of its seq_lens[b]-long context; caches: (num_blocks, block_size, Hkv, D),
 // float32, float16 or bfloat16; block_tables: (B, W) int32 -> (N, Hq, D) float32.
+// dots: how the chunks' tiles take their dot products (paged_tile.h: kFloat32Dots,
+// kBf16Pairs, kAmxTiles); decode rows keep float32 (bound by the cache's bytes, not by
+// arithmetic).
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                                      double scale) {
+                                      double scale, int64_t dots) {
   const auto kv = k_cache.scalar_type();
   TORCH_CHECK(q.scalar_type() == torch::kFloat32, "paged_prefill_attention takes float32 queries");
   TORCH_CHECK((kv == torch::kFloat32 || kv == torch::kBFloat16 || kv == torch::kHalf) && v_cache.scalar_type() == kv,
@@ -56,6 +60,9 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
   const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2), W = block_tables.size(1);
   TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(3) == D, "head counts or head_dim do not match");
   TORCH_CHECK(headroom::tile_available(D), "this build has no tiled attention for head_dim ", D);
+  const int64_t best = headroom::bf16_dots_available();
+  TORCH_CHECK(dots == headroom::kFloat32Dots || (dots == headroom::kBf16Pairs && best >= dots) || dots == best,
+              "this build or process has no such dot products: ", dots);
   TORCH_CHECK(query_start_loc.size(0) == B + 1 && block_tables.size(0) == B, "one block table and start per sequence");
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
@@ -108,7 +115,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
           const int64_t row = (starts[it.seq] + it.first_token) * Hq + it.kv_head * group;
           const headroom::TileArgs a{qp + row * D, op + row * D, Hq * D, it.tokens,
                                      lens[it.seq] - q_len + it.first_token, group, D, tp + it.seq * W, block_size,
-                                     Hkv * D, block_size * Hkv * D, it.kv_head, static_cast<float>(scale)};
+                                     Hkv * D, block_size * Hkv * D, it.kv_head, static_cast<float>(scale), static_cast<int>(dots)};
           headroom::attend_tile(a, kc, vc);
         }
     });

@@ -20,6 +20,11 @@
 
 #include "simd.h"
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace headroom {
 
 #if defined(HEADROOM_AVX2) && defined(__F16C__)
@@ -348,6 +353,316 @@ void attend16(const TileArgs& a, const T* kc, const T* vc) {
     for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_loadu_ps(o + r * d + i), inv));
   }
 }
+#ifdef __AVX512BF16__
+// The tile with bfloat16 dot products (vdpbf16ps: a pair of products a lane, summed into
+// float32), twice the float32 FMA's rate: the path the quantised default takes where the
+// CPU has it (the float32 reference keeps attend16). Queries, keys, probabilities and
+// values are each rounded to bfloat16 once; every sum stays float32. The keys of a pass
+// are laid out as attend16's, one 32-bit word (a pair of dims) in place of a float; the
+// values as pairs of keys, so that the weighted sum runs two keys an instruction.
+inline __m512i bf16x32(const __m512 low, const __m512 high) {
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));  // low's 16 first
+}
+template <typename T>
+inline __m512i bf16x32(const T* p) { return bf16x32(load16(p), load16(p + 16)); }
+inline __m512 dot2(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+}
+
+// Rows of queries times the softmax scale, as bfloat16 pairs: row r's word w holds its dims
+// 2w and 2w + 1 (scaled before rounding, so the scores need no multiply; exact where the
+// scale is a power of two, as head_dim 64's 1/8).
+inline void queries_as_pairs(const TileArgs& a, int64_t rows, uint32_t* qb) {
+  const int64_t d = a.head_dim;
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* q = a.q + (r / a.group) * a.token_stride + (r % a.group) * d;
+    for (int64_t i = 0; i < d; i += 32)
+      _mm512_storeu_si512(qb + r * (d / 2) + i / 2,
+                          bf16x32(_mm512_mul_ps(load16(q + i), scale), _mm512_mul_ps(load16(q + i + 16), scale)));
+  }
+}
+
+// A pass's n keys (at `here`) as bfloat16 pairs: kt (head_dim / 2 x kPass words), word
+// (w, t) key t's dims 2w and 2w + 1, keys past n 0; vp (kPass / 2 x head_dim words), word
+// (u, i) dim i of keys 2u and 2u + 1 (low half first), a key past n 0.
+template <typename T>
+inline void pass_as_pairs(const TileArgs& a, const T* kc, const T* vc, const int64_t* here, int64_t n, uint32_t* kt,
+                          uint32_t* vp) {
+  const int64_t d = a.head_dim;
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  if (n < kPass) std::fill(kt, kt + d / 2 * kPass, 0u);
+  for (int64_t t0 = 0; t0 < n; t0 += 16)  // keys' dim pairs transposed 16 x 16 in registers
+    for (int64_t i = 0; i < d; i += 32) {
+      __m512 block[16];
+      for (int j = 0; j < 16; ++j)
+        block[j] = t0 + j < n ? _mm512_castsi512_ps(bf16x32(kc + here[t0 + j] + i)) : _mm512_setzero_ps();
+      transpose16(block);
+      for (int u = 0; u < 16; ++u) _mm512_storeu_ps(reinterpret_cast<float*>(kt + (i / 2 + u) * kPass + t0), block[u]);
+    }
+  for (int64_t t = 0; t < n; t += 2)
+    for (int64_t i = 0; i < d; i += 16) {
+      const __m512 second = t + 1 < n ? load16(vc + here[t + 1] + i) : _mm512_setzero_ps();
+      _mm512_storeu_si512(vp + (t / 2) * d + i, _mm512_permutexvar_epi16(pairs, bf16x32(load16(vc + here[t] + i), second)));
+    }
+}
+
+template <typename T>
+void attend16_bf16(const TileArgs& a, const T* kc, const T* vc) {
+  constexpr int S = kPass / 16;
+  const int64_t d = a.head_dim, half = d / 2, rows = a.tokens * a.group, keys = a.first_pos + a.tokens;
+  thread_local std::vector<uint32_t> words;  // bfloat16 pairs: keys, values, queries
+  words.assign(2 * kPass * half + rows * half, 0u);
+  uint32_t *kt = words.data(), *vp = kt + half * kPass, *qb = vp + half * kPass;
+  thread_local std::vector<float> scratch;
+  scratch.assign(rows * d + 2 * rows, 0.f);
+  float *o = scratch.data(), *m = o + rows * d, *l = m + rows;
+  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+  queries_as_pairs(a, rows, qb);
+  alignas(64) float p[4][kPass];
+  alignas(64) uint32_t pw[4][kPass / 2];
+  int64_t here[kPass];
+  for (int64_t c0 = 0; c0 < keys; c0 += kPass) {
+    const int64_t n = std::min(kPass, keys - c0);
+    offsets_of(a, c0, n, here);
+    pass_as_pairs(a, kc, vc, here, n, kt, vp);
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const int64_t count = std::min<int64_t>(4, rows - r0);
+      const uint32_t* q[4];
+      int64_t valid[4], most = 0;
+      __m512 s[4][S];
+      for (int64_t k = 0; k < 4; ++k) {
+        const int64_t r = r0 + std::min(k, count - 1), j = r / a.group;
+        q[k] = qb + r * half;
+        valid[k] = std::clamp<int64_t>(a.first_pos + j + 1 - c0, 0, n);
+        most = std::max(most, valid[k]);
+      }
+      if (most == 0) continue;
+      for (int k = 0; k < 4; ++k)
+        for (int v = 0; v < S; ++v) s[k][v] = _mm512_setzero_ps();
+      for (int64_t w = 0; w < half; ++w) {
+        __m512i x[S];
+        for (int v = 0; v < S; ++v) x[v] = _mm512_loadu_si512(kt + w * kPass + 16 * v);
+        for (int k = 0; k < 4; ++k) {
+          const __m512i b = _mm512_set1_epi32(static_cast<int>(q[k][w]));
+          for (int v = 0; v < S; ++v) s[k][v] = dot2(s[k][v], b, x[v]);
+        }
+      }
+      __m512 carry[4];
+      for (int64_t k = 0; k < count; ++k) {  // the online softmax, as attend16's
+        const int64_t r = r0 + k;
+        __mmask16 keep[S];
+        __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int v = 0; v < S; ++v) {
+          const int64_t lanes = std::clamp<int64_t>(valid[k] - 16 * v, 0, 16);
+          keep[v] = static_cast<__mmask16>((1u << lanes) - 1);
+          top = _mm512_mask_max_ps(top, keep[v], top, s[k][v]);
+        }
+        if (valid[k] == 0) {
+          carry[k] = _mm512_set1_ps(1.f);
+          std::fill(p[k], p[k] + kPass, 0.f);
+          continue;
+        }
+        const float most_s = std::max(m[r], _mm512_reduce_max_ps(top));
+        const float c = std::exp(m[r] - most_s);
+        const __m512 mv = _mm512_set1_ps(most_s);
+        __m512 sum = _mm512_setzero_ps();
+        for (int v = 0; v < S; ++v) {
+          const __m512 e = _mm512_maskz_mov_ps(keep[v], exp512(_mm512_sub_ps(s[k][v], mv)));
+          _mm512_store_ps(p[k] + 16 * v, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        l[r] = l[r] * c + _mm512_reduce_add_ps(sum);
+        m[r] = most_s;
+        carry[k] = _mm512_set1_ps(c);
+      }
+      for (int64_t k = count; k < 4; ++k) std::fill(p[k], p[k] + kPass, 0.f);
+      for (int k = 0; k < 4; ++k)  // each row's weights as pairs of keys
+        for (int v = 0; v < S; v += 2)
+          _mm512_store_si512(pw[k] + 8 * v, bf16x32(_mm512_load_ps(p[k] + 16 * v), _mm512_load_ps(p[k] + 16 * v + 16)));
+      const int64_t most_pairs = (most + 1) / 2;  // a row's weights past its keys are 0
+      for (int64_t i = 0; i < d; i += 64) {
+        __m512 acc[4][4];
+        for (int64_t k = 0; k < 4; ++k)
+          for (int u = 0; u < 4; ++u)
+            acc[k][u] = k < count ? _mm512_mul_ps(_mm512_loadu_ps(o + (r0 + k) * d + i + 16 * u), carry[k])
+                                  : _mm512_setzero_ps();
+        for (int64_t t = 0; t < most_pairs; ++t) {
+          __m512i v[4];
+          for (int u = 0; u < 4; ++u) v[u] = _mm512_loadu_si512(vp + t * d + i + 16 * u);
+          for (int k = 0; k < 4; ++k) {
+            const __m512i w = _mm512_set1_epi32(static_cast<int>(pw[k][t]));
+            for (int u = 0; u < 4; ++u) acc[k][u] = dot2(acc[k][u], w, v[u]);
+          }
+        }
+        for (int64_t k = 0; k < count; ++k)
+          for (int u = 0; u < 4; ++u) _mm512_storeu_ps(o + (r0 + k) * d + i + 16 * u, acc[k][u]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t j = r / a.group, g = r % a.group;
+    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+    float* dst = a.out + j * a.token_stride + g * d;
+    for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_loadu_ps(o + r * d + i), inv));
+  }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// The tile on AMX: tdpbf16ps multiplies a 16 x 32 block of bfloat16 by a 32 x 16 one into
+// 16 x 16 float32 sums, sixteen times the float32 FMA's work an instruction. The
+// operands are the pairs path's (queries, keys and values rounded to bfloat16 once; every
+// sum float32): a pass's scores of 16 rows are four such blocks (16 keys each) summed over
+// the head's dims 32 at a time, its values' weighted sum four blocks (16 dims each) summed
+// over its keys 32 at a time. The online softmax runs on the scores in float32 as elsewhere.
+
+// Linux lends a thread AMX's tile state only once the process has asked for it.
+bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return permitted;
+}
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Row r's running max m, denominator l and the pass's weights p (kPass floats, 0 past
+// `valid` keys) from its kPass scores; returns the factor its running output is
+// rescaled by (e^(m - m')).
+inline float softmax_pass(const float* scores, int64_t valid, float& m, float& l, float* p) {
+  constexpr int S = kPass / 16;
+  __m512 s[S];
+  __mmask16 keep[S];
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int v = 0; v < S; ++v) {
+    const int64_t lanes = std::clamp<int64_t>(valid - 16 * v, 0, 16);
+    keep[v] = static_cast<__mmask16>((1u << lanes) - 1);
+    s[v] = _mm512_loadu_ps(scores + 16 * v);
+    top = _mm512_mask_max_ps(top, keep[v], top, s[v]);
+  }
+  if (valid == 0) {
+    std::fill(p, p + kPass, 0.f);
+    return 1.f;
+  }
+  const float most = std::max(m, _mm512_reduce_max_ps(top));
+  const float carry = std::exp(m - most);
+  const __m512 mv = _mm512_set1_ps(most);
+  __m512 sum = _mm512_setzero_ps();
+  for (int v = 0; v < S; ++v) {
+    const __m512 e = _mm512_maskz_mov_ps(keep[v], exp512(_mm512_sub_ps(s[v], mv)));
+    _mm512_storeu_ps(p + 16 * v, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  l = l * carry + _mm512_reduce_add_ps(sum);
+  m = most;
+  return carry;
+}
+
+template <typename T>
+void attend_amx(const TileArgs& a, const T* kc, const T* vc) {
+  static_assert(kPass == 64, "a pass is four blocks of 16 keys");
+  const int64_t d = a.head_dim, half = d / 2, rows = a.tokens * a.group, keys = a.first_pos + a.tokens;
+  const int64_t padded = (rows + 15) / 16 * 16;  // whole blocks of 16 rows; the rest's queries 0
+  thread_local std::vector<uint32_t> words;
+  words.assign(2 * kPass * half + padded * half + 16 * kPass / 2, 0u);
+  uint32_t *kt = words.data(), *vp = kt + half * kPass, *qb = vp + half * kPass, *pw = qb + padded * half;
+  thread_local std::vector<float> scratch;
+  scratch.assign(padded * d + 2 * padded + 2 * 16 * kPass, 0.f);
+  float *o = scratch.data(), *m = o + padded * d, *l = m + padded, *sc = l + padded, *sum = sc + 16 * kPass;
+  std::fill(m, m + padded, -std::numeric_limits<float>::infinity());
+  queries_as_pairs(a, rows, qb);
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {  // every operand and sum a block of 16 rows x 64 bytes
+    config.rows[t] = 16;
+    config.bytes_per_row[t] = 64;
+  }
+  _tile_loadconfig(&config);
+  alignas(64) float p[kPass];
+  float carry[16];
+  int64_t here[kPass];
+  const int64_t key_row = kPass * 4, pw_row = kPass / 2 * 4, vp_row = d * 4, q_row = half * 4;
+  for (int64_t c0 = 0; c0 < keys; c0 += kPass) {
+    const int64_t n = std::min(kPass, keys - c0);
+    offsets_of(a, c0, n, here);
+    pass_as_pairs(a, kc, vc, here, n, kt, vp);
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+      int64_t valid[16], most = 0;
+      for (int k = 0; k < 16; ++k) {
+        valid[k] = r0 + k < rows ? std::clamp<int64_t>(a.first_pos + (r0 + k) / a.group + 1 - c0, 0, n) : 0;
+        most = std::max(most, valid[k]);
+      }
+      if (most == 0) continue;  // no row of the block sees a key of this pass
+      // Scores: tiles 0-3 the four blocks of 16 keys, 4 the rows' dims, 6 and 7 the keys'.
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t w = 0; w < half; w += 16) {
+        _tile_loadd(4, qb + r0 * half + w, q_row);
+        _tile_loadd(6, kt + w * kPass, key_row);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, kt + w * kPass + 16, key_row);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(6, kt + w * kPass + 32, key_row);
+        _tile_dpbf16ps(2, 4, 6);
+        _tile_loadd(7, kt + w * kPass + 48, key_row);
+        _tile_dpbf16ps(3, 4, 7);
+      }
+      _tile_stored(0, sc, key_row);
+      _tile_stored(1, sc + 16, key_row);
+      _tile_stored(2, sc + 32, key_row);
+      _tile_stored(3, sc + 48, key_row);
+      for (int k = 0; k < 16; ++k) {
+        const int64_t r = r0 + k;
+        carry[k] = softmax_pass(sc + k * kPass, valid[k], m[r], l[r], p);
+        for (int v = 0; v < kPass / 16; v += 2)
+          _mm512_storeu_si512(pw + k * kPass / 2 + 8 * v, bf16x32(_mm512_load_ps(p + 16 * v), _mm512_load_ps(p + 16 * v + 16)));
+      }
+      // Values: tiles 0-3 the sums of four blocks of 16 dims, 4 the weights of 32 keys, 6
+      // and 7 those keys' values; then each row's output rescaled and the pass's sum added.
+      for (int64_t i = 0; i < d; i += 64) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t u = 0; u < (most + 1) / 2; u += 16) {  // weights past a row's keys are 0
+          _tile_loadd(4, pw + u, pw_row);
+          _tile_loadd(6, vp + u * d + i, vp_row);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_loadd(7, vp + u * d + i + 16, vp_row);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_loadd(6, vp + u * d + i + 32, vp_row);
+          _tile_dpbf16ps(2, 4, 6);
+          _tile_loadd(7, vp + u * d + i + 48, vp_row);
+          _tile_dpbf16ps(3, 4, 7);
+        }
+        _tile_stored(0, sum, 256);
+        _tile_stored(1, sum + 16, 256);
+        _tile_stored(2, sum + 32, 256);
+        _tile_stored(3, sum + 48, 256);
+        for (int64_t k = 0; k < std::min<int64_t>(16, rows - r0); ++k) {
+          float* out = o + (r0 + k) * d + i;
+          const __m512 cv = _mm512_set1_ps(carry[k]);
+          for (int u = 0; u < 4; ++u)
+            _mm512_storeu_ps(out + 16 * u, _mm512_fmadd_ps(_mm512_loadu_ps(out + 16 * u), cv,
+                                                           _mm512_loadu_ps(sum + k * 64 + 16 * u)));
+        }
+      }
+    }
+  }
+  _tile_release();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t j = r / a.group, g = r % a.group;
+    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+    float* dst = a.out + j * a.token_stride + g * d;
+    for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_loadu_ps(o + r * d + i), inv));
+  }
+}
+#endif
+#endif
 #endif
 
 // The sum of each of four vectors' lanes: [sum a0, sum a1, sum a2, sum a3].
@@ -473,11 +788,33 @@ void decode(const TileArgs& a, int64_t kv_heads, const T* kc, const T* vc, int64
 }  // namespace
 
 bool tile_available(int64_t head_dim) { return head_dim > 0 && head_dim % 64 == 0; }
-#ifdef __AVX512F__
+#ifdef __AVX512BF16__
+int bf16_dots_available() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (amx_permitted()) return kAmxTiles;
+#endif
+  return kBf16Pairs;
+}
+template <typename T>
+void attend_either(const TileArgs& a, const T* k, const T* v) {
+  switch (a.dots) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    case kAmxTiles: attend_amx(a, k, v); break;
+#endif
+    case kBf16Pairs: attend16_bf16(a, k, v); break;
+    default: attend16(a, k, v);
+  }
+}
+void attend_tile(const TileArgs& a, const float* k, const float* v) { attend_either(a, k, v); }
+void attend_tile(const TileArgs& a, const c10::Half* k, const c10::Half* v) { attend_either(a, k, v); }
+void attend_tile(const TileArgs& a, const c10::BFloat16* k, const c10::BFloat16* v) { attend_either(a, k, v); }
+#elif defined(__AVX512F__)
+int bf16_dots_available() { return kFloat32Dots; }
 void attend_tile(const TileArgs& a, const float* k, const float* v) { attend16(a, k, v); }
 void attend_tile(const TileArgs& a, const c10::Half* k, const c10::Half* v) { attend16(a, k, v); }
 void attend_tile(const TileArgs& a, const c10::BFloat16* k, const c10::BFloat16* v) { attend16(a, k, v); }
 #else
+int bf16_dots_available() { return kFloat32Dots; }
 void attend_tile(const TileArgs& a, const float* k, const float* v) { attend(a, k, v); }
 void attend_tile(const TileArgs& a, const c10::Half* k, const c10::Half* v) { attend(a, k, v); }
 void attend_tile(const TileArgs& a, const c10::BFloat16* k, const c10::BFloat16* v) { attend(a, k, v); }
@@ -498,6 +835,7 @@ void decode_span(const TileArgs& a, int64_t kv_heads, const c10::BFloat16* k, co
 #else  // no AVX2+FMA+F16C: callers keep their portable paths
 
 bool tile_available(int64_t) { return false; }
+int bf16_dots_available() { return kFloat32Dots; }
 void attend_tile(const TileArgs&, const float*, const float*) { TORCH_CHECK(false, "no tiled attention in this build"); }
 void attend_tile(const TileArgs&, const c10::Half*, const c10::Half*) { TORCH_CHECK(false, "no tiled attention in this build"); }
 void attend_tile(const TileArgs&, const c10::BFloat16*, const c10::BFloat16*) {

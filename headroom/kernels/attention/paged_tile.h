@@ -22,11 +22,20 @@ struct TileArgs {
   const int32_t* table;  // the sequence's block table
   int64_t block_size, cache_token_stride, cache_block_stride, kv_head;
   float scale;
+  int dots = 0;  // how the tile takes its dot products: one of the forms below
 };
+
+// A tile's dot products: float32 FMAs; bfloat16 pairs into float32 (vdpbf16ps, AVX-512
+// BF16); or AMX's bfloat16 tiles. The two bfloat16 forms round queries, keys, weights and
+// values to bfloat16 once and sum in float32.
+constexpr int kFloat32Dots = 0, kBf16Pairs = 1, kAmxTiles = 2;
 
 // Whether this build has the tiled kernel for this head_dim (AVX2+FMA+F16C, head_dim a
 // multiple of 64); where it does not, callers keep their portable paths.
 bool tile_available(int64_t head_dim);
+// The best bfloat16 form this build and process have (AMX where Linux lends its tiles, else
+// pairs), or kFloat32Dots where neither.
+int bf16_dots_available();
 
 void attend_tile(const TileArgs& a, const float* k_cache, const float* v_cache);
 void attend_tile(const TileArgs& a, const c10::Half* k_cache, const c10::Half* v_cache);

@@ -11,8 +11,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      std::optional<torch::Tensor> slots);
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                       torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start_loc,
-                                      double scale);
+                                      double scale, int64_t dots);
 bool paged_prefill_available(int64_t head_dim);
+int64_t bf16_attention_form();
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
@@ -40,9 +41,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal attention of any number of query rows per sequence over a paged KV cache, read in place", no_gil,
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
-        py::arg("query_start_loc"), py::arg("scale"));
+        py::arg("query_start_loc"), py::arg("scale"), py::arg("dots") = 0);
   m.def("paged_prefill_available", &paged_prefill_available,
         "whether this build has the in-place prefill attention for this head_dim");
+  m.def("bf16_attention_form", &bf16_attention_form,
+        "the best bfloat16 dot products this build's prefill attention has: 0 none, 1 pairs (AVX-512 BF16), "
+        "2 AMX tiles");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows", no_gil);
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm of x", no_gil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused (M, 2I) gate/up projection", no_gil);
