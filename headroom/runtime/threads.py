@@ -22,7 +22,10 @@ TRIAL_STEPS after a trial (or the start) set a baseline, their median ratio or 1
 that is less, and where TRIAL_STEPS in a row later each cost over SLOW times it, a
 neighbour has likely come, and the trial starts at once. Waiting for the trial due (up
 to LAST_TRIAL_S away) left a fresh server's first steps beside a busy core at 3-5x their
-price for seconds (bench/RESULTS.md: the noisy neighbour).
+price for seconds (bench/RESULTS.md: the noisy neighbour). A trial the watch started and
+lost says the last fit misprices some steps rather than that a neighbour came (a shape
+the baseline's steps did not have): the watch then starts none for FIRST_TRIAL_S, twice
+that after the next such loss, up to LAST_TRIAL_S, until a trial wins.
 
 torch.set_num_threads also sets the count every thread started later begins with, so the
 engine gives the configured count back (release) when it stops stepping on a thread, and
@@ -61,6 +64,9 @@ class ThreadTuner:
         self._held: list[float] = []  # ratios of steps at the current count, just before a trial
         self._watched: deque[float] = deque(maxlen=TRIAL_STEPS)  # ratios of the last steps between trials
         self._baseline: float | None = None  # the watch's measure of the kept count (None: being taken)
+        self._cool = FIRST_TRIAL_S  # how long the watch waits after a trial it started is lost
+        self._calm = float("-inf")  # the watch starts no trial before this
+        self._watch_started = False  # the trial under way (or due) is the watch's
         self._tried: list[float] = []  # ratios of the trial's steps at the other count
         self._fresh = False  # the next step is the first at the trial's count
         self._last = float("-inf")  # when the last step ended
@@ -131,10 +137,13 @@ class ThreadTuner:
         if not lost and statistics.median(self._tried) < MARGIN * held:
             self.current = self.other  # already set
             self.switches += 1
-            self._every = FIRST_TRIAL_S
+            self._every = self._cool = FIRST_TRIAL_S
         else:
             self._set(self.current)
             self._every = min(LAST_TRIAL_S, 2 * self._every)
+            if self._watch_started:
+                self._calm = now + self._cool
+                self._cool = min(LAST_TRIAL_S, 2 * self._cool)
         self._clear()
         self._baseline = None  # the kept count, measured afresh the watch's way
         self._due = now + self._every
@@ -143,6 +152,7 @@ class ThreadTuner:
         """A trial, and the watch's window, start over."""
         self._held, self._tried = [], []
         self._watched.clear()
+        self._watch_started = False
 
     def _watch(self, ratio: float, now: float) -> None:
         """A step between trials. The baseline and the steps compared with it are priced
@@ -156,6 +166,7 @@ class ThreadTuner:
         if self._baseline is None:
             self._baseline = max(1.0, statistics.median(self._watched))
             self._watched.clear()
-        elif min(self._watched) > SLOW * self._baseline:
+        elif min(self._watched) > SLOW * self._baseline and now >= self._calm:
             self._due = now
+            self._watch_started = True
             self._watched.clear()

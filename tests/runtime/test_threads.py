@@ -237,3 +237,21 @@ def test_an_engine_runs_its_trials_on_its_own_thread_learns_nothing_from_them_an
     # caller's thread the configured count back.
     ((count, trying, other),) = ended
     assert trying and count == other and torch.get_num_threads() == most
+
+
+def test_a_fit_that_misprices_some_steps_cannot_start_a_trial_every_few_steps():
+    # The last fit prices one shape of step right and another at a third of its cost, the
+    # two alternating every twelve steps on a quiet machine: each time the baseline is
+    # taken on the first shape, the second looks three times slower and the watch starts
+    # a trial, which loses. After each lost trial the watch waits, twice as long each time
+    # (from FIRST_TRIAL_S, up to LAST_TRIAL_S), so in 120 s it starts at most a handful.
+    machine = Machine({2: 1.0, 1: 1.8})
+    tuner = tuner_on(machine)
+    while machine.now < 120.0:
+        machine.stale = 1.0 if int(machine.now / 0.6) % 2 == 0 else 1 / 3
+        machine.run(tuner, 0.6)
+    trials = machine.applied.count(1)
+    assert tuner.current == 2 and machine.applied == [1, 2] * trials
+    # Scheduled ones at 5, 15, 35, 75 s (each loss doubles the wait) and the watch's after
+    # waits of 5, 10, 20, 40 s (with the 12-step windows between): at most eight.
+    assert trials <= 8
