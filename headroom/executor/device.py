@@ -118,38 +118,39 @@ def resolve_kv_dtype(name: str, device: torch.device, dtype: torch.dtype, quanti
 
 
 def resolve_attention_dtype(
-    name: str, device: torch.device, backend: str, kv_dtype: torch.dtype, args
+    name: str, device: torch.device, backend: str, dtype: torch.dtype, kv_dtype: torch.dtype, args
 ) -> tuple[torch.dtype, int, str]:
-    """The dtype of the CPU prefill attention's dot products, the kernel's form of them
-    (executor/attention/cpu_paged.py: DOTS) and why, for the log and /health. Prefill
-    attention is bound by its arithmetic, and bfloat16 runs faster than float32 where the
-    CPU has AMX tiles, or pairs as fast as its FMAs; auto takes it only beside a 16-bit cache,
-    whose keys and values are already rounded (the quantised default), so the float32
-    reference path stays exact, and only where it measures faster. Decode attention stays
-    float32: it is bound by the cache's bytes, not by arithmetic."""
-    from headroom.executor.attention.cpu_paged import DOTS, time_dots
+    """The dtype of the prefill attention's dot products, the CPU kernel's form of them
+    (executor/attention/cpu_paged.py: DOTS; 0 where float32 or another backend's) and why,
+    for the log and /health. Prefill attention is bound by its arithmetic, and bfloat16 runs
+    faster than float32 where the CPU has AMX tiles, or pairs as fast as its FMAs; auto
+    takes it only beside a 16-bit cache, whose keys and values are already rounded (the
+    quantised default), so the float32 reference path stays exact, and only where a timing
+    at start shows it clearly faster. Decode attention stays float32: it is bound by the
+    cache's bytes, not by arithmetic."""
+    from headroom.executor.attention.cpu_paged import DOTS, dots_faster
 
+    if device.type != "cpu" or backend != "cpu_paged" or dtype != torch.float32:
+        if name != "auto" and getattr(torch, name) != dtype:
+            raise ConfigError(f"attention_dtype {name}: {backend} on {device.type} attends in the model's {dtype}")
+        return dtype, 0, f"{name}: {backend} on {device.type} attends in the model's dtype"
     kernels, why = cpu_kernels()
-    form = kernels.bf16_attention_form() if device.type == "cpu" and backend == "cpu_paged" and kernels else 0
+    form = kernels.bf16_attention_form() if kernels else 0
+    lacks = f"no AVX-512 BF16 or AMX in {why}"
+    if form and not kernels.paged_prefill_available(args.head_dim):
+        form, lacks = 0, f"the kernel's tiles take a head_dim that is a multiple of 64, not {args.head_dim}"
     if name == "float32":
         return torch.float32, 0, "chosen by flag or config"
     if name == "bfloat16":
         if not form:
-            raise ConfigError(
-                "attention_dtype bfloat16 needs the cpu_paged attention backend on a CPU with AVX-512 BF16 or AMX "
-                f"(here: {device.type}, backend {backend}, {why})"
-            )
+            raise ConfigError(f"attention_dtype bfloat16 cannot run here: {lacks}")
         return torch.bfloat16, form, f"chosen by flag or config: {DOTS[form]}"
-    if device.type != "cpu" or backend != "cpu_paged":
-        return torch.float32, 0, f"auto: float32 ({backend} on {device.type} attends in its own kernels' arithmetic)"
     if kv_dtype == torch.float32:
         return torch.float32, 0, "auto: float32 beside a float32 cache (the reference path stays exact)"
     if not form:
-        return torch.float32, 0, f"auto: float32 (no AVX-512 BF16 or AMX in {why})"
-    shape = (args.num_heads, args.num_kv_heads, args.head_dim, kv_dtype)
-    fp32_s, bf16_s = time_dots(kernels, 0, *shape), time_dots(kernels, form, *shape)
-    timed = f"a 256-token chunk's attention {bf16_s * 1e3:.2f} ms with {DOTS[form]}, {fp32_s * 1e3:.2f} ms with float32"
-    if bf16_s < 0.9 * fp32_s:  # a clear win only: bfloat16 costs accuracy
+        return torch.float32, 0, f"auto: float32 ({lacks})"
+    faster, timed = dots_faster(form, args.num_heads, args.num_kv_heads, args.head_dim, kv_dtype)
+    if faster:
         return torch.bfloat16, form, f"auto: bfloat16 in prefill attention beside a 16-bit cache ({timed})"
     return torch.float32, 0, f"auto: float32 ({timed})"
 

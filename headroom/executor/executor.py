@@ -53,7 +53,7 @@ class Executor:
         block_size = config.cache.block_size or backend.block_size
         kv_dtype, kv_dtype_reason = resolve_kv_dtype(config.cache.kv_cache_dtype, device, dtype, loaded.quantization)
         attention_dtype, dots, attention_dtype_reason = resolve_attention_dtype(
-            config.model.attention_dtype, device, backend.name, kv_dtype, args
+            config.model.attention_dtype, device, backend.name, dtype, kv_dtype, args
         )
         if dots:  # only cpu_paged has a form other than float32's
             backend.dots = dots

@@ -13,6 +13,7 @@ import functools
 import hashlib
 import logging
 import os
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -124,6 +125,18 @@ def progress(build_dir: Path, total: int) -> Iterator[None]:
             log.warning("headroom's CPU kernels: built in %.0f s", time.time() - started)
 
 
+def compiler_takes(flags: list[str]) -> bool:
+    """Whether the C++ compiler torch builds with accepts these flags (a preprocessor run)."""
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        done = subprocess.run(
+            [cxx, *flags, "-x", "c++", "-E", "-"], input="", capture_output=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
 @functools.cache
 def cpu_kernels() -> tuple[ModuleType | None, str]:
     """(the compiled module with q4_linear, q8_linear, qdot_linear and paged_decode_attention, or None; why)."""
@@ -142,10 +155,15 @@ def cpu_kernels() -> tuple[ModuleType | None, str]:
         flags += ["-mavx2", "-mfma", "-mf16c"]
     if VNNI_FLAGS <= cpu:
         flags += ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni"]
-        if "avx512_bf16" in cpu:
-            flags.append("-mavx512bf16")
-            if {"amx_tile", "amx_bf16"} <= cpu:
-                flags += ["-mamx-tile", "-mamx-bf16"]
+        # bfloat16 attention: only where the compiler knows the flags too (GCC 10 for
+        # BF16, 11 for AMX), else an older compiler would fail the whole build.
+        wanted = [["-mavx512bf16"]] if "avx512_bf16" in cpu else []
+        if wanted and {"amx_tile", "amx_bf16"} <= cpu:
+            wanted.append(["-mamx-tile", "-mamx-bf16"])
+        for extra in wanted:
+            if not compiler_takes(extra):
+                break
+            flags += extra
     try:
         with (
             build_lock(build_dir) if build_dir else contextlib.nullcontext(),

@@ -144,6 +144,7 @@ class ThreadTuner:
             if self._watch_started:
                 self._calm = now + self._cool
                 self._cool = min(LAST_TRIAL_S, 2 * self._cool)
+        self._watch_started = False  # kept through a trial dropped and begun again (_clear)
         self._clear()
         self._baseline = None  # the kept count, measured afresh the watch's way
         self._due = now + self._every
@@ -152,7 +153,6 @@ class ThreadTuner:
         """A trial, and the watch's window, start over."""
         self._held, self._tried = [], []
         self._watched.clear()
-        self._watch_started = False
 
     def _watch(self, ratio: float, now: float) -> None:
         """A step between trials. The baseline and the steps compared with it are priced

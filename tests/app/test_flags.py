@@ -38,7 +38,8 @@ def test_every_flag_sets_a_real_field_and_offers_its_choices(dest):
 SERVE = [
     "serve",
     *("--model", "m.gguf", "--served-model-name", "m", "--dtype", "float32", "--quantization", "int8"),
-    *("--device", "cpu", "--max-model-len", "512", "--enforce-eager", "--attention-backend", "torch"),
+    *("--device", "cpu", "--attention-dtype", "float32", "--max-model-len", "512", "--enforce-eager"),
+    *("--attention-backend", "torch"),
     "--no-tune-threads",
     *("--block-size", "16", "--num-kv-blocks", "64", "--kv-cache-memory-gib", "2", "--kv-cache-dtype", "float16"),
     *("--no-prefix-caching", "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--no-chunked-prefill"),

@@ -89,7 +89,9 @@ def test_adapters_perplexity_on_the_quantised_base_within_its_bound(default_mode
     for name in ADAPTERS:
         adapter = (loras, loras.load(name, adapter_dirs[name]))
         reference = chunked_perplexity(default_model.model, chunks, adapter=adapter)
-        quantised = chunked_perplexity(served.loaded.model, chunks, kv_dtype, adapter=adapter)
+        quantised = chunked_perplexity(
+            served.loaded.model, chunks, kv_dtype, adapter=adapter, attention=served.executor.backend
+        )
         print(f"{name}: perplexity {quantised:.4f} on the served base, {reference:.4f} in float32, base {base:.4f}")
         assert abs(quantised / reference - 1) <= max_shift, name
         assert abs(reference / base - 1) > 0.01, f"{name} barely changes the base: test adapters too weak"

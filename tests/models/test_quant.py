@@ -67,6 +67,16 @@ near-ties (raw 0-16 tokens); served 1.00003x and 8/8 raw (large batches, perplex
 included, take the float32 matmul there: no tiles without VNNI). An earlier form of the
 kernel (8-bit weights as two nibbles: the same integers, the minimum's float sum in
 another order) gave int8 1.00311x: the luck of rounding described above.
+
+bfloat16 dot products in prefill attention (queries, keys, weights and values rounded to
+bfloat16 once, every sum float32), on 2026-12-02 on a 2-core Intel Xeon with AMX (family 6
+model 167), the AMX form: alone beside a float16 cache (kv_f16+attn_bf16) 0.99975x with
+every row equal, raw; served, which there takes them (auto timed them faster), 1.00365x,
+8/8 ties aside (raw 0-16 tokens), int4 with a float16 cache and float32 attention beside it
+1.00212x. So the attention's rounding is a tenth of the weights' here; its bound sits
+just outside the float16 cache's own and far inside the weights'. A break that dropped
+the running output's rescale between passes gave 1286x (the greedy rows, one pass of
+keys each, did not see it).
 """
 
 from __future__ import annotations
@@ -117,7 +127,7 @@ def perplexity(model, ids: list[int], kv_dtype: torch.dtype = torch.float32, att
     backend = None
     if attention != "float32":
         backend = CpuPagedAttention()
-        _, backend.dots, _ = resolve_attention_dtype(attention, CPU, "cpu_paged", kv_dtype, model.args)
+        _, backend.dots, _ = resolve_attention_dtype(attention, CPU, "cpu_paged", torch.float32, kv_dtype, model.args)
     return chunked_perplexity(model, [ids[i * CTX : (i + 1) * CTX] for i in range(CHUNKS)], kv_dtype, attention=backend)
 
 

@@ -432,7 +432,8 @@ def skip_without(form: int) -> None:
 
 def rounded_to_bf16(batch: Batch) -> Batch:
     """What the bfloat16 dot products multiply: queries times the scale, keys and values,
-    each rounded to bfloat16 once (the scales of head_dim 64 and 256 are powers of two)."""
+    each rounded to bfloat16 once (dividing by the scale again is exact where it is a
+    power of two, as for head_dim 64 and 256, and within a float32 rounding elsewhere)."""
     return replace(
         batch,
         q=(batch.q * batch.scale).bfloat16().float() / batch.scale,
@@ -442,7 +443,7 @@ def rounded_to_bf16(batch: Batch) -> Batch:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("form", BF16_FORMS)
 def test_cpu_paged_prefill_in_bfloat16_is_within_its_rounding(form, cache_dtype, head_dim, threads) -> None:
@@ -475,6 +476,28 @@ def test_cpu_paged_prefill_in_bfloat16_is_within_its_rounding(form, cache_dtype,
     err = (out - naive_attention(rounded_to_bf16(batch)))[chunks].abs()
     assert err.max().item() <= 0.02 and err.mean().item() <= 3e-4
     assert (out - naive_attention(batch))[chunks].abs().mean().item() <= 5e-4
+
+
+@pytest.mark.parametrize("form", BF16_FORMS)
+def test_cpu_paged_prefill_in_bfloat16_reads_only_its_own_context(form) -> None:
+    # As the float32 test above: a huge value in every slot outside the contexts, which
+    # one read would bring into a pass's scores or weighted values.
+    from headroom.executor.attention.cpu_paged import CpuPagedAttention
+
+    skip_without(form)
+    batch = make_batch([12, 30, 70], [12, 100, 133], num_heads=6, num_kv_heads=2, block_size=16, head_dim=64, seed=5)
+    used = torch.zeros(batch.k_cache.shape[0], dtype=torch.bool)
+    for row, seq_len in zip(batch.meta.block_tables, batch.meta.seq_lens_cpu):
+        used[row[: -(-seq_len // 16)].long()] = True
+    batch.k_cache[~used] = 1e4
+    batch.v_cache[~used] = 1e4
+    for table, seq_len in zip(batch.meta.block_tables, batch.meta.seq_lens_cpu):
+        last = table[(seq_len - 1) // 16]
+        batch.k_cache[last, (seq_len - 1) % 16 + 1 :] = 1e4
+    backend = CpuPagedAttention()
+    backend.dots = form
+    err = (run(backend, batch) - naive_attention(rounded_to_bf16(batch))).abs()
+    assert err.max().item() <= 0.02 and err.mean().item() <= 3e-4
 
 
 def test_cpu_paged_prefill_refuses_dot_products_it_lacks() -> None:

@@ -4,12 +4,15 @@ own element size."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from headroom.config import CacheConfig, Config, ConfigError, SchedulerConfig
+from headroom.config import CacheConfig, Config, ConfigError, ModelConfig, SchedulerConfig
 from headroom.contracts.request import SamplingParams
-from headroom.executor.device import resolve_kv_dtype
+from headroom.executor.device import resolve_attention_dtype, resolve_kv_dtype
+from headroom.kernels import cpu_kernels
 from headroom.runtime.engine import Engine
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
@@ -41,8 +44,11 @@ def test_a_cache_dtype_unlike_the_weights_is_refused_off_the_cpu():
 
 
 def generate(loaded, prompts, kv_dtype: str, backend: str) -> tuple[Engine, list[list[int]]]:
+    # float32 dot products in both: the comparison is of the cache's dtype, not of the
+    # bfloat16 arithmetic auto may take beside it (tests/models/test_quant.py bounds that).
     engine = Engine(
         Config(
+            model=ModelConfig(attention_dtype="float32"),
             cache=CacheConfig(num_blocks=64, block_size=8, kv_cache_dtype=kv_dtype),
             scheduler=SchedulerConfig(max_num_seqs=4),
             attention_backend=backend,
@@ -79,3 +85,52 @@ def test_a_16_bit_pool_holds_twice_the_blocks_in_the_same_memory(default_model):
     per_block_fp32 = 2 * args.num_layers * 16 * args.num_kv_heads * args.head_dim * 4
     assert blocks["float32"] == int(0.01 * 2**30 // per_block_fp32)
     assert blocks["float16"] == int(0.01 * 2**30 // (per_block_fp32 // 2))
+
+
+# The prefill attention's dot products (executor/device.py: resolve_attention_dtype).
+def heads(head_dim: int = 64) -> SimpleNamespace:
+    return SimpleNamespace(num_heads=9, num_kv_heads=3, head_dim=head_dim)
+
+
+def test_auto_attention_is_float32_beside_a_float32_cache_and_the_models_dtype_elsewhere():
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert resolve_attention_dtype("auto", CPU, "cpu_paged", f32, f32, heads()) == (
+        f32,
+        0,
+        "auto: float32 beside a float32 cache (the reference path stays exact)",
+    )
+    assert resolve_attention_dtype("auto", CUDA, "triton", bf16, bf16, heads()) == (
+        bf16,
+        0,
+        "auto: triton on cuda attends in the model's dtype",
+    )
+    assert resolve_attention_dtype("float32", CPU, "torch", f32, torch.float16, heads())[:2] == (f32, 0)
+    with pytest.raises(
+        ConfigError, match="attention_dtype bfloat16: torch on cpu attends in the model's torch.float32"
+    ):
+        resolve_attention_dtype("bfloat16", CPU, "torch", f32, torch.float16, heads())
+    with pytest.raises(ConfigError, match="attention_dtype float32: triton on cuda attends in the model's"):
+        resolve_attention_dtype("float32", CUDA, "triton", bf16, bf16, heads())
+
+
+def test_bfloat16_attention_where_the_kernel_has_it_and_a_clear_reason_where_not():
+    kernels, _ = cpu_kernels()
+    form = kernels.bf16_attention_form()
+    f16 = torch.float16
+    with pytest.raises(ConfigError, match="attention_dtype bfloat16 cannot run here: "):
+        resolve_attention_dtype("bfloat16", CPU, "cpu_paged", torch.float32, f16, heads(80))
+    dtype, dots, why = resolve_attention_dtype("auto", CPU, "cpu_paged", torch.float32, f16, heads(80))
+    assert (dtype, dots) == (torch.float32, 0) and why.startswith("auto: float32 (")
+    dtype, dots, why = resolve_attention_dtype("auto", CPU, "cpu_paged", torch.float32, f16, heads())
+    if not form:
+        assert (dtype, dots) == (torch.float32, 0) and "no AVX-512 BF16 or AMX" in why
+        with pytest.raises(ConfigError, match="no AVX-512 BF16 or AMX"):
+            resolve_attention_dtype("bfloat16", CPU, "cpu_paged", torch.float32, f16, heads())
+        return
+    # Timed once a process, so that every engine in it computes alike.
+    assert resolve_attention_dtype("auto", CPU, "cpu_paged", torch.float32, f16, heads()) == (dtype, dots, why)
+    assert "a 256-token chunk's attention" in why and (dots == form) == (dtype == torch.bfloat16)
+    assert resolve_attention_dtype("bfloat16", CPU, "cpu_paged", torch.float32, f16, heads())[:2] == (
+        torch.bfloat16,
+        form,
+    )

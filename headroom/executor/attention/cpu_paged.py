@@ -7,6 +7,7 @@ builds without the kernels, take the torch reference it extends."""
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -20,14 +21,9 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the caches the
 DOTS = {0: "float32 FMAs", 1: "bfloat16 pairs (AVX-512 BF16)", 2: "bfloat16 AMX tiles"}
 
 
-def time_dots(
-    kernels, dots: int, heads: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype, repeats: int = 5
-) -> float:
+def time_dots(kernels, dots: int, heads: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> float:
     """Seconds a 256-token chunk's attention over a 1,024-token context of the model's
-    heads takes with these dot products: the fastest of `repeats` (the others met a
-    neighbour). Which form wins depends on the core (AMD runs a bfloat16 pair as fast as
-    a float32 FMA; Intel's vdpbf16ps at a fraction of it, its AMX tiles far faster), so it
-    is measured where it serves."""
+    heads takes with these dot products: the fastest of five (the others met a neighbour)."""
     block, context, chunk = 16, 1024, 256
     gen = torch.Generator().manual_seed(0)
     k_cache = torch.randn(context // block, block, kv_heads, head_dim, generator=gen).to(kv_dtype)
@@ -37,11 +33,24 @@ def time_dots(
     lens = torch.tensor([context], dtype=torch.int32)
     starts = torch.tensor([0, chunk], dtype=torch.int32)
     best = float("inf")
-    for _ in range(repeats + 1):  # the first warms the caches and the thread pool
+    for _ in range(6):  # the first warms the caches and the thread pool
         began = time.perf_counter()
         kernels.paged_prefill_attention(q, k_cache, v_cache, table, lens, starts, head_dim**-0.5, dots)
         best = min(best, time.perf_counter() - began)
     return best
+
+
+@functools.cache
+def dots_faster(form: int, heads: int, kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether the bfloat16 form is clearly (10%) faster than float32 here, and the timings
+    in words. Which wins depends on the core (AMD runs a bfloat16 pair as fast as a float32
+    FMA; Intel's vdpbf16ps at a fraction of it, its AMX tiles far faster), so it is measured
+    where it serves; once a process, so that every engine in it computes alike."""
+    kernels, _ = cpu_kernels()
+    fp32_s = time_dots(kernels, 0, heads, kv_heads, head_dim, kv_dtype)
+    bf16_s = time_dots(kernels, form, heads, kv_heads, head_dim, kv_dtype)
+    timed = f"a 256-token chunk's attention {bf16_s * 1e3:.2f} ms with {DOTS[form]}, {fp32_s * 1e3:.2f} ms in float32"
+    return bf16_s < 0.9 * fp32_s, timed
 
 
 class CpuPagedAttention(TorchAttention):

@@ -60,8 +60,8 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
   const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2), W = block_tables.size(1);
   TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(3) == D, "head counts or head_dim do not match");
   TORCH_CHECK(headroom::tile_available(D), "this build has no tiled attention for head_dim ", D);
-  const int64_t best = headroom::bf16_dots_available();
-  TORCH_CHECK(dots == headroom::kFloat32Dots || (dots == headroom::kBf16Pairs && best >= dots) || dots == best,
+  // The forms are ordered: a build with AMX has the pairs too.
+  TORCH_CHECK(dots >= headroom::kFloat32Dots && dots <= headroom::bf16_dots_available(),
               "this build or process has no such dot products: ", dots);
   TORCH_CHECK(query_start_loc.size(0) == B + 1 && block_tables.size(0) == B, "one block table and start per sequence");
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -115,7 +115,8 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
           const int64_t row = (starts[it.seq] + it.first_token) * Hq + it.kv_head * group;
           const headroom::TileArgs a{qp + row * D, op + row * D, Hq * D, it.tokens,
                                      lens[it.seq] - q_len + it.first_token, group, D, tp + it.seq * W, block_size,
-                                     Hkv * D, block_size * Hkv * D, it.kv_head, static_cast<float>(scale), static_cast<int>(dots)};
+                                     Hkv * D, block_size * Hkv * D, it.kv_head, static_cast<float>(scale),
+                                     static_cast<int>(dots)};
           headroom::attend_tile(a, kc, vc);
         }
     });

@@ -233,13 +233,56 @@ inline void transpose16(__m512* block) {
   }
 }
 
+constexpr int64_t kPass = 64;  // keys a pass of the 512-bit tiles
+
+// Each row's unnormalised output over its softmax denominator, into the tile's out.
+inline void normalise(const TileArgs& a, int64_t rows, const float* o, const float* l) {
+  const int64_t d = a.head_dim;
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+    float* dst = a.out + (r / a.group) * a.token_stride + (r % a.group) * d;
+    for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_loadu_ps(o + r * d + i), inv));
+  }
+}
+
+// Row r's running max m, denominator l and the pass's weights p (kPass floats, 0 past
+// `valid` keys) from its kPass scores, as attend16's online softmax; returns the factor
+// its running output is rescaled by (e^(m - m')). The bfloat16 tiles take it.
+inline float softmax_pass(const float* scores, int64_t valid, float& m, float& l, float* p) {
+  constexpr int S = kPass / 16;
+  if (valid == 0) {  // no key of this pass is visible to the row: it stays as it was
+    std::fill(p, p + kPass, 0.f);
+    return 1.f;
+  }
+  __m512 s[S];
+  __mmask16 keep[S];
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int v = 0; v < S; ++v) {
+    const int64_t lanes = std::clamp<int64_t>(valid - 16 * v, 0, 16);
+    keep[v] = static_cast<__mmask16>((1u << lanes) - 1);
+    s[v] = _mm512_loadu_ps(scores + 16 * v);
+    top = _mm512_mask_max_ps(top, keep[v], top, s[v]);
+  }
+  const float most = std::max(m, _mm512_reduce_max_ps(top));
+  const float carry = std::exp(m - most);  // 0 for the first keys (m = -inf)
+  const __m512 mv = _mm512_set1_ps(most);
+  __m512 sum = _mm512_setzero_ps();
+  for (int v = 0; v < S; ++v) {
+    const __m512 e = _mm512_maskz_mov_ps(keep[v], exp512(_mm512_sub_ps(s[v], mv)));
+    _mm512_storeu_ps(p + 16 * v, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  l = l * carry + _mm512_reduce_add_ps(sum);
+  m = most;
+  return carry;
+}
+
 // The tile with 512-bit vectors: each pass's kPass keys are widened once and laid out
 // transposed (head_dim x kPass), so that a row's scores are four vectors built by head_dim
 // FMAs each with no horizontal sums, four rows share every key and value load, and the
 // online softmax's reductions and rescaling are paid once per 64 keys. (The AVX2 tile's
 // fold spent as many loads as FMAs and shuffles on every key's sum; with passes of 16
 // keys the softmax's fixed work outweighed the FMAs.)
-constexpr int64_t kPass = 64;
 
 template <typename T>
 void attend16(const TileArgs& a, const T* kc, const T* vc) {
@@ -346,20 +389,16 @@ void attend16(const TileArgs& a, const T* kc, const T* vc) {
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t j = r / a.group, g = r % a.group;
-    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
-    float* dst = a.out + j * a.token_stride + g * d;
-    for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_loadu_ps(o + r * d + i), inv));
-  }
+  normalise(a, rows, o, l);
 }
 #ifdef __AVX512BF16__
 // The tile with bfloat16 dot products (vdpbf16ps: a pair of products a lane, summed into
-// float32), twice the float32 FMA's rate: the path the quantised default takes where the
-// CPU has it (the float32 reference keeps attend16). Queries, keys, probabilities and
-// values are each rounded to bfloat16 once; every sum stays float32. The keys of a pass
-// are laid out as attend16's, one 32-bit word (a pair of dims) in place of a float; the
-// values as pairs of keys, so that the weighted sum runs two keys an instruction.
+// float32): on AMD as fast an instruction as a float32 FMA, so twice its work; on Intel a
+// fraction of its rate (there AMX, below). The server times it against attend16 at start.
+// Queries, keys, probabilities and values are each rounded to bfloat16 once; every sum
+// stays float32. The keys of a pass are laid out as attend16's, one 32-bit word (a pair of
+// dims) in place of a float; the values as pairs of keys, so that the weighted sum runs
+// two keys an instruction.
 inline __m512i bf16x32(const __m512 low, const __m512 high) {
   return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));  // low's 16 first
 }
@@ -404,7 +443,8 @@ inline void pass_as_pairs(const TileArgs& a, const T* kc, const T* vc, const int
   for (int64_t t = 0; t < n; t += 2)
     for (int64_t i = 0; i < d; i += 16) {
       const __m512 second = t + 1 < n ? load16(vc + here[t + 1] + i) : _mm512_setzero_ps();
-      _mm512_storeu_si512(vp + (t / 2) * d + i, _mm512_permutexvar_epi16(pairs, bf16x32(load16(vc + here[t] + i), second)));
+      const __m512i both = bf16x32(load16(vc + here[t] + i), second);  // key t's 16 dims, then key t + 1's
+      _mm512_storeu_si512(vp + (t / 2) * d + i, _mm512_permutexvar_epi16(pairs, both));
     }
 }
 
@@ -450,37 +490,15 @@ void attend16_bf16(const TileArgs& a, const T* kc, const T* vc) {
         }
       }
       __m512 carry[4];
-      for (int64_t k = 0; k < count; ++k) {  // the online softmax, as attend16's
-        const int64_t r = r0 + k;
-        __mmask16 keep[S];
-        __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int v = 0; v < S; ++v) {
-          const int64_t lanes = std::clamp<int64_t>(valid[k] - 16 * v, 0, 16);
-          keep[v] = static_cast<__mmask16>((1u << lanes) - 1);
-          top = _mm512_mask_max_ps(top, keep[v], top, s[k][v]);
-        }
-        if (valid[k] == 0) {
-          carry[k] = _mm512_set1_ps(1.f);
-          std::fill(p[k], p[k] + kPass, 0.f);
-          continue;
-        }
-        const float most_s = std::max(m[r], _mm512_reduce_max_ps(top));
-        const float c = std::exp(m[r] - most_s);
-        const __m512 mv = _mm512_set1_ps(most_s);
-        __m512 sum = _mm512_setzero_ps();
-        for (int v = 0; v < S; ++v) {
-          const __m512 e = _mm512_maskz_mov_ps(keep[v], exp512(_mm512_sub_ps(s[k][v], mv)));
-          _mm512_store_ps(p[k] + 16 * v, e);
-          sum = _mm512_add_ps(sum, e);
-        }
-        l[r] = l[r] * c + _mm512_reduce_add_ps(sum);
-        m[r] = most_s;
-        carry[k] = _mm512_set1_ps(c);
+      for (int64_t k = 0; k < count; ++k) {
+        alignas(64) float scores[kPass];
+        for (int v = 0; v < S; ++v) _mm512_store_ps(scores + 16 * v, s[k][v]);
+        carry[k] = _mm512_set1_ps(softmax_pass(scores, valid[k], m[r0 + k], l[r0 + k], p[k]));
       }
       for (int64_t k = count; k < 4; ++k) std::fill(p[k], p[k] + kPass, 0.f);
       for (int k = 0; k < 4; ++k)  // each row's weights as pairs of keys
         for (int v = 0; v < S; v += 2)
-          _mm512_store_si512(pw[k] + 8 * v, bf16x32(_mm512_load_ps(p[k] + 16 * v), _mm512_load_ps(p[k] + 16 * v + 16)));
+          _mm512_store_si512(pw[k] + 8 * v, bf16x32(_mm512_load_ps(p[k] + 16 * v), _mm512_load_ps(p[k] + 16 + 16 * v)));
       const int64_t most_pairs = (most + 1) / 2;  // a row's weights past its keys are 0
       for (int64_t i = 0; i < d; i += 64) {
         __m512 acc[4][4];
@@ -501,12 +519,7 @@ void attend16_bf16(const TileArgs& a, const T* kc, const T* vc) {
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t j = r / a.group, g = r % a.group;
-    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
-    float* dst = a.out + j * a.token_stride + g * d;
-    for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_loadu_ps(o + r * d + i), inv));
-  }
+  normalise(a, rows, o, l);
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -528,38 +541,6 @@ struct TileConfig {
   uint16_t bytes_per_row[16] = {};
   uint8_t rows[16] = {};
 };
-
-// Row r's running max m, denominator l and the pass's weights p (kPass floats, 0 past
-// `valid` keys) from its kPass scores; returns the factor its running output is
-// rescaled by (e^(m - m')).
-inline float softmax_pass(const float* scores, int64_t valid, float& m, float& l, float* p) {
-  constexpr int S = kPass / 16;
-  __m512 s[S];
-  __mmask16 keep[S];
-  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int v = 0; v < S; ++v) {
-    const int64_t lanes = std::clamp<int64_t>(valid - 16 * v, 0, 16);
-    keep[v] = static_cast<__mmask16>((1u << lanes) - 1);
-    s[v] = _mm512_loadu_ps(scores + 16 * v);
-    top = _mm512_mask_max_ps(top, keep[v], top, s[v]);
-  }
-  if (valid == 0) {
-    std::fill(p, p + kPass, 0.f);
-    return 1.f;
-  }
-  const float most = std::max(m, _mm512_reduce_max_ps(top));
-  const float carry = std::exp(m - most);
-  const __m512 mv = _mm512_set1_ps(most);
-  __m512 sum = _mm512_setzero_ps();
-  for (int v = 0; v < S; ++v) {
-    const __m512 e = _mm512_maskz_mov_ps(keep[v], exp512(_mm512_sub_ps(s[v], mv)));
-    _mm512_storeu_ps(p + 16 * v, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  l = l * carry + _mm512_reduce_add_ps(sum);
-  m = most;
-  return carry;
-}
 
 template <typename T>
 void attend_amx(const TileArgs& a, const T* kc, const T* vc) {
@@ -619,7 +600,8 @@ void attend_amx(const TileArgs& a, const T* kc, const T* vc) {
         const int64_t r = r0 + k;
         carry[k] = softmax_pass(sc + k * kPass, valid[k], m[r], l[r], p);
         for (int v = 0; v < kPass / 16; v += 2)
-          _mm512_storeu_si512(pw + k * kPass / 2 + 8 * v, bf16x32(_mm512_load_ps(p + 16 * v), _mm512_load_ps(p + 16 * v + 16)));
+          _mm512_storeu_si512(pw + k * kPass / 2 + 8 * v,
+                              bf16x32(_mm512_load_ps(p + 16 * v), _mm512_load_ps(p + 16 + 16 * v)));
       }
       // Values: tiles 0-3 the sums of four blocks of 16 dims, 4 the weights of 32 keys, 6
       // and 7 those keys' values; then each row's output rescaled and the pass's sum added.
@@ -654,12 +636,7 @@ void attend_amx(const TileArgs& a, const T* kc, const T* vc) {
     }
   }
   _tile_release();
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t j = r / a.group, g = r % a.group;
-    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
-    float* dst = a.out + j * a.token_stride + g * d;
-    for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_loadu_ps(o + r * d + i), inv));
-  }
+  normalise(a, rows, o, l);
 }
 #endif
 #endif
