@@ -542,6 +542,48 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
+// The online softmax of a block of 16 rows' scores (sc: 16 x kPass), as softmax_pass's
+// per row, with every row's rescale factor e^(m - m') taken in one vector: a libm call
+// per row, between rows' work, spilled the vector registers and cost most of the tile.
+// Writes the rows' weights as bfloat16 pairs (pw: 16 x kPass / 2 words) and updates m, l.
+inline void softmax_rows16(const float* sc, const int64_t* valid, float* m, float* l, float* carry, uint32_t* pw) {
+  constexpr int S = kPass / 16;
+  alignas(64) float top[16], sum[16];
+  __mmask16 seen = 0;  // rows that see a key of this pass
+  for (int k = 0; k < 16; ++k) {
+    __m512 t = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int v = 0; v < S; ++v) {
+      const auto keep = static_cast<__mmask16>((1u << std::clamp<int64_t>(valid[k] - 16 * v, 0, 16)) - 1);
+      t = _mm512_mask_max_ps(t, keep, t, _mm512_loadu_ps(sc + k * kPass + 16 * v));
+    }
+    top[k] = _mm512_reduce_max_ps(t);
+    if (valid[k] > 0) seen |= static_cast<__mmask16>(1u << k);
+  }
+  const __m512 old = _mm512_loadu_ps(m), most = _mm512_max_ps(old, _mm512_load_ps(top));
+  // Rows that see no key keep their state (factor 1; their max may still be -inf, and
+  // -inf - -inf is NaN); a row's first keys give e^-inf, which exp512 takes as ~1e-38 of
+  // an output and denominator that are still 0.
+  _mm512_store_ps(carry, _mm512_mask_blend_ps(seen, _mm512_set1_ps(1.f), exp512(_mm512_sub_ps(old, most))));
+  _mm512_storeu_ps(m, _mm512_mask_mov_ps(old, seen, most));
+  for (int k = 0; k < 16; ++k) {
+    if (valid[k] == 0) {
+      std::fill(pw + k * kPass / 2, pw + (k + 1) * kPass / 2, 0u);
+      sum[k] = 0.f;
+      continue;
+    }
+    const __m512 mv = _mm512_set1_ps(m[k]);
+    __m512 e[S], total = _mm512_setzero_ps();
+    for (int v = 0; v < S; ++v) {
+      const auto keep = static_cast<__mmask16>((1u << std::clamp<int64_t>(valid[k] - 16 * v, 0, 16)) - 1);
+      e[v] = _mm512_maskz_mov_ps(keep, exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + k * kPass + 16 * v), mv)));
+      total = _mm512_add_ps(total, e[v]);
+    }
+    sum[k] = _mm512_reduce_add_ps(total);
+    for (int v = 0; v < S; v += 2) _mm512_storeu_si512(pw + k * kPass / 2 + 8 * v, bf16x32(e[v], e[v + 1]));
+  }
+  _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), _mm512_load_ps(carry), _mm512_load_ps(sum)));
+}
+
 template <typename T>
 void attend_amx(const TileArgs& a, const T* kc, const T* vc) {
   static_assert(kPass == 64, "a pass is four blocks of 16 keys");
@@ -561,8 +603,7 @@ void attend_amx(const TileArgs& a, const T* kc, const T* vc) {
     config.bytes_per_row[t] = 64;
   }
   _tile_loadconfig(&config);
-  alignas(64) float p[kPass];
-  float carry[16];
+  alignas(64) float carry[16];
   int64_t here[kPass];
   const int64_t key_row = kPass * 4, pw_row = kPass / 2 * 4, vp_row = d * 4, q_row = half * 4;
   for (int64_t c0 = 0; c0 < keys; c0 += kPass) {
@@ -596,13 +637,7 @@ void attend_amx(const TileArgs& a, const T* kc, const T* vc) {
       _tile_stored(1, sc + 16, key_row);
       _tile_stored(2, sc + 32, key_row);
       _tile_stored(3, sc + 48, key_row);
-      for (int k = 0; k < 16; ++k) {
-        const int64_t r = r0 + k;
-        carry[k] = softmax_pass(sc + k * kPass, valid[k], m[r], l[r], p);
-        for (int v = 0; v < kPass / 16; v += 2)
-          _mm512_storeu_si512(pw + k * kPass / 2 + 8 * v,
-                              bf16x32(_mm512_load_ps(p + 16 * v), _mm512_load_ps(p + 16 + 16 * v)));
-      }
+      softmax_rows16(sc, valid, m + r0, l + r0, carry, pw);
       // Values: tiles 0-3 the sums of four blocks of 16 dims, 4 the weights of 32 keys, 6
       // and 7 those keys' values; then each row's output rescaled and the pass's sum added.
       for (int64_t i = 0; i < d; i += 64) {
