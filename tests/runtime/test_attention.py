@@ -405,10 +405,9 @@ def test_cpu_paged_matches_naive_on_random_shapes(shape: dict, head_dim: int, ca
     check_cpu_paged_backend(rounded_to_cache(make_batch(**{**shape, "head_dim": head_dim}), cache_dtype))
 
 
-def test_cpu_paged_prefill_reads_only_its_own_context() -> None:
-    # Every slot outside the sequences' contexts holds a huge value: one read of one
-    # would swamp the softmax.
-    batch = make_batch([12, 30], [12, 100], num_heads=6, num_kv_heads=2, block_size=16, head_dim=64, seed=5)
+def poisoned(batch: Batch) -> Batch:
+    """The batch with a huge value in every cache slot outside the sequences' contexts
+    (blocks of 16): one read of one would swamp the softmax."""
     used = torch.zeros(batch.k_cache.shape[0], dtype=torch.bool)
     for row, seq_len in zip(batch.meta.block_tables, batch.meta.seq_lens_cpu):
         used[row[: -(-seq_len // 16)].long()] = True
@@ -417,7 +416,13 @@ def test_cpu_paged_prefill_reads_only_its_own_context() -> None:
     for table, seq_len in zip(batch.meta.block_tables, batch.meta.seq_lens_cpu):
         last = table[(seq_len - 1) // 16]
         batch.k_cache[last, (seq_len - 1) % 16 + 1 :] = 1e4  # the last block's unused tail
-    check_cpu_paged_backend(batch)
+    return batch
+
+
+def test_cpu_paged_prefill_reads_only_its_own_context() -> None:
+    check_cpu_paged_backend(
+        poisoned(make_batch([12, 30], [12, 100], num_heads=6, num_kv_heads=2, block_size=16, head_dim=64, seed=5))
+    )
 
 
 # The bfloat16 dot products of prefill chunks (kernels: bf16_attention_form; paged_tile.h).
@@ -480,20 +485,14 @@ def test_cpu_paged_prefill_in_bfloat16_is_within_its_rounding(form, cache_dtype,
 
 @pytest.mark.parametrize("form", BF16_FORMS)
 def test_cpu_paged_prefill_in_bfloat16_reads_only_its_own_context(form) -> None:
-    # As the float32 test above: a huge value in every slot outside the contexts, which
-    # one read would bring into a pass's scores or weighted values.
+    # As the float32 test above: one read outside the contexts would bring a huge value
+    # into a pass's scores or weighted values.
     from headroom.executor.attention.cpu_paged import CpuPagedAttention
 
     skip_without(form)
-    batch = make_batch([12, 30, 70], [12, 100, 133], num_heads=6, num_kv_heads=2, block_size=16, head_dim=64, seed=5)
-    used = torch.zeros(batch.k_cache.shape[0], dtype=torch.bool)
-    for row, seq_len in zip(batch.meta.block_tables, batch.meta.seq_lens_cpu):
-        used[row[: -(-seq_len // 16)].long()] = True
-    batch.k_cache[~used] = 1e4
-    batch.v_cache[~used] = 1e4
-    for table, seq_len in zip(batch.meta.block_tables, batch.meta.seq_lens_cpu):
-        last = table[(seq_len - 1) // 16]
-        batch.k_cache[last, (seq_len - 1) % 16 + 1 :] = 1e4
+    batch = poisoned(
+        make_batch([12, 30, 70], [12, 100, 133], num_heads=6, num_kv_heads=2, block_size=16, head_dim=64, seed=5)
+    )
     backend = CpuPagedAttention()
     backend.dots = form
     err = (run(backend, batch) - naive_attention(rounded_to_bf16(batch))).abs()
