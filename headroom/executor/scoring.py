@@ -1,7 +1,7 @@
 """Logits for every position of one token sequence, in a single prefill through the
-paged model with the torch reference attention (or another backend), and perplexity over chunks of a text
-scored the way llama.cpp's llama-perplexity does (the second half of each chunk), of the
-base model or under one of its LoRA adapters."""
+paged model with the torch reference attention (or another backend), and perplexity over
+chunks of a text scored the way llama.cpp's llama-perplexity does (the second half of each
+chunk), of the base model or under one of its LoRA adapters."""
 
 from __future__ import annotations
 
