@@ -247,7 +247,8 @@ inline void normalise(const TileArgs& a, int64_t rows, const float* o, const flo
 
 // Row r's running max m, denominator l and the pass's weights p (kPass floats, 0 past
 // `valid` keys) from its kPass scores, as attend16's online softmax; returns the factor
-// its running output is rescaled by (e^(m - m')). The bfloat16 tiles take it.
+// its running output is rescaled by (e^(m - m')). The bfloat16 pairs' tile takes it (4 rows
+// at a time); attend16 keeps its own copy in registers, the float32 reference's exact ops.
 inline float softmax_pass(const float* scores, int64_t valid, float& m, float& l, float* p) {
   constexpr int S = kPass / 16;
   if (valid == 0) {  // no key of this pass is visible to the row: it stays as it was
