@@ -24,7 +24,7 @@ from headroom.runtime.engine import Engine
 # (attention splits its keys by the thread count) may round apart from the reference run's,
 # and tests compare tokens exactly. tests/runtime/test_threads.py brings trials back where it
 # tests them; servers started as processes run as a user's do.
-threads.FIRST_TRIAL_S = float("inf")
+threads.START_TRIAL_S = threads.FIRST_TRIAL_S = float("inf")
 threads.SLOW = float("inf")  # nor a trial its watch starts: no step is that slow
 
 

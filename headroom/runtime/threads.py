@@ -7,8 +7,8 @@ small chunks) slows far more than the lost core explains: beside one busy core, 
 threads ran the server 3-4x slower than one thread did (bench/RESULTS.md). No count is
 right on every machine at every minute, so the engine measures.
 
-Every so often (from FIRST_TRIAL_S, doubling up to LAST_TRIAL_S while the count holds)
-it times TRIAL_STEPS steps at the count it runs, then TRIAL_STEPS at the other one
+At its first steps, then every so often (from FIRST_TRIAL_S, doubling up to LAST_TRIAL_S
+while the count holds), it times TRIAL_STEPS steps at the count it runs, then TRIAL_STEPS at the other one
 (one thread fewer than configured, or back to all of them), each against the step-cost model's
 prediction for that step, so that steps of any shape compare. It keeps the other count
 where its median ratio is under MARGIN times the current one's: a switch needs a clear
@@ -40,6 +40,12 @@ from collections import deque
 from collections.abc import Callable
 
 TRIAL_STEPS = 6
+# The first trial comes this long after the start: at once. A fresh server's first
+# requests may already share a core, and beside one its first long prompt crawled at two
+# threads until the trial due at FIRST_TRIAL_S (bench/RESULTS.md: the noisy neighbour),
+# since the watch's first baseline was taken on steps already slow. On a quiet machine
+# the trial costs two steps at one thread.
+START_TRIAL_S = 0.0
 LOSING_STEPS = 2  # a trial whose first steps all cost over 1 / MARGIN the current's ends there
 FIRST_TRIAL_S = 5.0
 LAST_TRIAL_S = 60.0
@@ -60,7 +66,7 @@ class ThreadTuner:
         self._set = set_threads
         self._now = now
         self._every = FIRST_TRIAL_S
-        self._due = now() + FIRST_TRIAL_S
+        self._due = now() + START_TRIAL_S
         self._held: list[float] = []  # ratios of steps at the current count, just before a trial
         self._watched: deque[float] = deque(maxlen=TRIAL_STEPS)  # ratios of the last steps between trials
         self._baseline: float | None = None  # the watch's measure of the kept count (None: being taken)

@@ -13,12 +13,14 @@ from headroom.runtime import threads
 from headroom.runtime.engine import Engine
 from headroom.runtime.threads import LAST_TRIAL_S, STALE_S, TRIAL_STEPS, ThreadTuner
 
-FIRST_TRIAL_S, SLOW = 5.0, 2.0  # as threads.py ships them; tests/conftest.py sets both to inf for the other tests
+# As threads.py ships them; tests/conftest.py sets all three to inf for the other tests.
+START_TRIAL_S, FIRST_TRIAL_S, SLOW = 0.0, 5.0, 2.0
 
 
 @pytest.fixture(autouse=True)
 def trials(monkeypatch):
     """tests/conftest.py turns trials (and the watch) off for the engines of the other tests."""
+    monkeypatch.setattr(threads, "START_TRIAL_S", START_TRIAL_S)
     monkeypatch.setattr(threads, "FIRST_TRIAL_S", FIRST_TRIAL_S)
     monkeypatch.setattr(threads, "SLOW", SLOW)
 
@@ -61,11 +63,11 @@ def test_a_quiet_machine_keeps_every_thread_and_tries_one_less_and_less_often():
     tuner = tuner_on(machine)
     measured = machine.run(tuner, 200.0)
     assert tuner.current == 2 and tuner.switches == 0 and machine.threads == 2
-    # Each trial runs one thread and puts both back: 5 + 10 + 20 + 40 + 60 + 60 s apart,
-    # after three steps (the first pays for the change; the next two lose clearly).
+    # Each trial runs one thread and puts both back: at once, then 10 + 20 + 40 + 60 + 60 s
+    # apart, after three steps (the first pays for the change; the next two lose clearly).
     trials = machine.applied.count(1)
     assert machine.applied == [1, 2] * trials and measured.count(1) == 3 * trials
-    waits, due = [], FIRST_TRIAL_S
+    waits, due = [START_TRIAL_S], 2 * FIRST_TRIAL_S
     while sum(waits) + due <= 200.0:
         waits.append(due)
         due = min(LAST_TRIAL_S, 2 * due)
@@ -82,6 +84,15 @@ def test_beside_a_busy_core_it_moves_to_one_thread_and_back_when_the_core_is_fre
     machine.cost = {2: 1.0, 1: 1.8}  # the neighbour left
     machine.run(tuner, LAST_TRIAL_S + 1.0)
     assert tuner.current == 2 and machine.threads == 2 and tuner.switches == 2
+
+
+def test_a_server_that_starts_beside_a_busy_core_moves_at_its_first_steps():
+    # The watch's first baseline is taken on steps already slow, so it sees no change: only
+    # the first trial can find the neighbour, and it comes at the first steps, not 5 s on.
+    machine = Machine({2: 3.0, 1: 1.1})
+    tuner = tuner_on(machine)
+    machine.run(tuner, 1.4)  # six steps of 0.15 s at two threads, the change, six of 0.055 s
+    assert tuner.current == 1 and machine.applied == [1] and tuner.switches == 1
 
 
 def test_a_small_win_is_no_reason_to_switch():
