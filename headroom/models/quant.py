@@ -186,7 +186,9 @@ class QuantLinear(nn.Module):
         return self.large(flat).to(flat.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
+        # The model's activations are (tokens, features) already: no reshape and view back,
+        # two ATen calls a linear that a small model's decode step pays ~250 times.
+        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if flat.shape[0] > self.small_batch:
             y = self.large_batch(flat)
         elif self.qdot:
@@ -197,7 +199,7 @@ class QuantLinear(nn.Module):
             y = self.kernels.q8_linear(flat, self.qweight, self.scales, self.mins)
         if self.bias is not None:
             y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+        return y if flat is x else y.view(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         if self.bits == 8:
