@@ -49,22 +49,8 @@ class Parts:
         self.on = False
 
     def wrap(self, obj, name: str, part: str) -> None:
-        inner = getattr(obj, name)
-        seconds = self.seconds
-
-        def timed(*args, **kwargs):
-            if not self.on:
-                return inner(*args, **kwargs)
-            t = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                seconds[part] += time.perf_counter() - t
-
-        setattr(obj, name, timed)
-
-    def wrap_call(self, obj, name: str, part: str) -> None:
-        """As wrap, for a callable object whose other attributes stay in use (the sampler)."""
+        """Times obj.name's calls while `on`. A proxy rather than a function, so that a
+        callable object's other attributes stay in use (the sampler's add and remove)."""
         parts, inner = self, getattr(obj, name)
 
         class Timed:
@@ -72,12 +58,13 @@ class Parts:
                 return getattr(inner, attr)
 
             def __call__(self, *args, **kwargs):
+                if not parts.on:
+                    return inner(*args, **kwargs)
                 t = time.perf_counter()
                 try:
                     return inner(*args, **kwargs)
                 finally:
-                    if parts.on:
-                        parts.seconds[part] += time.perf_counter() - t
+                    parts.seconds[part] += time.perf_counter() - t
 
         setattr(obj, name, Timed())
 
@@ -141,7 +128,7 @@ def main() -> None:
     parts.wrap(model, "compute_logits", "logits")
     parts.wrap(runner, "prepare", "prepare")
     parts.wrap(engine.scheduler, "schedule", "schedule")
-    parts.wrap_call(engine, "sampler", "sample")
+    parts.wrap(engine, "sampler", "sample")
     parts.wrap(engine, "step", "step")
     parts.on = True
     timed = []

@@ -8,9 +8,9 @@ threads ran the server 3-4x slower than one thread did (bench/RESULTS.md). No co
 right on every machine at every minute, so the engine measures.
 
 At its first steps, then every so often (from FIRST_TRIAL_S, doubling up to LAST_TRIAL_S
-while the count holds), it times TRIAL_STEPS steps at the count it runs, then TRIAL_STEPS at the other one
-(one thread fewer than configured, or back to all of them), each against the step-cost model's
-prediction for that step, so that steps of any shape compare. It keeps the other count
+while the count holds), it times TRIAL_STEPS steps at the count it runs, then TRIAL_STEPS
+at the other one (one thread fewer than configured, or back to all of them), each against
+the step-cost model's prediction for that step, so that steps of any shape compare. It keeps the other count
 where its median ratio is under MARGIN times the current one's: a switch needs a clear
 win, so noise does not flip it back and forth. A trial whose first LOSING_STEPS steps
 all lose by as much ends there, so a quiet machine pays two slow steps a trial. The
