@@ -22,6 +22,7 @@ import torch
 
 from headroom.contracts.attention import AttentionMetadata
 from headroom.executor.attention import select_backend
+from headroom.executor.attention.kv_rows import row_width, to_rows
 
 # Peak memory bandwidth in GB/s, by a substring of torch.cuda.get_device_name().
 PEAK_GBPS = {
@@ -51,8 +52,9 @@ def decode_batch(
 ):
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device, dtype=kv_dtype or dtype)
-    v_cache = torch.randn_like(k_cache)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = to_rows(torch.randn(shape, device=device), kv_dtype or dtype)
+    v_cache = to_rows(torch.randn(shape, device=device), kv_dtype or dtype)
     tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq).int()
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     last = context - 1
@@ -88,8 +90,8 @@ def chunk_batch(
     """B sequences, each bringing `chunk` new tokens that end a `context`-token context."""
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(kv_dtype)
-    v_cache = torch.randn_like(k_cache)
+    k_cache = to_rows(torch.randn(num_blocks, block_size, kv_heads, head_dim), kv_dtype)
+    v_cache = to_rows(torch.randn(num_blocks, block_size, kv_heads, head_dim), kv_dtype)
     tables = torch.randperm(num_blocks).view(batch, blocks_per_seq).int()
     positions = torch.arange(context - chunk, context)
     slots = (tables[:, positions // block_size].long() * block_size + positions % block_size).flatten()
@@ -166,7 +168,9 @@ def cpu_main(ns, backend, kv_dtype: torch.dtype) -> None:
                 backend.forward(q, k, v, k_cache, v_cache, meta, scale)
 
         seconds = min(timed(step, ns.iters) for _ in range(ns.repeat))
-        kv_bytes = 2 * ns.layers * ns.batch * context * ns.kv_heads * ns.head_dim * kv_dtype.itemsize
+        kv_bytes = (
+            2 * ns.layers * ns.batch * context * ns.kv_heads * row_width(ns.head_dim, kv_dtype) * kv_dtype.itemsize
+        )
         gbps = kv_bytes / seconds / 1e9
         print(
             f"context {context:>6}, {ns.layers} layers: {1e3 * seconds:8.3f} ms per decode step, KV read "

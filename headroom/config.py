@@ -29,6 +29,7 @@ class ConfigError(ValueError):
 STRICT = ConfigDict(strict=True, extra="forbid")
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+KvDtype = Literal["auto", "float32", "bfloat16", "float16", "int8"]
 Quantization = Literal["auto", "none", "int8", "int4"]
 Action = Literal["deprioritize", "cap", "abort"]
 LoopPolicy = Literal["off", "flag", "cap", "stop"]
@@ -244,8 +245,10 @@ class CacheConfig:
         True, description="reuse the KV blocks of a prompt prefix already computed instead of computing it again"
     )
     # executor/device.py: resolve_kv_dtype says why float16 beside quantised weights.
-    kv_cache_dtype: Dtype = Field(
-        "auto", description="the KV cache's dtype (auto: float16 beside quantised CPU weights, else the model's)"
+    kv_cache_dtype: KvDtype = Field(
+        "auto",
+        description="the KV cache's dtype (auto: float16 beside quantised CPU weights, else the model's; "
+        "int8: a scale a row, CPU only)",
     )
 
 

@@ -11,6 +11,7 @@ import torch
 
 from headroom.contracts.attention import AttentionBackend, AttentionMetadata
 from headroom.contracts.schedule import BlockTables, SchedulerOutput
+from headroom.executor.attention.kv_rows import cache_shape, row_width
 from headroom.executor.cuda_graphs import DecodeGraphs
 from headroom.models.llama import ForwardContext, Llama, ModelArgs
 from headroom.models.lora import LoraRegistry, LoraStep
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 def kv_block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
     """K and V of one block across all layers."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * args.num_layers * block_size * args.num_kv_heads * args.head_dim * elem
+    return 2 * args.num_layers * block_size * args.num_kv_heads * row_width(args.head_dim, dtype) * elem
 
 
 class ModelOutput:
@@ -107,7 +108,9 @@ class ModelRunner:
         args = model.args
         # One block past the pool's end is scratch for the padding rows of graphed
         # decode batches; the BlockManager only knows num_blocks, so never hands it out.
-        shape = (num_blocks + (1 if graph_sizes else 0), block_size, args.num_kv_heads, args.head_dim)
+        shape = cache_shape(
+            num_blocks + (1 if graph_sizes else 0), block_size, args.num_kv_heads, args.head_dim, kv_dtype
+        )
         # flash-attn's paged layout, one K and one V tensor per layer. Zeroed, so the whole
         # pool is committed at start: free blocks are handed out least recently freed
         # first, so a pool committed as written would grow under load until every block

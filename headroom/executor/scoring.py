@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from headroom.contracts.attention import AttentionBackend, AttentionMetadata
 from headroom.contracts.request import AdapterRef
+from headroom.executor.attention.kv_rows import cache_shape
 from headroom.executor.attention.torch_ref import TorchAttention
 from headroom.models.llama import ForwardContext
 from headroom.models.lora import LoraRegistry
@@ -36,7 +37,7 @@ def sequence_logits(
     n = len(ids)
     blocks = -(-n // BLOCK)
     args = model.args
-    shape = (blocks, BLOCK, args.num_kv_heads, args.head_dim)
+    shape = cache_shape(blocks, BLOCK, args.num_kv_heads, args.head_dim, kv_dtype)
     caches = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)) for _ in range(args.num_layers)]
     meta = AttentionMetadata(
         slot_mapping=torch.arange(n),

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from headroom.contracts.attention import AttentionMetadata
 from headroom.executor.attention import available_backends, select_backend
+from headroom.executor.attention.kv_rows import from_rows, to_rows
 from headroom.executor.attention.torch_ref import TorchAttention, write_kv
 from headroom.kernels import cpu_kernels
 from tests.gpu import gpu_backend_unusable, gpu_package
@@ -191,7 +192,7 @@ def assert_cache_written(batch: Batch, before: Batch) -> None:
     pairs = ((batch.k_cache, before.k_cache, batch.k), (batch.v_cache, before.v_cache, batch.v))
     for cache, old, new in pairs:
         flat, flat_old = cache.flatten(0, 1), old.flatten(0, 1)
-        torch.testing.assert_close(flat[slots], new.to(cache.dtype), rtol=0, atol=0)
+        torch.testing.assert_close(flat[slots], to_rows(new, cache.dtype), rtol=0, atol=0)
         keep = torch.ones(flat.shape[0], dtype=torch.bool, device=flat.device)
         keep[slots] = False
         torch.testing.assert_close(flat[keep], flat_old[keep], rtol=0, atol=0)
@@ -272,11 +273,16 @@ def rounded_to_cache(batch: Batch, dtype: torch.dtype) -> Batch:
     is each context rounded to it (queries stay float32)."""
     return replace(
         batch,
-        k_cache=batch.k_cache.to(dtype),
-        v_cache=batch.v_cache.to(dtype),
-        ctx_k=[x.to(dtype).float() for x in batch.ctx_k],
-        ctx_v=[x.to(dtype).float() for x in batch.ctx_v],
+        k_cache=to_rows(batch.k_cache, dtype),
+        v_cache=to_rows(batch.v_cache, dtype),
+        ctx_k=[from_rows(to_rows(x, dtype), torch.float32) for x in batch.ctx_k],
+        ctx_v=[from_rows(to_rows(x, dtype), torch.float32) for x in batch.ctx_v],
     )
+
+
+# The caches the CPU kernels read: float32, the 16-bit ones, and int8 rows with a scale each
+# (executor/attention/kv_rows.py).
+CPU_CACHES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]
 
 
 def check_cpu_paged_backend(batch: Batch) -> None:
@@ -289,7 +295,7 @@ def check_cpu_paged_backend(batch: Batch) -> None:
 
 
 @pytest.mark.parametrize("head_dim", [64, 256])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cache_dtype", CPU_CACHES, ids=str)
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
 def test_cpu_paged_prefill_in_place_matches_naive(
     cache_dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
@@ -311,7 +317,7 @@ def test_cpu_paged_prefill_in_place_matches_naive(
     check_cpu_paged_backend(rounded_to_cache(batch, cache_dtype))
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cache_dtype", CPU_CACHES, ids=str)
 @pytest.mark.parametrize("seq_lens", [[3001], [2600, 1], [1500, 2100, 7], [40, 2600, 9, 1300]], ids=str)
 def test_cpu_paged_decode_merges_spans_of_long_contexts(cache_dtype: torch.dtype, seq_lens: list[int]) -> None:
     # On AVX2 each context is cut into spans of about an equal share of the step's keys
@@ -344,7 +350,7 @@ def test_cpu_paged_decode_spans_on_two_threads_match_naive(head_dim: int) -> Non
         torch.set_num_threads(1)  # the module's setting (one_cpu_thread)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cache_dtype", CPU_CACHES, ids=str)
 def test_cpu_paged_prefill_cuts_decode_rows_beside_chunks_into_merged_spans(cache_dtype: torch.dtype) -> None:
     # A step's decode rows go through the decode kernel's spans, not per-kv-head tiles: on
     # one thread the 4,310 keys of its decode rows make spans of about 1,078 (3001 -> 3
@@ -377,7 +383,7 @@ def test_cpu_paged_prefill_cuts_decode_rows_beside_chunks_into_merged_spans(cach
     assert torch.equal(mixed[rows], alone)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.int8], ids=str)
 def test_cpu_paged_prefill_on_two_threads_matches_naive(cache_dtype: torch.dtype) -> None:
     # Items dealt to two threads by their work: a short chunk deep in a context (cut into
     # tiles of 8 so that both threads take some), a causal chunk from position 0 (its later
@@ -400,7 +406,7 @@ def test_cpu_paged_prefill_on_two_threads_matches_naive(cache_dtype: torch.dtype
 
 
 @settings(max_examples=60, deadline=None)
-@given(batch_shapes(), st.sampled_from([64, 128]), st.sampled_from([torch.float32, torch.float16]))
+@given(batch_shapes(), st.sampled_from([64, 128]), st.sampled_from([torch.float32, torch.float16, torch.int8]))
 def test_cpu_paged_matches_naive_on_random_shapes(shape: dict, head_dim: int, cache_dtype: torch.dtype) -> None:
     check_cpu_paged_backend(rounded_to_cache(make_batch(**{**shape, "head_dim": head_dim}), cache_dtype))
 

@@ -1,4 +1,4 @@
-"""The KV cache's dtype: what auto picks and why, a 16-bit cache beside float32 weights
+"""The KV cache's dtype: what auto picks and why, a 16-bit or int8 cache beside float32 weights
 through the C++ decode kernel and the torch reference alike, and its pool sized by its
 own element size."""
 
@@ -29,6 +29,7 @@ TEXTS = ["The capital of France is", "Once upon a time", "def fib(n):", "My favo
         ("auto", CUDA, torch.bfloat16, "none", torch.bfloat16, "auto: the model's dtype"),
         ("float32", CPU, torch.float32, "int4", torch.float32, "chosen by flag or config"),
         ("bfloat16", CPU, torch.float32, "none", torch.bfloat16, "chosen by flag or config"),
+        ("int8", CPU, torch.float32, "int4", torch.int8, "chosen by flag or config"),
     ],
 )
 def test_auto_takes_float16_only_beside_quantised_cpu_weights(name, device, dtype, quantization, want, why):
@@ -39,8 +40,10 @@ def test_auto_takes_float16_only_beside_quantised_cpu_weights(name, device, dtyp
 def test_a_cache_dtype_unlike_the_weights_is_refused_off_the_cpu():
     with pytest.raises(ConfigError, match="kv_cache_dtype float32 beside torch.bfloat16 weights runs on the CPU only"):
         resolve_kv_dtype("float32", CUDA, torch.bfloat16, "none")
+    with pytest.raises(ConfigError, match="kv_cache_dtype int8 beside torch.bfloat16 weights runs on the CPU only"):
+        resolve_kv_dtype("int8", CUDA, torch.bfloat16, "none")
     with pytest.raises(ConfigError, match="kv_cache_dtype must be one of"):
-        CacheConfig(kv_cache_dtype="int8")
+        CacheConfig(kv_cache_dtype="int4")
 
 
 def generate(loaded, prompts, kv_dtype: str, backend: str) -> tuple[Engine, list[list[int]]]:
@@ -59,8 +62,8 @@ def generate(loaded, prompts, kv_dtype: str, backend: str) -> tuple[Engine, list
     return engine, [r.output_token_ids for r in done]
 
 
-@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
-def test_a_16_bit_cache_decodes_alike_through_the_kernel_and_the_reference(default_model, kv_dtype):
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16", "int8"])
+def test_a_16_or_8_bit_cache_decodes_alike_through_the_kernel_and_the_reference(default_model, kv_dtype):
     prompts = [default_model.tokenizer.encode(t) for t in TEXTS]
     kernel, tokens = generate(default_model, prompts, kv_dtype, "cpu_paged")
     assert kernel.executor.backend.name == "cpu_paged"
@@ -85,6 +88,17 @@ def test_a_16_bit_pool_holds_twice_the_blocks_in_the_same_memory(default_model):
     per_block_fp32 = 2 * args.num_layers * 16 * args.num_kv_heads * args.head_dim * 4
     assert blocks["float32"] == int(0.01 * 2**30 // per_block_fp32)
     assert blocks["float16"] == int(0.01 * 2**30 // (per_block_fp32 // 2))
+
+
+def test_an_int8_pool_holds_rows_of_a_scale_and_head_dim_values(default_model):
+    engine = Engine(
+        Config(cache=CacheConfig(kv_cache_memory_gib=0.01, block_size=16, kv_cache_dtype="int8")), loaded=default_model
+    )
+    args = default_model.args
+    row = 4 + args.head_dim  # a float32 scale, then one byte a dim
+    assert engine.block_manager.num_blocks == int(0.01 * 2**30 // (2 * args.num_layers * 16 * args.num_kv_heads * row))
+    k, v = engine.runner.kv_caches[0]
+    assert k.dtype == v.dtype == torch.int8 and k.shape[1:] == (16, args.num_kv_heads, row)
 
 
 # The prefill attention's dot products (executor/device.py: resolve_attention_dtype).

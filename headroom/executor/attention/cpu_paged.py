@@ -1,5 +1,5 @@
 """The CPU backend: headroom's C++ kernels read K and V in place from the block table (no
-gather into a padded copy, no mask) from a float32, float16 or bfloat16 cache. A step of
+gather into a padded copy, no mask) from a float32, float16, bfloat16 or int8 cache. A step of
 decodes only writes its K/V and attends in one call; a step with prefill chunks writes its
 K/V, then attends every row in one call, so a chunk deep in a long context costs its own
 tokens rather than a widened copy of the whole context. Other caches and head sizes, and
@@ -13,10 +13,11 @@ import time
 import torch
 
 from headroom.contracts.attention import AttentionMetadata
+from headroom.executor.attention.kv_rows import to_rows
 from headroom.executor.attention.torch_ref import TorchAttention, write_kv
 from headroom.kernels import cpu_kernels
 
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the caches the C++ kernel reads
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8)  # the caches the C++ kernel reads
 # How a chunk's tiles take their dot products (the kernel's paged_tile.h).
 DOTS = {0: "float32 FMAs", 1: "bfloat16 pairs (AVX-512 BF16)", 2: "bfloat16 AMX tiles"}
 
@@ -26,8 +27,8 @@ def time_dots(kernels, dots: int, heads: int, kv_heads: int, head_dim: int, kv_d
     heads takes with these dot products: the fastest of five (the others met a neighbour)."""
     block, context, chunk = 16, 1024, 256
     gen = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(context // block, block, kv_heads, head_dim, generator=gen).to(kv_dtype)
-    v_cache = torch.randn(context // block, block, kv_heads, head_dim, generator=gen).to(kv_dtype)
+    k_cache = to_rows(torch.randn(context // block, block, kv_heads, head_dim, generator=gen), kv_dtype)
+    v_cache = to_rows(torch.randn(context // block, block, kv_heads, head_dim, generator=gen), kv_dtype)
     q = torch.randn(chunk, heads, head_dim, generator=gen)
     table = torch.arange(context // block, dtype=torch.int32)[None]
     lens = torch.tensor([context], dtype=torch.int32)

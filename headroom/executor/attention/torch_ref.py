@@ -6,14 +6,15 @@ import torch
 import torch.nn.functional as F
 
 from headroom.contracts.attention import AttentionMetadata
+from headroom.executor.attention.kv_rows import from_rows, to_rows
 
 
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+    num_kv_heads, width = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, width).index_copy_(0, slots, to_rows(k, k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, width).index_copy_(0, slots, to_rows(v, v_cache.dtype))
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -93,8 +94,8 @@ class TorchAttention:
         # Decodes of similar length at once: pad each context to the longest, mask the tail.
         block_size = k_cache.shape[1]
         tables = tables[:, : -(-max_len // block_size)]
-        keys = gather_blocks(k_cache, tables).flatten(1, 2).to(q.dtype)  # (B, L, Hkv, D)
-        values = gather_blocks(v_cache, tables).flatten(1, 2).to(q.dtype)
+        keys = from_rows(gather_blocks(k_cache, tables).flatten(1, 2), q.dtype)  # (B, L, Hkv, D)
+        values = from_rows(gather_blocks(v_cache, tables).flatten(1, 2), q.dtype)
         positions = torch.arange(keys.shape[1], device=q.device)
         mask = positions[None, :] < seq_lens[:, None]  # (B, L)
         out = F.scaled_dot_product_attention(
@@ -110,10 +111,10 @@ class TorchAttention:
     @staticmethod
     def _prefill(q, k_cache, v_cache, block_table, seq_len: int, scale: float) -> torch.Tensor:
         q_len = q.shape[0]
-        # A cache in another dtype than the queries (a 16-bit KV cache beside float32
+        # A cache in another dtype than the queries (a 16-bit or int8 KV cache beside float32
         # activations) is widened to theirs.
-        keys = gather_kv(k_cache, block_table, seq_len).transpose(0, 1).to(q.dtype)  # (Hkv, L, D)
-        values = gather_kv(v_cache, block_table, seq_len).transpose(0, 1).to(q.dtype)
+        keys = from_rows(gather_kv(k_cache, block_table, seq_len), q.dtype).transpose(0, 1)  # (Hkv, L, D)
+        values = from_rows(gather_kv(v_cache, block_table, seq_len), q.dtype).transpose(0, 1)
         if q_len == seq_len:
             mask, causal = None, True
         else:

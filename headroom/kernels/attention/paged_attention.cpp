@@ -14,6 +14,7 @@
 #include "pool.h"
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <algorithm>
 #include <limits>
 #include <optional>
@@ -34,6 +35,28 @@ inline float widen(f16 x) { return static_cast<float>(x); }
 template <typename T>
 inline void store_row(const float* src, T* dst, int64_t d) {
   for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(src[i]);
+}
+// An int8 row (paged_tile.h: its scale before its values): max |x| / 127 and each value
+// x / scale rounded to nearest even, the same float32 operations as the torch write
+// (executor/attention/kv_rows.py), so rows written by either are the same bytes.
+inline void store_row(const float* src, int8_t* dst, int64_t d) {
+  float top = 0.f;
+  for (int64_t i = 0; i < d; ++i) top = std::max(top, std::fabs(src[i]));
+  const float scale = top > 0.f ? top / 127.f : 1.f;
+  std::memcpy(dst - headroom::kScaleBytes, &scale, sizeof scale);
+  for (int64_t i = 0; i < d; ++i)
+    dst[i] = static_cast<int8_t>(std::clamp(std::nearbyint(src[i] / scale), -127.f, 127.f));
+}
+inline float scale_of(const int8_t* row) {
+  float s;
+  std::memcpy(&s, row - headroom::kScaleBytes, sizeof s);
+  return s;
+}
+
+// Elements between two kv heads' rows of a cache of T.
+template <typename T>
+constexpr int64_t cache_row(int64_t d) {
+  return std::is_same_v<T, int8_t> ? d + headroom::kScaleBytes : d;
 }
 
 inline float dot(const float* a, const float* b, int64_t d) {
@@ -67,14 +90,14 @@ template <typename T>
 void decode_spans(const float* qp, T* kc, T* vc, const int32_t* tp, const int32_t* lp, float* op, int64_t B,
                   int64_t Hq, int64_t Hkv, int64_t D, int64_t W, int64_t block_size, float s, const float* knp,
                   const float* vnp, int64_t kn_row, int64_t vn_row, const int64_t* sp) {
-  const int64_t group = Hq / Hkv;
-  const int64_t token_stride = Hkv * D, block_stride = block_size * Hkv * D;
+  const int64_t group = Hq / Hkv, R = cache_row<T>(D);
+  const int64_t token_stride = Hkv * R, block_stride = block_size * token_stride;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lp[b] >= 1 && (lp[b] + block_size - 1) / block_size <= W, "seq_len does not fit the block table");
     if (sp != nullptr)  // this step's keys and values first, before any span reads them
       for (int64_t h = 0; h < Hkv; ++h) {
-        store_row(knp + b * kn_row + h * D, kc + sp[b] * token_stride + h * D, D);
-        store_row(vnp + b * vn_row + h * D, vc + sp[b] * token_stride + h * D, D);
+        store_row(knp + b * kn_row + h * D, kc + sp[b] * token_stride + h * R, D);
+        store_row(vnp + b * vn_row + h * D, vc + sp[b] * token_stride + h * R, D);
       }
   }
   const int64_t threads = at::get_num_threads();
@@ -91,7 +114,7 @@ void decode_spans(const float* qp, T* kc, T* vc, const int32_t* tp, const int32_
         const headroom::Span& span = spans.items[i];
         const int64_t b = span.seq;
         const headroom::TileArgs a{qp + b * Hq * D, op + b * Hq * D, Hq * D, 1, lp[b] - 1, group, D, tp + b * W,
-                                   block_size, token_stride, block_stride, 0, s};
+                                   block_size, token_stride, block_stride, R, 0, s};
         headroom::attend_span(span, a, Hkv, kc, vc, partial.data(), own.data());
       }
   });
@@ -103,8 +126,8 @@ template <typename T>
 void decode(const float* qp, T* kc, T* vc, const int32_t* tp, const int32_t* lp, float* op, int64_t B, int64_t Hq,
             int64_t Hkv, int64_t D, int64_t W, int64_t block_size, float s, const float* knp, const float* vnp,
             int64_t kn_row, int64_t vn_row, const int64_t* sp) {
-  const int64_t group = Hq / Hkv;
-  const int64_t token_stride = Hkv * D, block_stride = block_size * Hkv * D;
+  const int64_t group = Hq / Hkv, R = cache_row<T>(D);
+  const int64_t token_stride = Hkv * R, block_stride = block_size * token_stride;
   if (headroom::tile_available(D)) {
     decode_spans(qp, kc, vc, tp, lp, op, B, Hq, Hkv, D, W, block_size, s, knp, vnp, kn_row, vn_row, sp);
     return;
@@ -114,8 +137,8 @@ void decode(const float* qp, T* kc, T* vc, const int32_t* tp, const int32_t* lp,
   if (sp != nullptr)
     for (int64_t b = 0; b < B; ++b)
       for (int64_t h = 0; h < Hkv; ++h) {
-        store_row(knp + b * kn_row + h * D, kc + sp[b] * token_stride + h * D, D);
-        store_row(vnp + b * vn_row + h * D, vc + sp[b] * token_stride + h * D, D);
+        store_row(knp + b * kn_row + h * D, kc + sp[b] * token_stride + h * R, D);
+        store_row(vnp + b * vn_row + h * D, vc + sp[b] * token_stride + h * R, D);
       }
   headroom::parallel_rows(B, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, row(D);
@@ -128,9 +151,13 @@ void decode(const float* qp, T* kc, T* vc, const int32_t* tp, const int32_t* lp,
       scores.assign(group * len, 0.f);
       // Portable: each cached row widened to float32 first, then AVX2 where the build has it.
       auto cached = [&](const T* cache, int64_t t) -> const float* {
-        const T* at = cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + h * D;
+        const T* at = cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + h * R;
         if constexpr (std::is_same_v<T, float>) {
           return at;
+        } else if constexpr (std::is_same_v<T, int8_t>) {
+          const float scale = scale_of(at);
+          for (int64_t i = 0; i < D; ++i) row[i] = static_cast<float>(at[i]) * scale;
+          return row.data();
         } else {
           for (int64_t i = 0; i < D; ++i) row[i] = widen(at[i]);
           return row.data();
@@ -171,7 +198,7 @@ void decode(const float* qp, T* kc, T* vc, const int32_t* tp, const int32_t* lp,
 }  // namespace
 
 // q: (B, Hq, D) float32; caches: (num_blocks, block_size, Hkv, D), both float32, float16 or
-// bfloat16; block_tables: (B, W) int32; seq_lens: (B,) int32 (context length including this
+// bfloat16, or (num_blocks, block_size, Hkv, kScaleBytes + D) int8 rows (paged_tile.h); block_tables: (B, W) int32; seq_lens: (B,) int32 (context length including this
 // token) -> (B, Hq, D) float32. With k_new and v_new (B, Hkv, D) float32 and slots (B,)
 // int64, those are first written to the cache at the slots (rounded to the cache's dtype).
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -180,8 +207,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      std::optional<torch::Tensor> slots) {
   const auto kv = k_cache.scalar_type();
   TORCH_CHECK(q.scalar_type() == torch::kFloat32, "paged_decode_attention takes float32 queries");
-  TORCH_CHECK((kv == torch::kFloat32 || kv == torch::kBFloat16 || kv == torch::kHalf) && v_cache.scalar_type() == kv,
-              "the caches must be both float32, both float16 or both bfloat16");
+  TORCH_CHECK((kv == torch::kFloat32 || kv == torch::kBFloat16 || kv == torch::kHalf || kv == torch::kInt8) &&
+                  v_cache.scalar_type() == kv,
+              "the caches must be both float32, both float16, both bfloat16 or both int8");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
               "block_tables and seq_lens must be int32");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -190,7 +218,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   seq_lens = seq_lens.contiguous();
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2), W = block_tables.size(1);
-  TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(3) == D, "head counts or head_dim do not match");
+  const int64_t row = kv == torch::kInt8 ? D + headroom::kScaleBytes : D;  // an int8 row: its scale, then D values
+  TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(3) == row && v_cache.sizes() == k_cache.sizes(),
+              "head counts or head_dim do not match");
   auto out = torch::empty_like(q);
   const bool write = k_new.has_value();
   TORCH_CHECK(write == v_new.has_value() && write == slots.has_value(), "give k_new, v_new and slots together");
@@ -220,6 +250,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
            knp, vnp, kn_row, vn_row, sp);
   else if (kv == torch::kHalf)
     decode(qp, reinterpret_cast<f16*>(k_cache.data_ptr<at::Half>()), reinterpret_cast<f16*>(v_cache.data_ptr<at::Half>()),
+           tp, lp, op, B, Hq, Hkv, D, W, block_size, s, knp, vnp, kn_row, vn_row, sp);
+  else if (kv == torch::kInt8)  // at the first row's values, past its scale
+    decode(qp, k_cache.data_ptr<int8_t>() + headroom::kScaleBytes, v_cache.data_ptr<int8_t>() + headroom::kScaleBytes,
            tp, lp, op, B, Hq, Hkv, D, W, block_size, s, knp, vnp, kn_row, vn_row, sp);
   else
     decode(qp, k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(), tp, lp, op, B, Hq, Hkv, D, W, block_size, s,

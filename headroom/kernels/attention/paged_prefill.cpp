@@ -37,7 +37,7 @@ int64_t bf16_attention_form() { return headroom::bf16_dots_available(); }
 
 // q: (N, Hq, D) float32, sequence b's rows at query_start_loc[b]:query_start_loc[b+1], the
 // last positions of its seq_lens[b]-long context; caches: (num_blocks, block_size, Hkv, D),
-// float32, float16 or bfloat16; block_tables: (B, W) int32 -> (N, Hq, D) float32.
+// float32, float16 or bfloat16, or int8 rows of kScaleBytes + D (paged_tile.h); block_tables: (B, W) int32 -> (N, Hq, D) float32.
 // dots: how the chunks' tiles take their dot products (paged_tile.h: kFloat32Dots,
 // kBf16Pairs, kAmxTiles); decode rows keep float32 (bound by the cache's bytes, not by
 // arithmetic).
@@ -46,8 +46,9 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
                                       double scale, int64_t dots) {
   const auto kv = k_cache.scalar_type();
   TORCH_CHECK(q.scalar_type() == torch::kFloat32, "paged_prefill_attention takes float32 queries");
-  TORCH_CHECK((kv == torch::kFloat32 || kv == torch::kBFloat16 || kv == torch::kHalf) && v_cache.scalar_type() == kv,
-              "the caches must be both float32, both float16 or both bfloat16");
+  TORCH_CHECK((kv == torch::kFloat32 || kv == torch::kBFloat16 || kv == torch::kHalf || kv == torch::kInt8) &&
+                  v_cache.scalar_type() == kv,
+              "the caches must be both float32, both float16, both bfloat16 or both int8");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32 &&
                   query_start_loc.scalar_type() == torch::kInt32,
               "block_tables, seq_lens and query_start_loc must be int32");
@@ -58,7 +59,9 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
   query_start_loc = query_start_loc.contiguous();
   const int64_t N = q.size(0), Hq = q.size(1), D = q.size(2), B = seq_lens.size(0);
   const int64_t block_size = k_cache.size(1), Hkv = k_cache.size(2), W = block_tables.size(1);
-  TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(3) == D, "head counts or head_dim do not match");
+  const int64_t R = kv == torch::kInt8 ? D + headroom::kScaleBytes : D;  // an int8 row: its scale, then D values
+  TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(3) == R && v_cache.sizes() == k_cache.sizes(),
+              "head counts or head_dim do not match");
   TORCH_CHECK(headroom::tile_available(D), "this build has no tiled attention for head_dim ", D);
   // The forms are ordered: a build with AMX has the pairs too.
   TORCH_CHECK(dots >= headroom::kFloat32Dots && dots <= headroom::bf16_dots_available(),
@@ -105,8 +108,8 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
           if (i >= tiles) {
             const headroom::Span& span = spans.items[i - tiles];
             const headroom::TileArgs a{qp + span.row * Hq * D, op + span.row * Hq * D, Hq * D, 1, lens[span.seq] - 1,
-                                       group, D, tp + span.seq * W, block_size, Hkv * D, block_size * Hkv * D, 0,
-                                       static_cast<float>(scale)};
+                                       group, D, tp + span.seq * W, block_size, Hkv * R, block_size * Hkv * R, R,
+                                       0, static_cast<float>(scale)};
             headroom::attend_span(span, a, Hkv, kc, vc, partial.data(), own.data());
             continue;
           }
@@ -115,7 +118,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
           const int64_t row = (starts[it.seq] + it.first_token) * Hq + it.kv_head * group;
           const headroom::TileArgs a{qp + row * D, op + row * D, Hq * D, it.tokens,
                                      lens[it.seq] - q_len + it.first_token, group, D, tp + it.seq * W, block_size,
-                                     Hkv * D, block_size * Hkv * D, it.kv_head, static_cast<float>(scale),
+                                     Hkv * R, block_size * Hkv * R, R, it.kv_head, static_cast<float>(scale),
                                      static_cast<int>(dots)};
           headroom::attend_tile(a, kc, vc);
         }
@@ -125,6 +128,8 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
     run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   else if (kv == torch::kHalf)
     run(reinterpret_cast<c10::Half*>(k_cache.data_ptr<at::Half>()), reinterpret_cast<c10::Half*>(v_cache.data_ptr<at::Half>()));
+  else if (kv == torch::kInt8)  // at the first row's values, past its scale
+    run(k_cache.data_ptr<int8_t>() + headroom::kScaleBytes, v_cache.data_ptr<int8_t>() + headroom::kScaleBytes);
   else
     run(k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
   headroom::merge_spans(spans, partial.data(), Hq, D, op);

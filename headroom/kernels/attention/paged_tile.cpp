@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -40,6 +41,34 @@ inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reint
 inline __m256 load8(const bf16* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));  // a bf16 is a float32's top half
+}
+inline float scale_of(const int8_t* row) {
+  float s;
+  std::memcpy(&s, row - kScaleBytes, sizeof s);
+  return s;
+}
+// Dims [i, i + 8) of the cache row at `row`, widened: an int8 row's values times its scale.
+template <typename T>
+inline __m256 load8(const T* row, int64_t i) { return load8(row + i); }
+inline __m256 load8(const int8_t* row, int64_t i) {
+  const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i)));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(wide), _mm256_set1_ps(scale_of(row)));
+}
+// The decode spans take an int8 row's scale out of the loads: the key's once into its
+// score and the value's into its weight, one multiply a row rather than one a dim.
+template <typename T>
+inline __m256 load8_unscaled(const T* row, int64_t i) { return load8(row + i); }
+inline __m256 load8_unscaled(const int8_t* row, int64_t i) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i))));
+}
+// Where a row's bytes begin: an int8 row's scale before its values.
+template <typename T>
+inline const char* row_start(const T* row) {
+  return reinterpret_cast<const char*>(row) - (std::is_same_v<T, int8_t> ? kScaleBytes : 0);
+}
+template <typename T>
+inline int64_t row_bytes_of(int64_t d) {
+  return d * static_cast<int64_t>(sizeof(T)) + (std::is_same_v<T, int8_t> ? kScaleBytes : 0);
 }
 
 inline float hmax(__m256 v) {
@@ -117,7 +146,7 @@ inline void fold(Row& row, float* o, const float* q, const float* const* key, co
 inline void offsets_of(const TileArgs& a, int64_t c0, int64_t n, int64_t* at) {
   int64_t block = c0 / a.block_size, in_block = c0 % a.block_size;
   for (int64_t t = 0; t < n; ++t) {
-    at[t] = a.table[block] * a.cache_block_stride + in_block * a.cache_token_stride + a.kv_head * a.head_dim;
+    at[t] = a.table[block] * a.cache_block_stride + in_block * a.cache_token_stride + a.kv_head * a.cache_head_stride;
     if (++in_block == a.block_size) {
       in_block = 0;
       ++block;
@@ -137,7 +166,7 @@ inline void rows_at(const T* cache, const int64_t* at, int64_t n, int64_t d, flo
       rows[t] = cache + at[t];
     } else {
       float* dst = buffer + t * d;
-      for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + i, load8(cache + at[t] + i));
+      for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + i, load8(cache + at[t], i));
       rows[t] = dst;
     }
   }
@@ -148,10 +177,9 @@ inline void rows_at(const T* cache, const int64_t* at, int64_t n, int64_t d, flo
 // pass would otherwise start with a wait on memory.
 template <typename T>
 inline void prefetch(const T* cache, const int64_t* at, int64_t n, int64_t d) {
-  const int64_t bytes = d * static_cast<int64_t>(sizeof(T));
+  const int64_t bytes = row_bytes_of<T>(d);
   for (int64_t t = 0; t < n; ++t)
-    for (int64_t line = 0; line < bytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(cache + at[t]) + line, _MM_HINT_T0);
+    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(row_start(cache + at[t]) + line, _MM_HINT_T0);
 }
 
 template <typename T>
@@ -201,6 +229,12 @@ inline __m512 load16(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(r
 inline __m512 load16(const bf16* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+template <typename T>
+inline __m512 load16(const T* row, int64_t i) { return load16(row + i); }
+inline __m512 load16(const int8_t* row, int64_t i) {
+  const __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i)));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(wide), _mm512_set1_ps(scale_of(row)));
 }
 
 // Lane u of block[j] becomes lane j of block[u]: a 16 x 16 block of floats transposed in
@@ -300,11 +334,11 @@ void attend16(const TileArgs& a, const T* kc, const T* vc) {
     offsets_of(a, c0, n, here);
     if (n < kPass) std::fill(kt, kt + kPass * d, 0.f);  // keys past n score 0, then are masked
     for (int64_t t = 0; t < n; ++t)
-      for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(vbuf + t * d + i, load16(vc + here[t] + i));
+      for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(vbuf + t * d + i, load16(vc + here[t], i));
     for (int64_t t0 = 0; t0 < n; t0 += 16)  // keys transposed 16 x 16 in registers
       for (int64_t i = 0; i < d; i += 16) {
         __m512 block[16];
-        for (int j = 0; j < 16; ++j) block[j] = t0 + j < n ? load16(kc + here[t0 + j] + i) : _mm512_setzero_ps();
+        for (int j = 0; j < 16; ++j) block[j] = t0 + j < n ? load16(kc + here[t0 + j], i) : _mm512_setzero_ps();
         transpose16(block);
         for (int u = 0; u < 16; ++u) _mm512_storeu_ps(kt + (i + u) * kPass + t0, block[u]);
       }
@@ -404,7 +438,7 @@ inline __m512i bf16x32(const __m512 low, const __m512 high) {
   return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));  // low's 16 first
 }
 template <typename T>
-inline __m512i bf16x32(const T* p) { return bf16x32(load16(p), load16(p + 16)); }
+inline __m512i bf16x32(const T* row, int64_t i) { return bf16x32(load16(row, i), load16(row, i + 16)); }
 inline __m512 dot2(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
 }
@@ -437,14 +471,14 @@ inline void pass_as_pairs(const TileArgs& a, const T* kc, const T* vc, const int
     for (int64_t i = 0; i < d; i += 32) {
       __m512 block[16];
       for (int j = 0; j < 16; ++j)
-        block[j] = t0 + j < n ? _mm512_castsi512_ps(bf16x32(kc + here[t0 + j] + i)) : _mm512_setzero_ps();
+        block[j] = t0 + j < n ? _mm512_castsi512_ps(bf16x32(kc + here[t0 + j], i)) : _mm512_setzero_ps();
       transpose16(block);
       for (int u = 0; u < 16; ++u) _mm512_storeu_ps(reinterpret_cast<float*>(kt + (i / 2 + u) * kPass + t0), block[u]);
     }
   for (int64_t t = 0; t < n; t += 2)
     for (int64_t i = 0; i < d; i += 16) {
-      const __m512 second = t + 1 < n ? load16(vc + here[t + 1] + i) : _mm512_setzero_ps();
-      const __m512i both = bf16x32(load16(vc + here[t] + i), second);  // key t's 16 dims, then key t + 1's
+      const __m512 second = t + 1 < n ? load16(vc + here[t + 1], i) : _mm512_setzero_ps();
+      const __m512i both = bf16x32(load16(vc + here[t], i), second);  // key t's 16 dims, then key t + 1's
       _mm512_storeu_si512(vp + (t / 2) * d + i, _mm512_permutexvar_epi16(pairs, both));
     }
 }
@@ -705,11 +739,16 @@ inline void pass_heads(const float* q, const T* kc, const T* vc, const int64_t* 
       for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
     for (int64_t i = 0; i < d; i += 8) {
       for (int j = 0; j < 4; ++j) {
-        const __m256 x = load8(kc + here[t0 + j] + i);
+        const __m256 x = load8_unscaled(kc + here[t0 + j], i);
         for (int g = 0; g < G; ++g) acc[g][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * d + i), x, acc[g][j]);
       }
     }
-    for (int g = 0; g < G; ++g) _mm_store_ps(&p[g][t0], sums4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+    __m128 keys_scale = _mm_set1_ps(1.f);
+    if constexpr (std::is_same_v<T, int8_t>)
+      keys_scale = _mm_set_ps(scale_of(kc + here[t0 + 3]), scale_of(kc + here[t0 + 2]), scale_of(kc + here[t0 + 1]),
+                              scale_of(kc + here[t0]));
+    for (int g = 0; g < G; ++g)
+      _mm_store_ps(&p[g][t0], _mm_mul_ps(sums4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), keys_scale));
   }
   // Online softmax per head: p <- e^(s - m'), the running output rescaled by e^(m - m').
   const __m256 sv = _mm256_set1_ps(scale);
@@ -736,11 +775,16 @@ inline void pass_heads(const float* q, const T* kc, const T* vc, const int64_t* 
       for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_mul_ps(_mm256_loadu_ps(o + g * d + i + 8 * j), cv);
     }
     for (int64_t t = 0; t < n; ++t) {
-      const T* v = vc + here[t] + i;
+      const T* v = vc + here[t];
       __m256 pt[G];
-      for (int g = 0; g < G; ++g) pt[g] = _mm256_broadcast_ss(&p[g][t]);
+      if constexpr (std::is_same_v<T, int8_t>) {
+        const float value_scale = scale_of(v);
+        for (int g = 0; g < G; ++g) pt[g] = _mm256_set1_ps(p[g][t] * value_scale);
+      } else {
+        for (int g = 0; g < G; ++g) pt[g] = _mm256_broadcast_ss(&p[g][t]);
+      }
       for (int j = 0; j < 4; ++j) {
-        const __m256 x = load8(v + 8 * j);
+        const __m256 x = load8_unscaled(v, i + 8 * j);
         for (int g = 0; g < G; ++g) acc[g][j] = _mm256_fmadd_ps(pt[g], x, acc[g][j]);
       }
     }
@@ -761,7 +805,7 @@ void decode(const TileArgs& a, int64_t kv_heads, const T* kc, const T* vc, int64
   const int64_t d = a.head_dim, width = kv_heads * d;
   TileArgs rows = a;
   rows.kv_head = 0;  // offsets of whole token rows; each head adds its own
-  const int64_t row_bytes = width * static_cast<int64_t>(sizeof(T)), calls = kv_heads * ((a.group + 2) / 3);
+  const int64_t row_bytes = kv_heads * row_bytes_of<T>(d), calls = kv_heads * ((a.group + 2) / 3);
   thread_local std::vector<const char*> lines;
   lines.resize(2 * kKeys * ((row_bytes + 63) / 64));
   int64_t here[kKeys], ahead[kKeys];
@@ -776,8 +820,8 @@ void decode(const TileArgs& a, int64_t kv_heads, const T* kc, const T* vc, int64
       offsets_of(rows, c0 + n, next, ahead);
       for (int64_t t = 0; t < next; ++t)
         for (int64_t line = 0; line < row_bytes; line += 64) {
-          lines[count++] = reinterpret_cast<const char*>(kc + a.kv_head * d + ahead[t]) + line;
-          lines[count++] = reinterpret_cast<const char*>(vc + a.kv_head * d + ahead[t]) + line;
+          lines[count++] = row_start(kc + a.kv_head * a.cache_head_stride + ahead[t]) + line;
+          lines[count++] = row_start(vc + a.kv_head * a.cache_head_stride + ahead[t]) + line;
         }
     }
     int64_t call = 0;
@@ -787,7 +831,7 @@ void decode(const TileArgs& a, int64_t kv_heads, const T* kc, const T* vc, int64
         const int64_t share = count * (call + 1) / calls - count * call / calls;
         const int64_t r = (h - a.kv_head) * a.group + g0;
         const float* q = a.q + r * d;
-        const T *k = kc + h * d, *v = vc + h * d;
+        const T *k = kc + h * a.cache_head_stride, *v = vc + h * a.cache_head_stride;
         switch (std::min<int64_t>(3, a.group - g0)) {
           case 1: pass_heads<1>(q, k, v, here, n, d, a.scale, m + r, l + r, o + r * d, slice, share); break;
           case 2: pass_heads<2>(q, k, v, here, n, d, a.scale, m + r, l + r, o + r * d, slice, share); break;
@@ -821,16 +865,19 @@ void attend_either(const TileArgs& a, const T* k, const T* v) {
 void attend_tile(const TileArgs& a, const float* k, const float* v) { attend_either(a, k, v); }
 void attend_tile(const TileArgs& a, const c10::Half* k, const c10::Half* v) { attend_either(a, k, v); }
 void attend_tile(const TileArgs& a, const c10::BFloat16* k, const c10::BFloat16* v) { attend_either(a, k, v); }
+void attend_tile(const TileArgs& a, const int8_t* k, const int8_t* v) { attend_either(a, k, v); }
 #elif defined(__AVX512F__)
 int bf16_dots_available() { return kFloat32Dots; }
 void attend_tile(const TileArgs& a, const float* k, const float* v) { attend16(a, k, v); }
 void attend_tile(const TileArgs& a, const c10::Half* k, const c10::Half* v) { attend16(a, k, v); }
 void attend_tile(const TileArgs& a, const c10::BFloat16* k, const c10::BFloat16* v) { attend16(a, k, v); }
+void attend_tile(const TileArgs& a, const int8_t* k, const int8_t* v) { attend16(a, k, v); }
 #else
 int bf16_dots_available() { return kFloat32Dots; }
 void attend_tile(const TileArgs& a, const float* k, const float* v) { attend(a, k, v); }
 void attend_tile(const TileArgs& a, const c10::Half* k, const c10::Half* v) { attend(a, k, v); }
 void attend_tile(const TileArgs& a, const c10::BFloat16* k, const c10::BFloat16* v) { attend(a, k, v); }
+void attend_tile(const TileArgs& a, const int8_t* k, const int8_t* v) { attend(a, k, v); }
 #endif
 void decode_span(const TileArgs& a, int64_t kv_heads, const float* k, const float* v, int64_t begin,
                  int64_t end, float* m, float* l, float* o) {
@@ -844,6 +891,10 @@ void decode_span(const TileArgs& a, int64_t kv_heads, const c10::BFloat16* k, co
                  int64_t end, float* m, float* l, float* o) {
   decode(a, kv_heads, k, v, begin, end, m, l, o);
 }
+void decode_span(const TileArgs& a, int64_t kv_heads, const int8_t* k, const int8_t* v, int64_t begin, int64_t end,
+                 float* m, float* l, float* o) {
+  decode(a, kv_heads, k, v, begin, end, m, l, o);
+}
 
 #else  // no AVX2+FMA+F16C: callers keep their portable paths
 
@@ -854,6 +905,7 @@ void attend_tile(const TileArgs&, const c10::Half*, const c10::Half*) { TORCH_CH
 void attend_tile(const TileArgs&, const c10::BFloat16*, const c10::BFloat16*) {
   TORCH_CHECK(false, "no tiled attention in this build");
 }
+void attend_tile(const TileArgs&, const int8_t*, const int8_t*) { TORCH_CHECK(false, "no tiled attention in this build"); }
 void decode_span(const TileArgs&, int64_t, const float*, const float*, int64_t, int64_t, float*, float*, float*) {
   TORCH_CHECK(false, "no tiled attention in this build");
 }
@@ -862,6 +914,9 @@ void decode_span(const TileArgs&, int64_t, const c10::Half*, const c10::Half*, i
 }
 void decode_span(const TileArgs&, int64_t, const c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t, float*, float*,
                  float*) {
+  TORCH_CHECK(false, "no tiled attention in this build");
+}
+void decode_span(const TileArgs&, int64_t, const int8_t*, const int8_t*, int64_t, int64_t, float*, float*, float*) {
   TORCH_CHECK(false, "no tiled attention in this build");
 }
 

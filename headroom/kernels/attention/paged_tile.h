@@ -20,10 +20,17 @@ struct TileArgs {
   int64_t group;         // query heads per kv head
   int64_t head_dim;
   const int32_t* table;  // the sequence's block table
-  int64_t block_size, cache_token_stride, cache_block_stride, kv_head;
+  // Cache elements between two tokens' rows, two blocks, and two kv heads' rows of a token
+  // (head_dim, or an int8 cache's head_dim + kScaleBytes).
+  int64_t block_size, cache_token_stride, cache_block_stride, cache_head_stride, kv_head;
   float scale;
   int dots = 0;  // how the tile takes its dot products: one of the forms below
 };
+
+// An int8 cache row: its float32 scale (max |x| / 127), then head_dim values, as
+// llama.cpp's q8_0 blocks; kernels take the cache pointer at the first row's values, so
+// a row's values start where its offset points and its scale sits just before them.
+constexpr int64_t kScaleBytes = 4;
 
 // A tile's dot products: float32 FMAs; bfloat16 pairs into float32 (vdpbf16ps, AVX-512
 // BF16); or AMX's bfloat16 tiles. The two bfloat16 forms round queries, keys, weights and
@@ -40,6 +47,7 @@ int bf16_dots_available();
 void attend_tile(const TileArgs& a, const float* k_cache, const float* v_cache);
 void attend_tile(const TileArgs& a, const c10::Half* k_cache, const c10::Half* v_cache);
 void attend_tile(const TileArgs& a, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache);
+void attend_tile(const TileArgs& a, const int8_t* k_cache, const int8_t* v_cache);
 
 // One decode token (a.tokens == 1) over keys [begin, end) only, for the query heads of kv
 // heads [a.kv_head, a.kv_head + kv_heads) (a.q at the first one's first query head): the
@@ -53,5 +61,7 @@ void decode_span(const TileArgs& a, int64_t kv_heads, const c10::Half* k_cache, 
                  int64_t begin, int64_t end, float* m, float* l, float* o);
 void decode_span(const TileArgs& a, int64_t kv_heads, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
                  int64_t begin, int64_t end, float* m, float* l, float* o);
+void decode_span(const TileArgs& a, int64_t kv_heads, const int8_t* k_cache, const int8_t* v_cache, int64_t begin,
+                 int64_t end, float* m, float* l, float* o);
 
 }  // namespace headroom
