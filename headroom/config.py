@@ -248,7 +248,7 @@ class CacheConfig:
     kv_cache_dtype: KvDtype = Field(
         "auto",
         description="the KV cache's dtype (auto: float16 beside quantised CPU weights, else the model's; "
-        "int8: a scale a row, CPU only)",
+        "int8: a scale a row; the CPU, or the Triton backend on CUDA)",
     )
 
 

@@ -100,16 +100,22 @@ def resolve_dtype(name: str, device: torch.device, quantization: str = "auto") -
     return torch.bfloat16 if amx and not packed else torch.float32
 
 
-def resolve_kv_dtype(name: str, device: torch.device, dtype: torch.dtype, quantization: str) -> tuple[torch.dtype, str]:
+def resolve_kv_dtype(
+    name: str, device: torch.device, dtype: torch.dtype, quantization: str, backend: str = "torch"
+) -> tuple[torch.dtype, str]:
     """The KV cache's dtype and why, for the log and /health. Decode attention at large
     batches reads the whole cache every step, so 16 bits halve its bytes; auto takes them
     only where the weights are already quantised (a mode measured against float32 as a
     whole), so float32 with no quantisation stays exact. float16, as llama.cpp's cache:
     three more mantissa bits than bfloat16, the same speed in the kernel, and with int4
-    weights 1.0027x float32 perplexity where bfloat16 gave 1.0062x (bench/quant_quality.py)."""
+    weights 1.0027x float32 perplexity where bfloat16 gave 1.0062x (bench/quant_quality.py).
+    int8 (a scale a row, executor/attention/kv_rows.py) is read by the CPU kernels, the torch
+    reference and the Triton kernels; flash-attn and xformers take the model's dtype only."""
     if name != "auto":
         chosen = getattr(torch, name)
-        if chosen != dtype and device.type != "cpu":
+        if chosen == torch.int8 and device.type == "cuda" and backend != "triton":
+            raise ConfigError(f"kv_cache_dtype int8 on cuda needs --attention-backend triton, not {backend}")
+        if chosen != dtype and device.type != "cpu" and chosen != torch.int8:
             raise ConfigError(f"kv_cache_dtype {name} beside {dtype} weights runs on the CPU only")
         return chosen, "chosen by flag or config"
     if device.type == "cpu" and dtype == torch.float32 and quantization != "none":

@@ -51,7 +51,9 @@ class Executor:
         args = loaded.args
         backend = select_backend(config.attention_backend, device)
         block_size = config.cache.block_size or backend.block_size
-        kv_dtype, kv_dtype_reason = resolve_kv_dtype(config.cache.kv_cache_dtype, device, dtype, loaded.quantization)
+        kv_dtype, kv_dtype_reason = resolve_kv_dtype(
+            config.cache.kv_cache_dtype, device, dtype, loaded.quantization, backend.name
+        )
         attention_dtype, dots, attention_dtype_reason = resolve_attention_dtype(
             config.model.attention_dtype, device, backend.name, dtype, kv_dtype, args
         )

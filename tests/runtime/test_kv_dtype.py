@@ -40,8 +40,13 @@ def test_auto_takes_float16_only_beside_quantised_cpu_weights(name, device, dtyp
 def test_a_cache_dtype_unlike_the_weights_is_refused_off_the_cpu():
     with pytest.raises(ConfigError, match="kv_cache_dtype float32 beside torch.bfloat16 weights runs on the CPU only"):
         resolve_kv_dtype("float32", CUDA, torch.bfloat16, "none")
-    with pytest.raises(ConfigError, match="kv_cache_dtype int8 beside torch.bfloat16 weights runs on the CPU only"):
-        resolve_kv_dtype("int8", CUDA, torch.bfloat16, "none")
+    # int8 rows off the CPU: the Triton kernels read them, flash-attn and xformers do not.
+    assert resolve_kv_dtype("int8", CUDA, torch.bfloat16, "none", "triton") == (torch.int8, "chosen by flag or config")
+    for backend in ("flash_attn", "xformers"):
+        with pytest.raises(
+            ConfigError, match=f"kv_cache_dtype int8 on cuda needs --attention-backend triton, not {backend}"
+        ):
+            resolve_kv_dtype("int8", CUDA, torch.bfloat16, "none", backend)
     with pytest.raises(ConfigError, match="kv_cache_dtype must be one of"):
         CacheConfig(kv_cache_dtype="int4")
 

@@ -18,7 +18,7 @@ from headroom.executor.attention import backend as registry
 # not skip the interpreter tests (only CUDA may be missing).
 from headroom.executor.attention import triton_paged
 from headroom.executor.attention.torch_ref import TorchAttention
-from tests.runtime.test_attention import CPU, assert_cache_written, clone, make_batch, run
+from tests.runtime.test_attention import CPU, assert_cache_written, clone, make_batch, rounded_to_cache, run
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else CPU
 pytestmark = pytest.mark.triton
@@ -68,6 +68,23 @@ def test_triton_matches_torch(kind: str, block_size: int, num_heads: int, num_kv
     out = run(triton_paged.TritonAttention(), batch)
     expected = run(TorchAttention(), reference)
     assert out.dtype == dtype and out.shape == batch.q.shape
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+    assert_cache_written(batch, before)
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_reads_an_int8_cache_as_the_reference_does(kind: str, dtype: torch.dtype):
+    # Rows of a float32 scale and a byte a dim (kv_rows.py), widened in the kernel to the
+    # queries' dtype; the reference reads the same rows in float32.
+    q_lens, seq_lens = lengths(kind, 16, random.Random(len(kind)))
+    batch = make_batch(q_lens, seq_lens, num_heads=6, num_kv_heads=2, block_size=16, seed=len(kind), head_dim=32)
+    batch = rounded_to_cache(batch, torch.int8).to(DEVICE, dtype)
+    reference = batch.to(DEVICE, torch.float32)
+    before = clone(batch)
+    out = run(triton_paged.TritonAttention(), batch)
+    expected = run(TorchAttention(), reference)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
     assert_cache_written(batch, before)

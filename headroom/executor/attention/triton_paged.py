@@ -45,7 +45,7 @@ class TritonAttention:
         q: torch.Tensor,  # (N, Hq, D)
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+        k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D), or int8 rows (kv_rows.py)
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
@@ -59,6 +59,7 @@ class TritonAttention:
         cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0))
         # tl.dot in fp32 when the inputs are fp32 (ieee: no tf32) or interpreted (see INTERPRETED).
         precision = {"IEEE": q.dtype == torch.float32 or INTERPRETED, "DOT_FP32": INTERPRETED}
+        int8 = k_cache.dtype == torch.int8  # rows of a scale and a byte a dim (kv_rows.py)
         if meta.num_decodes:
             # Under a CUDA graph max_seq_len is the model's length, so the grid fits any step.
             max_parts = triton.cdiv(meta.max_seq_len, self.decode_part)
@@ -89,6 +90,7 @@ class TritonAttention:
                 TILE=self.decode_tile,
                 PART=self.decode_part,
                 WHOLE=whole,
+                INT8=int8,
                 **precision,
             )
             if not whole:
@@ -127,6 +129,7 @@ class TritonAttention:
                 HEAD_DIM=head_dim,
                 BLOCK_D=block_d,
                 BLOCK_M=self.block_m,
+                INT8=int8,
                 **precision,
             )
         return out

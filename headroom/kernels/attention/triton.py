@@ -1,6 +1,7 @@
 """Our Triton paged-attention kernels: decode (a kernel over parts of each context and one
 that merges the parts) and prefill or chunked prefill, all reading K/V straight from the
-paged cache through the block table. executor/attention/triton_paged.py launches them.
+paged cache through the block table (of the model's dtype, or int8 rows with a scale
+each). executor/attention/triton_paged.py launches them.
 
 GQA maps query head h to KV head h // (Hq // Hkv). Scores, softmax and the output are
 accumulated in fp32 whatever the input dtype (the online softmax of FlashAttention: a
@@ -46,6 +47,19 @@ def _online_softmax(q, k, v, visible, scale, m, total, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _rows(cache, row, d, key_ok, d_ok, INT8: tl.constexpr):
+    # The cache rows starting at `row` (keys, 1), dims d: an int8 row is its float32 scale
+    # then one byte a dim (executor/attention/kv_rows.py), widened to float32.
+    ok = key_ok[:, None] & d_ok[None, :]
+    if INT8:
+        values = tl.load(cache + row + 4 + d[None, :], mask=ok, other=0).to(tl.float32)
+        scale = tl.load((cache + row).to(tl.pointer_type(tl.float32)), mask=key_ok[:, None], other=0.0)
+        return values * scale
+    else:
+        return tl.load(cache + row + d[None, :], mask=ok, other=0.0)
+
+
+@triton.jit
 def decode_kernel(
     q_ptr,
     k_cache,
@@ -74,6 +88,7 @@ def decode_kernel(
     IEEE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     WHOLE: tl.constexpr,
+    INT8: tl.constexpr,
 ):
     # One program per (sequence, KV head, PART keys): the GROUP query heads that share a KV
     # head read its keys once, and a long context is cut into parts that run side by side
@@ -106,9 +121,8 @@ def decode_kernel(
             ok = pos < end
             block = tl.load(block_tables + seq * stride_bt + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
             kv_off = block[:, None] * stride_kb + (pos % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh
-            kv_ok = ok[:, None] & d_ok[None, :]
-            k = tl.load(k_cache + kv_off + d[None, :], mask=kv_ok, other=0.0)
-            v = tl.load(v_cache + kv_off + d[None, :], mask=kv_ok, other=0.0)
+            k = _rows(k_cache, kv_off, d, ok, d_ok, INT8).to(q.dtype)
+            v = _rows(v_cache, kv_off, d, ok, d_ok, INT8).to(q.dtype)
             if DOT_FP32:
                 k, v = k.to(tl.float32), v.to(tl.float32)
             # The first position of a part is always in it, so no row's max stays -inf.
@@ -186,6 +200,7 @@ def prefill_kernel(
     BLOCK_M: tl.constexpr,
     IEEE: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    INT8: tl.constexpr,
 ):
     seq = first_seq + tl.program_id(0)
     head = tl.program_id(1)
@@ -214,9 +229,9 @@ def prefill_kernel(
             block = tl.load(block_tables + seq * stride_bt + b).to(tl.int64)
             k_pos = b * BLOCK_SIZE + offs
             k_ok = k_pos < seq_len
-            kv_off = block * stride_kb + offs[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
-            k = tl.load(k_cache + kv_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-            v = tl.load(v_cache + kv_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            kv_off = block * stride_kb + offs[:, None] * stride_ks + kv_head * stride_kh
+            k = _rows(k_cache, kv_off, d, k_ok, d_ok, INT8).to(q.dtype)
+            v = _rows(v_cache, kv_off, d, k_ok, d_ok, INT8).to(q.dtype)
             if DOT_FP32:
                 k, v = k.to(tl.float32), v.to(tl.float32)
             causal = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
