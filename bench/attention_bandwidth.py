@@ -232,7 +232,7 @@ def main() -> None:
             backend.forward(q, k, v, k_cache, v_cache, meta, scale)
         sync()
         seconds = (time.perf_counter() - started) / ns.iters
-        kv_bytes = 2 * ns.batch * context * ns.kv_heads * ns.head_dim * kv_dtype.itemsize
+        kv_bytes = 2 * ns.batch * context * ns.kv_heads * row_width(ns.head_dim, kv_dtype) * kv_dtype.itemsize
         gbps = kv_bytes / seconds / 1e9
         share = f", {100 * gbps / peak:.1f}% of peak" if peak else ""
         print(

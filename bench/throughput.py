@@ -54,7 +54,7 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="auto", help="auto, none, int8, int4 (CPU)")
     p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--kv-cache-dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto, float32, bfloat16, float16, int8")
     p.add_argument("--compare-kv", default=None, help="also run with this KV cache dtype; print ratios")
     p.add_argument("--concurrency", default=None, help="default: 1,8,32,64 on CPU, 1,32,128 on CUDA")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")

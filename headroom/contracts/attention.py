@@ -49,8 +49,8 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # (N, Hq, D)
         k: torch.Tensor,  # (N, Hkv, D)
         v: torch.Tensor,  # (N, Hkv, D)
-        k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
-        v_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+        k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D), or int8 rows of D + 4 (kv_rows.py)
+        v_cache: torch.Tensor,  # the same shape
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # (N, Hq, D)

@@ -110,10 +110,11 @@ def resolve_kv_dtype(
     three more mantissa bits than bfloat16, the same speed in the kernel, and with int4
     weights 1.0027x float32 perplexity where bfloat16 gave 1.0062x (bench/quant_quality.py).
     int8 (a scale a row, executor/attention/kv_rows.py) is read by the CPU kernels, the torch
-    reference and the Triton kernels; flash-attn and xformers take the model's dtype only."""
+    reference and the Triton kernels; flash-attn and xformers take the model's dtype only.
+    auto never takes it: it measured slower to score than float16 is to read here."""
     if name != "auto":
         chosen = getattr(torch, name)
-        if chosen == torch.int8 and device.type == "cuda" and backend != "triton":
+        if chosen == torch.int8 and device.type == "cuda" and backend not in ("triton", "torch"):
             raise ConfigError(f"kv_cache_dtype int8 on cuda needs --attention-backend triton, not {backend}")
         if chosen != dtype and device.type != "cpu" and chosen != torch.int8:
             raise ConfigError(f"kv_cache_dtype {name} beside {dtype} weights runs on the CPU only")
@@ -130,8 +131,8 @@ def resolve_attention_dtype(
     (executor/attention/cpu_paged.py: DOTS; 0 where float32 or another backend's) and why,
     for the log and /health. Prefill attention is bound by its arithmetic, and bfloat16 runs
     faster than float32 where the CPU has AMX tiles, or pairs as fast as its FMAs; auto
-    takes it only beside a 16-bit cache, whose keys and values are already rounded (the
-    quantised default), so the float32 reference path stays exact, and only where a timing
+    takes it only beside a 16-bit or int8 cache, whose keys and values are already rounded
+    (the quantised default), so the float32 reference path stays exact, and only where a timing
     at start shows it clearly faster. Decode attention stays float32: it is bound by the
     cache's bytes, not by arithmetic."""
     from headroom.executor.attention.cpu_paged import DOTS, dots_faster
@@ -157,7 +158,11 @@ def resolve_attention_dtype(
         return torch.float32, 0, f"auto: float32 ({lacks})"
     faster, timed = dots_faster(form, args.num_heads, args.num_kv_heads, args.head_dim, kv_dtype)
     if faster:
-        return torch.bfloat16, form, f"auto: bfloat16 in prefill attention beside a 16-bit cache ({timed})"
+        return (
+            torch.bfloat16,
+            form,
+            f"auto: bfloat16 in prefill attention beside a {str(kv_dtype).removeprefix('torch.')} cache ({timed})",
+        )
     return torch.float32, 0, f"auto: float32 ({timed})"
 
 

@@ -455,7 +455,7 @@ def rounded_to_bf16(batch: Batch) -> Batch:
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.int8], ids=str)
 @pytest.mark.parametrize("form", BF16_FORMS)
 def test_cpu_paged_prefill_in_bfloat16_is_within_its_rounding(form, cache_dtype, head_dim, threads) -> None:
     # The batch of the float32 test above: chunks fresh and deep in a context, partial
@@ -503,6 +503,46 @@ def test_cpu_paged_prefill_in_bfloat16_reads_only_its_own_context(form) -> None:
     backend.dots = form
     err = (run(backend, batch) - naive_attention(rounded_to_bf16(batch))).abs()
     assert err.max().item() <= 0.02 and err.mean().item() <= 3e-4
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.int8], ids=str)
+def test_cpu_paged_head_dims_off_the_tiles_take_the_portable_paths(cache_dtype: torch.dtype) -> None:
+    # head_dim 80 has no tiles (they take multiples of 64): a decode-only step takes the
+    # portable decode kernel (it writes the rows too), a mixed one the torch reference.
+    kernels, _ = cpu_kernels()
+    assert not kernels.paged_prefill_available(80)
+    for q_lens, seq_lens in (([1, 1, 1], [5, 300, 17]), ([1, 1, 9, 30], [5, 300, 40, 100])):
+        batch = make_batch(q_lens, seq_lens, num_heads=6, num_kv_heads=2, block_size=16, head_dim=80, seed=9)
+        check_cpu_paged_backend(rounded_to_cache(batch, cache_dtype))
+
+
+def test_torch_reference_reads_an_int8_cache() -> None:
+    q_lens, seq_lens = mixed_lens(random.Random(4), 3, 4, 16)
+    batch = make_batch(q_lens, seq_lens, num_heads=6, num_kv_heads=2, block_size=16, seed=4)
+    check_torch_backend(rounded_to_cache(batch, torch.int8))
+
+
+def test_the_kernel_and_torch_write_int8_rows_alike_ties_and_zeros_included() -> None:
+    # Three rows a head: one whose values over its scale fall on halves (rounded to
+    # nearest even by both writers), one of zeros (scale 1), one random. Both writers'
+    # bytes must be equal, or a row would read back differently by the path that wrote it.
+    kernels, _ = cpu_kernels()
+    d, heads = 64, 2
+    step = 2.0**-5  # the tie row's scale: 127 steps is its max, exactly
+    ties = torch.tensor([127, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5] * 8) * step
+    rows = torch.stack([ties, torch.zeros(d), torch.randn(d, generator=torch.Generator().manual_seed(0))])
+    new = rows[:, None, :].expand(3, heads, d).contiguous()  # (B, Hkv, D): one token a sequence
+    cache = [torch.zeros(4, 16, heads, d + 4, dtype=torch.int8) for _ in range(2)]
+    tables = torch.tensor([[0], [1], [2]], dtype=torch.int32)
+    slots = torch.tensor([0, 16, 32])
+    q = torch.randn(3, 2 * heads, d)
+    kernels.paged_decode_attention(q, *cache, tables, torch.ones(3, dtype=torch.int32), d**-0.5, new, new, slots)
+    want = to_rows(new, torch.int8)
+    for written in cache:
+        assert torch.equal(written.view(-1, heads, d + 4)[slots], want)
+    assert want[0, 0, 4:12].tolist() == [127, 0, 2, 2, 0, -2, -2, 126]
+    assert want[1, 0, :4].view(torch.float32).item() == 1.0 and not want[1, 0, 4:].any()
+    assert want[0, 0, :4].view(torch.float32).item() == step
 
 
 def test_cpu_paged_prefill_refuses_dot_products_it_lacks() -> None:

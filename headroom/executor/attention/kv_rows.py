@@ -3,7 +3,7 @@ A float cache's row is head_dim elements; an int8 cache's is head_dim values aft
 float32 scale (max |x| / 127), as llama.cpp's q8_0 blocks: one scale a 64-dim row, 68
 bytes where float16 takes 128. The C++ kernels read and write the same layout
 (kernels/attention/paged_tile.h), with the same float32 operations, so a row written by
-either is the same bytes."""
+either on the CPU is the same bytes (rows holding a NaN aside: the model has failed there)."""
 
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ def to_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype != torch.int8:
         return x.to(dtype)
     x = x.float()
-    top = x.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(top > 0, top / 127, torch.ones_like(top))
+    scale = x.abs().amax(dim=-1, keepdim=True) / 127
+    # A zero row, or one past float's range (its values saturate at +-127).
+    scale = torch.where((scale > 0) & scale.isfinite(), scale, torch.ones_like(scale))
     values = torch.round(x / scale).clamp_(-127, 127).to(torch.int8)
     return torch.cat((scale.contiguous().view(torch.int8), values), dim=-1)
 

@@ -1,7 +1,8 @@
 // Decode attention on the CPU that reads K and V in place from the paged cache (no
 // gather into a padded copy, no mask): one query token per sequence, float32 queries and
-// arithmetic over a float32, float16 or bfloat16 cache (16 bits halve the bytes a step
-// reads; they are widened to float32 as they are loaded), any GQA ratio. The query heads
+// arithmetic over a float32, float16, bfloat16 or int8 cache (16 bits halve the bytes a
+// step reads, int8 rows with a scale nearly halve them again; they are widened to float32
+// as they are loaded), any GQA ratio. The query heads
 // that share a kv head are scored together so each cached key and value is read once per
 // step. Given this step's keys and values with their slots, it writes them into the cache
 // first. With AVX2 (AVX-512 builds included: the spans read the cache faster there than a
@@ -42,7 +43,8 @@ inline void store_row(const float* src, T* dst, int64_t d) {
 inline void store_row(const float* src, int8_t* dst, int64_t d) {
   float top = 0.f;
   for (int64_t i = 0; i < d; ++i) top = std::max(top, std::fabs(src[i]));
-  const float scale = top > 0.f ? top / 127.f : 1.f;
+  float scale = top / 127.f;
+  if (!(scale > 0.f) || !std::isfinite(scale)) scale = 1.f;  // a zero row, or one past float's range
   std::memcpy(dst - headroom::kScaleBytes, &scale, sizeof scale);
   for (int64_t i = 0; i < d; ++i)
     dst[i] = static_cast<int8_t>(std::clamp(std::nearbyint(src[i] / scale), -127.f, 127.f));
@@ -121,7 +123,8 @@ void decode_spans(const float* qp, T* kc, T* vc, const int32_t* tp, const int32_
   headroom::merge_spans(spans, partial.data(), Hq, D, op);
 }
 
-// The cache's element type T is float or bf16; q, k_new, v_new and the output are float32.
+// The cache's element type T is float, f16, bf16 or int8 (rows of a scale and D values);
+// q, k_new, v_new and the output are float32.
 template <typename T>
 void decode(const float* qp, T* kc, T* vc, const int32_t* tp, const int32_t* lp, float* op, int64_t B, int64_t Hq,
             int64_t Hkv, int64_t D, int64_t W, int64_t block_size, float s, const float* knp, const float* vnp,

@@ -802,12 +802,12 @@ inline void pass_heads(const float* q, const T* kc, const T* vc, const int64_t* 
 template <typename T>
 void decode(const TileArgs& a, int64_t kv_heads, const T* kc, const T* vc, int64_t begin, int64_t end, float* m,
             float* l, float* o) {
-  const int64_t d = a.head_dim, width = kv_heads * d;
+  const int64_t d = a.head_dim;
   TileArgs rows = a;
   rows.kv_head = 0;  // offsets of whole token rows; each head adds its own
   const int64_t row_bytes = kv_heads * row_bytes_of<T>(d), calls = kv_heads * ((a.group + 2) / 3);
   thread_local std::vector<const char*> lines;
-  lines.resize(2 * kKeys * ((row_bytes + 63) / 64));
+  lines.resize(2 * kKeys * ((row_bytes + 63) / 64 + 1));  // + 1: an int8 cache's rows start anywhere in a line
   int64_t here[kKeys], ahead[kKeys];
   offsets_of(rows, begin, std::min(kKeys, end - begin), ahead);
   for (int64_t c0 = begin; c0 < end; c0 += kKeys) {
@@ -818,11 +818,16 @@ void decode(const TileArgs& a, int64_t kv_heads, const T* kc, const T* vc, int64
     int64_t count = 0;  // the next pass's cache lines, asked for a slice at a time as this pass runs
     if (next > 0) {
       offsets_of(rows, c0 + n, next, ahead);
-      for (int64_t t = 0; t < next; ++t)
-        for (int64_t line = 0; line < row_bytes; line += 64) {
-          lines[count++] = row_start(kc + a.kv_head * a.cache_head_stride + ahead[t]) + line;
-          lines[count++] = row_start(vc + a.kv_head * a.cache_head_stride + ahead[t]) + line;
+      for (int64_t t = 0; t < next; ++t) {
+        const char* k_row = row_start(kc + a.kv_head * a.cache_head_stride + ahead[t]);
+        const char* v_row = row_start(vc + a.kv_head * a.cache_head_stride + ahead[t]);
+        // From the line each row starts in, so that a row not aligned to lines is asked for whole.
+        const int64_t lead = reinterpret_cast<uintptr_t>(k_row) % 64;
+        for (int64_t line = -lead; line < row_bytes; line += 64) {
+          lines[count++] = k_row + line;
+          lines[count++] = v_row + line;
         }
+      }
     }
     int64_t call = 0;
     for (int64_t h = a.kv_head; h < a.kv_head + kv_heads; ++h) {
