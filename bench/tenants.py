@@ -185,9 +185,9 @@ def stats(results: list[Result], tenant: str) -> dict:
     }
 
 
-def run_server(name: str, ns) -> dict:
-    """Alone and mixed against a fresh server each (a peer: the one at --peer)."""
-    extra = ns.headroom_args.split() + ns.lora_args
+def run_server(name: str, ns, variant: list[str]) -> dict:
+    """Alone and mixed against a fresh server each (a peer: the one at --peer), with the variant's flags."""
+    extra = variant + ns.lora_args
     out = {"server": name + (f" {' '.join(extra)}" if extra and name != "peer" else "")}
     for mixed in (False, True):
         config_path, proc = None, None
@@ -297,9 +297,12 @@ def main() -> None:
         )
         print("|---|---|---|---|---|---|---|---|")
         names = [n for n in ns.servers.split(",") if n] + (["peer"] if ns.peer else [])
+        # The defaults first, then the variant (a user starts the server without flags).
+        variants = [[]] + ([ns.headroom_args.split()] if ns.headroom_args.split() else [])
         for name in names:
-            summaries.append(run_server(name, ns))
-            print_row(summaries[-1])
+            for variant in variants if name != "peer" else [[]]:
+                summaries.append(run_server(name, ns, variant))
+                print_row(summaries[-1])
     if ns.json:
         Path(ns.json).write_text(json.dumps(summaries, indent=2))
 

@@ -49,11 +49,6 @@ inline void store_row(const float* src, int8_t* dst, int64_t d) {
   for (int64_t i = 0; i < d; ++i)
     dst[i] = static_cast<int8_t>(std::clamp(std::nearbyint(src[i] / scale), -127.f, 127.f));
 }
-inline float scale_of(const int8_t* row) {
-  float s;
-  std::memcpy(&s, row - headroom::kScaleBytes, sizeof s);
-  return s;
-}
 
 // Elements between two kv heads' rows of a cache of T.
 template <typename T>
@@ -158,7 +153,7 @@ void decode(const float* qp, T* kc, T* vc, const int32_t* tp, const int32_t* lp,
         if constexpr (std::is_same_v<T, float>) {
           return at;
         } else if constexpr (std::is_same_v<T, int8_t>) {
-          const float scale = scale_of(at);
+          const float scale = headroom::scale_of(at);
           for (int64_t i = 0; i < D; ++i) row[i] = static_cast<float>(at[i]) * scale;
           return row.data();
         } else {

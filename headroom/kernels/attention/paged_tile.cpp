@@ -42,11 +42,6 @@ inline __m256 load8(const bf16* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));  // a bf16 is a float32's top half
 }
-inline float scale_of(const int8_t* row) {
-  float s;
-  std::memcpy(&s, row - kScaleBytes, sizeof s);
-  return s;
-}
 // Dims [i, i + 8) of the cache row at `row`, widened: an int8 row's values times its scale.
 template <typename T>
 inline __m256 load8(const T* row, int64_t i) { return load8(row + i); }

@@ -8,6 +8,7 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace headroom {
 
@@ -31,6 +32,12 @@ struct TileArgs {
 // llama.cpp's q8_0 blocks; kernels take the cache pointer at the first row's values, so
 // a row's values start where its offset points and its scale sits just before them.
 constexpr int64_t kScaleBytes = 4;
+// The scale of the int8 row whose values start at `row`.
+inline float scale_of(const int8_t* row) {
+  float s;
+  std::memcpy(&s, row - kScaleBytes, sizeof s);
+  return s;
+}
 
 // A tile's dot products: float32 FMAs; bfloat16 pairs into float32 (vdpbf16ps, AVX-512
 // BF16); or AMX's bfloat16 tiles. The two bfloat16 forms round queries, keys, weights and
