@@ -1,6 +1,6 @@
 """Our Triton paged-attention kernels against the torch reference, on the CPU through
 Triton's interpreter (TRITON_INTERPRET=1): decode, prefill and chunked prefill, block
-sizes 16 and 64, GQA 3:1 and 4:1, random lengths, float32 and bfloat16."""
+sizes 16 and 64, GQA 3:1 and 4:1, random lengths, float32 and bfloat16, and an int8 cache."""
 
 from __future__ import annotations
 
@@ -74,12 +74,20 @@ def test_triton_matches_torch(kind: str, block_size: int, num_heads: int, num_kv
 
 
 @pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+# The default model's head_dim (64: a 68-byte row, not a power of two) in 64-token blocks
+# beside the small shape.
+@pytest.mark.parametrize("block_size,head_dim", [(16, 32), (64, 64)], ids=["b16d32", "b64d64"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_triton_reads_an_int8_cache_as_the_reference_does(kind: str, dtype: torch.dtype):
+def test_triton_reads_an_int8_cache_as_the_reference_does(
+    kind: str, block_size: int, head_dim: int, dtype: torch.dtype
+):
     # Rows of a float32 scale and a byte a dim (kv_rows.py), widened in the kernel to the
     # queries' dtype; the reference reads the same rows in float32.
-    q_lens, seq_lens = lengths(kind, 16, random.Random(len(kind)))
-    batch = make_batch(q_lens, seq_lens, num_heads=6, num_kv_heads=2, block_size=16, seed=len(kind), head_dim=32)
+    seed = len(kind) + block_size
+    q_lens, seq_lens = lengths(kind, block_size, random.Random(seed))
+    batch = make_batch(
+        q_lens, seq_lens, num_heads=6, num_kv_heads=2, block_size=block_size, seed=seed, head_dim=head_dim
+    )
     batch = rounded_to_cache(batch, torch.int8).to(DEVICE, dtype)
     reference = batch.to(DEVICE, torch.float32)
     before = clone(batch)
