@@ -74,8 +74,8 @@ def test_triton_matches_torch(kind: str, block_size: int, num_heads: int, num_kv
 
 
 @pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
-# The default model's head_dim (64: a 68-byte row, not a power of two) in 64-token blocks
-# beside the small shape.
+# The small shape, and the default model's head_dim (64) in 64-token blocks: 64-dim loads
+# and 64-key prefill tiles over 68-byte rows.
 @pytest.mark.parametrize("block_size,head_dim", [(16, 32), (64, 64)], ids=["b16d32", "b64d64"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_triton_reads_an_int8_cache_as_the_reference_does(
@@ -114,8 +114,11 @@ class PoisonedParts(triton_paged.TritonAttention):
         pytest.param(48, 32, id="ragged"),  # a part's last step is a partial tile
     ],
 )
+@pytest.mark.parametrize("cache", [None, torch.int8], ids=["cache_as_queries", "cache_int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_long_decodes_run_in_parts_whose_softmaxes_merge(part: int | None, tile: int | None, dtype: torch.dtype):
+def test_long_decodes_run_in_parts_whose_softmaxes_merge(
+    part: int | None, tile: int | None, cache: torch.dtype | None, dtype: torch.dtype
+):
     backend = PoisonedParts()
     if part:
         backend.decode_part, backend.decode_tile = part, tile
@@ -128,6 +131,8 @@ def test_long_decodes_run_in_parts_whose_softmaxes_merge(part: int | None, tile:
         ([1, 1, 1, 24], [1, 5, part - 3, 3 * part]),
     ):
         batch = make_batch(q_lens, seq_lens, num_heads=6, num_kv_heads=2, block_size=16, seed=part, head_dim=32)
+        if cache is not None:
+            batch = rounded_to_cache(batch, cache)
         batch = batch.to(DEVICE, dtype)
         expected = run(TorchAttention(), batch.to(DEVICE, torch.float32))
         tol = TOLERANCE[dtype]
