@@ -298,10 +298,11 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|")
         names = [n for n in ns.servers.split(",") if n] + (["peer"] if ns.peer else [])
         # The defaults first, then the variant (a user starts the server without flags).
-        variants = [[]] + ([ns.headroom_args.split()] if ns.headroom_args.split() else [])
+        variant = ns.headroom_args.split()
+        variants = [[], variant] if variant else [[]]
         for name in names:
-            for variant in variants if name != "peer" else [[]]:
-                summaries.append(run_server(name, ns, variant))
+            for flags in variants if name != "peer" else [[]]:
+                summaries.append(run_server(name, ns, flags))
                 print_row(summaries[-1])
     if ns.json:
         Path(ns.json).write_text(json.dumps(summaries, indent=2))
