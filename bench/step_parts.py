@@ -18,7 +18,7 @@ also timed once without them (--repeat passes, the fastest) and the difference i
 printed. Prints the weight bytes a step reads and the plain-read bound at --bandwidth
 GB/s, or at what a sum over 512 MB reads a second here where it is not given.
 
-    python bench/step_parts.py [--streams 1] [--tokens 128] [--bandwidth 20]
+    python bench/step_parts.py [--streams 1] [--tokens 128] [--bandwidth 20] [--model FILE]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hol import cpu_line
 
-from headroom.config import Config, SpeculativeConfig
+from headroom.config import Config, ModelConfig, SpeculativeConfig
 from headroom.contracts.request import SamplingParams
 from headroom.models.quant import QuantLinear
 from headroom.runtime.engine import Engine
@@ -102,9 +102,10 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--bandwidth", type=float, default=None, help="measured plain-read GB/s, for the bound")
+    p.add_argument("--model", default=None, help="a GGUF file or checkpoint (bench/random_model.py makes a 1.7B one)")
     ns = p.parse_args()
     print(cpu_line())
-    engine = Engine(Config(speculative=SpeculativeConfig(method="off")))
+    engine = Engine(Config(model=ModelConfig(model=ns.model), speculative=SpeculativeConfig(method="off")))
     engine.threads = None  # no thread trials: every step at the configured count
     rng = random.Random(0)
     vocab = engine.loaded.args.vocab_size
