@@ -5,7 +5,9 @@ holds and what each replica admits."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import statistics
 import time
 
 import pytest
@@ -161,38 +163,48 @@ TICK_S = 0.05  # the server's retry tick
 
 async def test_a_place_freed_anywhere_goes_to_the_tenants_oldest_waiter_in_the_fleet(redis_server):
     """Four places (120 tokens at 30 a request) and twelve closed-loop clients, four on each
-    of three replicas. In fleet-wide order a client that settles and asks again finds eight
-    others ahead of it: it waits at least one hold (the places they take must be freed
-    again) and at most two turns of the four places, each a hold plus a handoff (the
-    oldest waiter's replica asks again within FIRST_RETRY_S, the next within a tick).
-    Without the fleet-wide queue the replica whose request settles asks at once while the
-    others wait for their tick: it takes the place back for its own queue, so its clients
-    wait next to nothing and the other replicas' wait for as long as they keep coming."""
+    of three replicas. In fleet-wide order a request is granted after the ones that began
+    waiting before it, passed by a later one only in a race (a replica's next head not yet
+    registered when another's request arrives, two ages a millisecond apart). Without the
+    fleet-wide queue the replica whose request settles asks at once while the others wait
+    for their tick: it takes the place back for its own queue, so its clients jump the
+    queue and the other replicas' are passed by request after request for as long as they
+    keep coming. Order is counted, not timed: a pause of the whole process (a collection,
+    the VM's host) stretches every wait in flight at once, and the burst after it makes
+    races, but it cannot make a queue of passes."""
     cfg = config(max_in_flight_tokens=120)
     replicas = [await replica(redis_server, f"r{i}", cfg, tick_s=TICK_S) for i in range(3)]
     waits: dict[int, list[float]] = {i: [] for i in range(3)}
+    arrivals = itertools.count()
+    granted: list[int] = []  # each request's place in the order they began waiting, as granted
     peak = 0
 
     async def client(i: int) -> None:
         nonlocal peak
         adm = replicas[i]
         for _ in range(10):
+            arrival = next(arrivals)
             ticket = await adm.acquire(adm.registry.get("flood"), 30)
+            granted.append(arrival)
             waits[i].append(ticket.queued_s)
             peak = max(peak, sum(r.registry.get("flood").bucket.in_flight for r in replicas))
             await asyncio.sleep(HOLD_S)
             adm.settle(ticket, 10, 20)
 
-    await asyncio.gather(*(client(i) for i in range(3) for _ in range(4)))
-    bound = 2 * (HOLD_S + TICK_S) + 0.2  # 0.2: round trips and the event loop, three replicas in one
-    worst = {i: round(max(w), 2) for i, w in waits.items()}
-    # Past each client's first request (the queue forming), nobody goes ahead of its turn.
-    least = {i: round(min(w[4:]), 2) for i, w in waits.items()}
-    assert peak == 120 and all(w <= bound for w in worst.values()), (worst, bound)
-    assert all(w >= HOLD_S / 2 for w in least.values()), least
-    await until(lambda: redis_view(redis_server, "flood") == (0, 0))
-    assert waiters(redis_server, "flood") == {}
-    await shutdown(*replicas)
+    try:
+        await asyncio.gather(*(client(i) for i in range(3) for _ in range(4)))
+        # For each request, how many that began waiting after it were granted before it.
+        passed = [sum(later > arrival for later in granted[:k]) for k, arrival in enumerate(granted)]
+        # In order, fewer than one pass a request; without the fleet's queue, more.
+        assert peak == 120 and sum(passed) < len(granted), (sum(passed), sorted(passed)[-12:])
+        # A place is handed on within a hold plus a tick or so: half the waits take at most two turns.
+        bound = 2 * (HOLD_S + TICK_S) + 0.2  # 0.2: round trips and the event loop, three replicas in one
+        typical = {i: round(statistics.median(w), 2) for i, w in waits.items()}
+        assert all(w <= bound for w in typical.values()), (typical, bound)
+        await until(lambda: redis_view(redis_server, "flood") == (0, 0))
+        assert waiters(redis_server, "flood") == {}
+    finally:
+        await shutdown(*replicas)
 
 
 def waiters(redis_server, tenant: str) -> dict[str, tuple[int, int, int]]:
