@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from headroom.config import ConfigError, ModelConfig
 from headroom.kernels import cpu_flags, cpu_kernels
-from headroom.models.loader import LoadedModel, load_model
+from headroom.models.loader import LoadedModel, load_model, open_model
 from headroom.models.quant import measure_crossover, quantize_model
 
 # Flags of CPUs that multiply bfloat16 natively (AVX512-BF16's dot products, AMX tiles);
@@ -172,12 +174,15 @@ def prepare_model(config: ModelConfig) -> tuple[LoadedModel, str]:
     headroom's kernels. Returns it with the reason for its weight path."""
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device, config.quantization)
-    loaded = load_model(config, device, dtype)
-    args = loaded.args
-    loaded.quantization, small_batch, large_dtype, reason = resolve_quantization(
+    opened = open_model(config)
+    args = opened.args
+    quantization, small_batch, large_dtype, reason = resolve_quantization(
         config.quantization, device, dtype, args.hidden_size, args.intermediate_size
     )
-    quantize_model(loaded.model, loaded.quantization, small_batch, large_dtype)
+    # Each layer is packed as it is read, so the model is never whole in float32.
+    pack = functools.partial(quantize_model, mode=quantization, small_batch=small_batch, large_dtype=large_dtype)
+    loaded = load_model(config, device, dtype, pack, opened)
+    loaded.quantization = quantization
     kernels, _ = cpu_kernels()
     if device.type == "cpu" and dtype == torch.float32 and kernels is not None:
         loaded.model.use_cpu_kernels(kernels)

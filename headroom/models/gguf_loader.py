@@ -1,9 +1,11 @@
-"""Read a llama.cpp GGUF file into an HF-style config dict and an HF-named float32 state dict."""
+"""Read a llama.cpp GGUF file into an HF-style config dict and HF-named float32 tensors."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -39,6 +41,13 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 def load_gguf(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Return (config.json-style dict, state dict in HF naming with float32 tensors)."""
+    config, makers = read_gguf(path)
+    return config, {name: make() for name, make in makers.items()}
+
+
+def read_gguf(path: str) -> tuple[dict[str, Any], dict[str, Callable[[], torch.Tensor]]]:
+    """(config.json-style dict, for each HF-named tensor a function that dequantises it to
+    float32): the file is mapped, not read, so a model can be built a tensor at a time."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
     reader = GGUFReader(path)
@@ -47,21 +56,27 @@ def load_gguf(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     # models so that each head's rotary pairs are adjacent (interleaved RoPE); we use
     # HF's rotate-half RoPE, so those rows must go back. Qwen2 is stored unpermuted.
     permuted = config["model_type"] == "llama"
-    state: dict[str, torch.Tensor] = {}
+    heads = {".q_proj.": config["num_attention_heads"], ".k_proj.": config["num_key_value_heads"]}
+    makers: dict[str, Callable[[], torch.Tensor]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
-        weights = _dequantize(tensor)
-        if permuted and ".q_proj." in name:
-            weights = _unpermute_rope(weights, config["num_attention_heads"])
-        elif permuted and ".k_proj." in name:
-            weights = _unpermute_rope(weights, config["num_key_value_heads"])
-        state[name] = torch.from_numpy(weights)
+        rope_heads = next((n for part, n in heads.items() if permuted and part in name), None)
+        makers[name] = functools.partial(_tensor, tensor, rope_heads)
+        shapes[name] = tuple(int(n) for n in reversed(tensor.shape))
     if "vocab_size" not in config:
-        config["vocab_size"] = state["model.embed_tokens.weight"].shape[0]
+        config["vocab_size"] = shapes["model.embed_tokens.weight"][0]
     if config["model_type"] == "llama":
-        config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in state
-    config["tie_word_embeddings"] = "lm_head.weight" not in state
-    return config, state
+        config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in makers
+    config["tie_word_embeddings"] = "lm_head.weight" not in makers
+    return config, makers
+
+
+def _tensor(tensor: Any, rope_heads: int | None) -> torch.Tensor:
+    weights = _dequantize(tensor)
+    if rope_heads is not None:
+        weights = _unpermute_rope(weights, rope_heads)
+    return torch.from_numpy(weights)
 
 
 def _config(reader: GGUFReader) -> dict[str, Any]:

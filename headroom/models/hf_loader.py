@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 INDEX_FILE = "model.safetensors.index.json"
 
 
 def load_hf_dir(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Return (config.json dict, state dict); tensors keep the dtype they are stored in."""
+    config, makers = read_hf_dir(path)
+    return config, {name: make() for name, make in makers.items()}
+
+
+def read_hf_dir(path: str) -> tuple[dict[str, Any], dict[str, Callable[[], torch.Tensor]]]:
+    """(config.json dict, for each tensor a function that reads it from its shard): the
+    shards are opened, not read, so a model can be built a tensor at a time."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
     config_path = os.path.join(path, "config.json")
@@ -23,10 +32,11 @@ def load_hf_dir(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     with open(config_path, encoding="utf-8") as f:
         config = json.load(f)
 
-    state: dict[str, torch.Tensor] = {}
+    makers: dict[str, Callable[[], torch.Tensor]] = {}
     for shard in _shard_files(path):
-        state.update(load_file(shard))
-    return config, state
+        opened = safe_open(shard, framework="pt")
+        makers.update((name, functools.partial(opened.get_tensor, name)) for name in opened.keys())  # noqa: SIM118
+    return config, makers
 
 
 def _shard_files(path: str) -> list[str]:

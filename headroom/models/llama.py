@@ -7,6 +7,7 @@ writes the paged KV cache through the backend, so no sequence is padded to anoth
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -230,30 +231,40 @@ class Llama(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load weights named as in HF checkpoints, fusing q/k/v and gate/up."""
-        own: dict[str, torch.Tensor] = {}
+    def load_hf_state_dict(self, state: Any, pack: Callable[[nn.Module], None] | None = None) -> None:
+        """Load weights named as in HF checkpoints, fusing q/k/v and gate/up. `state` is a
+        dict of tensors, or anything whose pop(name) makes the tensor when taken (the loader's
+        lazily read file). With pack, each layer is handed to it as soon as it is loaded, and
+        the model once whole (its output head is left), so a quantised model never holds all
+        its weights in float at once (4 bytes a parameter, eight times its int4 tiles)."""
         get = state.pop
-        own["embed_tokens.weight"] = get("model.embed_tokens.weight")
-        own["norm.weight"] = get("model.norm.weight")
-        for i in range(self.args.num_layers):
-            p, o = f"model.layers.{i}.", f"layers.{i}."
-            own[o + "input_norm.weight"] = get(p + "input_layernorm.weight")
-            own[o + "post_attn_norm.weight"] = get(p + "post_attention_layernorm.weight")
-            qkv = [get(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
-            own[o + "attn.qkv_proj.weight"] = torch.cat(qkv)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            own = {
+                "input_norm.weight": get(p + "input_layernorm.weight"),
+                "post_attn_norm.weight": get(p + "post_attention_layernorm.weight"),
+                "attn.qkv_proj.weight": torch.cat([get(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]),
+                "attn.o_proj.weight": get(p + "self_attn.o_proj.weight"),
+                "mlp.gate_up_proj.weight": torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+                "mlp.down_proj.weight": get(p + "mlp.down_proj.weight"),
+            }
             if self.args.attention_bias:
-                own[o + "attn.qkv_proj.bias"] = torch.cat([get(f"{p}self_attn.{n}_proj.bias") for n in "qkv"])
-            own[o + "attn.o_proj.weight"] = get(p + "self_attn.o_proj.weight")
-            gate_up = [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
-            own[o + "mlp.gate_up_proj.weight"] = torch.cat(gate_up)
-            own[o + "mlp.down_proj.weight"] = get(p + "mlp.down_proj.weight")
+                own["attn.qkv_proj.bias"] = torch.cat([get(f"{p}self_attn.{n}_proj.bias") for n in "qkv"])
+            layer.load_state_dict(own, strict=True, assign=True)
+            if pack is not None:
+                pack(layer)
+        embedding = get("model.embed_tokens.weight")
         if "lm_head.weight" in state and not self.args.tie_word_embeddings:
-            own["lm_head.weight"] = get("lm_head.weight")
+            head = get("lm_head.weight")
         else:
             state.pop("lm_head.weight", None)
-            own["lm_head.weight"] = own["embed_tokens.weight"]
+            head = embedding
+        own = {"embed_tokens.weight": embedding, "norm.weight": get("model.norm.weight"), "lm_head.weight": head}
         unused = [k for k in state if not k.endswith("rotary_emb.inv_freq")]
         if unused:
             raise ValueError(f"checkpoint has weights this model does not use: {unused[:5]}")
-        self.load_state_dict(own, strict=True, assign=True)
+        # The layers are loaded (and perhaps packed); strict=False only for their names.
+        missing, unexpected = self.load_state_dict(own, strict=False, assign=True)
+        assert not unexpected and all(name.startswith("layers.") for name in missing), (missing, unexpected)
+        if pack is not None:
+            pack(self)

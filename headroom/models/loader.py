@@ -7,15 +7,17 @@ import importlib.util
 import json
 import os
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
 from headroom.config import ConfigError, ModelConfig
-from headroom.models.gguf_loader import load_gguf
-from headroom.models.hf_loader import load_hf_dir
+from headroom.models.gguf_loader import read_gguf
+from headroom.models.hf_loader import read_hf_dir
 from headroom.models.llama import Llama, ModelArgs, rope_inv_freq
 from headroom.models.tokenizer import Tokenizer, token_id_list
 
@@ -53,36 +55,74 @@ def default_model_path() -> str:
     )
 
 
-def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+@dataclass
+class ModelFile:
+    """A model opened but not yet read: its shape, tokenizer and names, and for each tensor
+    (HF-named) a function that reads it."""
+
+    args: ModelArgs
+    tokenizer: Tokenizer
+    names: tuple[str, ...]
+    tensors: dict[str, Callable[[], torch.Tensor]]
+
+
+class Taken:
+    """The file's tensors as load_hf_state_dict takes them: each read when popped, placed on
+    the device in the model's dtype, and then forgotten here."""
+
+    def __init__(self, tensors: dict[str, Callable[[], torch.Tensor]], device: torch.device, dtype: torch.dtype):
+        self.tensors, self.device, self.dtype = dict(tensors), device, dtype
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self.tensors))
+
+    def pop(self, name: str, *default: Any) -> Any:
+        if name not in self.tensors and default:
+            return default[0]
+        return self.tensors.pop(name)().to(device=self.device, dtype=self.dtype)
+
+
+def open_model(model_config: ModelConfig) -> ModelFile:
     path = model_config.model or default_model_path()
     if path.endswith(".gguf"):
-        config, state = load_gguf(path)
+        config, tensors = read_gguf(path)
         args = _model_args(config, model_config.max_model_len)
         tokenizer = Tokenizer.from_gguf(path, extra_eos_ids=token_id_list(config.get("eos_token_id")))
         file_name = os.path.splitext(os.path.basename(path))[0]
         default_names = tuple(dict.fromkeys((QUANT_SUFFIX.sub("", file_name), file_name)))
     elif os.path.isdir(path):
-        config, state = load_hf_dir(path)
+        config, tensors = read_hf_dir(path)
         args = _model_args(config, model_config.max_model_len)
         tokenizer = Tokenizer.from_dir(path)
         default_names = (os.path.basename(os.path.normpath(os.path.abspath(path))),)
     else:
         raise FileNotFoundError(f"model not found: {path} (expected a .gguf file or a checkpoint directory)")
+    return ModelFile(args, tokenizer, model_config.served_model_name or default_names, tensors)
 
+
+def load_model(
+    model_config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    pack: Callable[[nn.Module], None] | None = None,
+    opened: ModelFile | None = None,
+) -> LoadedModel:
+    """Read the model (opened, or the file model_config names) onto the device in dtype,
+    handing each layer to pack as it is loaded (Llama.load_hf_state_dict)."""
+    opened = opened or open_model(model_config)
     with torch.device("meta"):
-        model = Llama(args)
+        model = Llama(opened.args)
     # Placing the weights before loading keeps a tied lm_head sharing the embedding's storage.
-    placed = {name: state.pop(name).to(device=device, dtype=dtype) for name in list(state)}
-    model.load_hf_state_dict(placed)
+    # No autograd: packing a weight that requires grad would keep it alive in the graph.
+    with torch.no_grad():
+        model.load_hf_state_dict(Taken(opened.tensors, device, dtype), pack)
     # inv_freq is a non-persistent buffer, so loading left it on the meta device.
-    model.inv_freq = rope_inv_freq(args).to(device)
+    model.inv_freq = rope_inv_freq(opened.args).to(device)
     model.eval().requires_grad_(False)
-    return LoadedModel(
-        args=args,
-        model=model,
-        tokenizer=tokenizer,
-        names=model_config.served_model_name or default_names,
-    )
+    return LoadedModel(args=opened.args, model=model, tokenizer=opened.tokenizer, names=opened.names)
 
 
 def save_hf_checkpoint(

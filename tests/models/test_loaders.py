@@ -6,8 +6,10 @@ here cover the quantisation types, Qwen2 and the error paths in milliseconds.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import weakref
 
 import numpy as np
 import pytest
@@ -19,7 +21,7 @@ from safetensors.torch import save_file
 from headroom.config import ConfigError, ModelConfig
 from headroom.models.gguf_loader import load_gguf
 from headroom.models.hf_loader import load_hf_dir
-from headroom.models.loader import QUANT_SUFFIX, default_model_path, load_model, save_hf_checkpoint
+from headroom.models.loader import QUANT_SUFFIX, default_model_path, load_model, open_model, save_hf_checkpoint
 from headroom.models.tokenizer import Tokenizer
 
 SMOLLM2_CHAT = (
@@ -112,8 +114,8 @@ def test_load_model_default_gguf(monkeypatch, gguf_path, gguf_checkpoint, tokeni
     config, state = gguf_checkpoint
     read = []
     monkeypatch.setattr(
-        "headroom.models.loader.load_gguf",
-        lambda path: read.append(path) or (dict(config), dict(state)),
+        "headroom.models.loader.read_gguf",
+        lambda path: read.append(path) or (dict(config), {name: tensor.clone for name, tensor in state.items()}),
     )
     monkeypatch.setattr(Tokenizer, "from_gguf", classmethod(lambda cls, path, extra_eos_ids=(): tokenizer))
 
@@ -140,6 +142,48 @@ def test_load_model_default_gguf(monkeypatch, gguf_path, gguf_checkpoint, tokeni
     assert named.names == ("smol",)
     both = load_model(ModelConfig(served_model_name=["smol", "tiny", "smol"]), torch.device("cpu"), torch.float32)
     assert both.names == ("smol", "tiny")
+
+
+def test_each_layer_is_packed_as_it_is_read_and_its_float_weights_freed(gguf_checkpoint):
+    # A 1-2B model's float32 weights are 4-8 GB: packed layer by layer, the next layer's are
+    # not read until this one's are packed, and none outlives its packing (a weight packed
+    # with autograd on stays alive in the graph).
+    from headroom.models.quant import QuantLinear, quantize_model
+
+    opened = open_model(ModelConfig())
+    read: list[str] = []
+    opened.tensors = {
+        name: (lambda name=name, make=make: read.append(name) or make()) for name, make in opened.tensors.items()
+    }
+    packed: list[torch.nn.Module] = []
+    weights: list[weakref.ref] = []
+
+    def pack(module: torch.nn.Module) -> None:
+        gc.collect()
+        assert all(ref() is None for ref in weights), "an earlier layer's float weight is still alive"
+        layer = len(packed)
+        layers_read = {int(name.split(".")[2]) for name in read if name.startswith("model.layers.")}
+        assert layers_read == set(range(min(layer + 1, 30)))
+        linears = [m for m in module.modules() if type(m) is torch.nn.Linear]
+        assert all(m.weight.device.type == "cpu" for m in linears)
+        weights.extend(weakref.ref(m.weight) for m in linears)
+        quantize_model(module, "int4", small_batch=1)
+        packed.append(module)
+
+    loaded = load_model(ModelConfig(), torch.device("cpu"), torch.float32, pack, opened)
+    model = loaded.model
+    assert packed == [*model.layers, model]  # each layer as it is read, then the model for its head
+    assert len(read) == len(set(read)) == 30 * 9 + 2  # each tensor read once; the head is tied
+    assert len(weights) == 30 * 4 + 1
+    assert isinstance(model.lm_head, QuantLinear) and model.lm_head.bits == 8
+    assert all(isinstance(layer.mlp.gate_up_proj, QuantLinear) for layer in model.layers)
+    gc.collect()
+    assert all(ref() is None for ref in weights)
+    assert model.embed_tokens.weight.dtype == torch.float32  # the tied head's float weight
+    # The packed model computes with the file's own weights (Q4_1 groups found again).
+    _, state = gguf_checkpoint
+    rebuilt = model.layers[7].mlp.down_proj.dequantized()
+    torch.testing.assert_close(rebuilt, state["model.layers.7.mlp.down_proj.weight"], atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize(
