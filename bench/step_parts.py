@@ -122,7 +122,12 @@ def main() -> None:
     weight_bytes = 0
     for m in linears:
         parts.wrap(m, "forward", "linears")
-        read = (m.qweight, m.scales, m.mins, m.bias) if isinstance(m, QuantLinear) else (m.weight, m.bias)
+        if not isinstance(m, QuantLinear):
+            read = (m.weight, m.bias)
+        elif ns.streams > m.small_batch and m.tiles is not None:  # the layout forward takes
+            read = (*m.tiles, m.bias)
+        else:
+            read = (m.qweight, m.scales, m.mins, m.bias)
         weight_bytes += sum(t.numel() * t.element_size() for t in read if t is not None)
     parts.wrap(runner.backend, "forward", "attention")
     parts.wrap(model, "forward", "forward")
