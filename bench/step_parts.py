@@ -124,8 +124,8 @@ def main() -> None:
         parts.wrap(m, "forward", "linears")
         if not isinstance(m, QuantLinear):
             read = (m.weight, m.bias)
-        elif ns.streams > m.small_batch and m.tiles is not None:  # the layout forward takes
-            read = (*m.tiles, m.bias)
+        elif ns.streams > m.small_batch:  # the layout forward takes: tiles, else the float matmul's
+            read = (*m.tiles, m.bias) if m.tiles is not None else (m.large.weight, m.bias)
         else:
             read = (m.qweight, m.scales, m.mins, m.bias)
         weight_bytes += sum(t.numel() * t.element_size() for t in read if t is not None)

@@ -250,21 +250,25 @@ class Llama(nn.Module):
             }
             if self.args.attention_bias:
                 own["attn.qkv_proj.bias"] = torch.cat([get(f"{p}self_attn.{n}_proj.bias") for n in "qkv"])
-            layer.load_state_dict(own, strict=True, assign=True)
+            try:
+                layer.load_state_dict(own, strict=True, assign=True)
+            except RuntimeError as e:
+                raise RuntimeError(f"layer {i}: {e}") from None
+            del own  # the float weights go once packed, before the next layer is read
             if pack is not None:
                 pack(layer)
-        embedding = get("model.embed_tokens.weight")
+        embedding, norm = get("model.embed_tokens.weight"), get("model.norm.weight")
+        head = embedding
         if "lm_head.weight" in state and not self.args.tie_word_embeddings:
             head = get("lm_head.weight")
-        else:
-            state.pop("lm_head.weight", None)
-            head = embedding
-        own = {"embed_tokens.weight": embedding, "norm.weight": get("model.norm.weight"), "lm_head.weight": head}
-        unused = [k for k in state if not k.endswith("rotary_emb.inv_freq")]
+        # A tied model's file may store the head too; it is the embedding, so it is not read.
+        unused = [k for k in state if k != "lm_head.weight" and not k.endswith("rotary_emb.inv_freq")]
         if unused:
             raise ValueError(f"checkpoint has weights this model does not use: {unused[:5]}")
-        # The layers are loaded (and perhaps packed); strict=False only for their names.
+        own = {"embed_tokens.weight": embedding, "norm.weight": norm, "lm_head.weight": head}
+        # The layers are loaded (and perhaps packed) already: strict=False for their names only.
         missing, unexpected = self.load_state_dict(own, strict=False, assign=True)
-        assert not unexpected and all(name.startswith("layers.") for name in missing), (missing, unexpected)
+        if unexpected or not all(name.startswith("layers.") for name in missing):
+            raise RuntimeError(f"weights left unloaded: {missing}, or not the model's: {unexpected}")
         if pack is not None:
             pack(self)

@@ -115,13 +115,15 @@ def load_model(
     opened = opened or open_model(model_config)
     with torch.device("meta"):
         model = Llama(opened.args)
+    # Before loading, so that a layer packed as it loads (pack) holds no weight that needs grad.
+    model.requires_grad_(False)
     # Placing the weights before loading keeps a tied lm_head sharing the embedding's storage.
     # No autograd: packing a weight that requires grad would keep it alive in the graph.
     with torch.no_grad():
         model.load_hf_state_dict(Taken(opened.tensors, device, dtype), pack)
     # inv_freq is a non-persistent buffer, so loading left it on the meta device.
     model.inv_freq = rope_inv_freq(opened.args).to(device)
-    model.eval().requires_grad_(False)
+    model.eval()
     return LoadedModel(args=opened.args, model=model, tokenizer=opened.tokenizer, names=opened.names)
 
 
