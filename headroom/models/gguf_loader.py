@@ -56,16 +56,17 @@ def read_gguf(path: str) -> tuple[dict[str, Any], dict[str, Callable[[], torch.T
     # models so that each head's rotary pairs are adjacent (interleaved RoPE); we use
     # HF's rotate-half RoPE, so those rows must go back. Qwen2 is stored unpermuted.
     permuted = config["model_type"] == "llama"
-    heads = {".q_proj.": config["num_attention_heads"], ".k_proj.": config["num_key_value_heads"]}
     makers: dict[str, Callable[[], torch.Tensor]] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
-        rope_heads = next((n for part, n in heads.items() if permuted and part in name), None)
+        rope_heads = None
+        if permuted and ".q_proj." in name:
+            rope_heads = config["num_attention_heads"]
+        elif permuted and ".k_proj." in name:
+            rope_heads = config["num_key_value_heads"]
         makers[name] = functools.partial(_tensor, tensor, rope_heads)
-        shapes[name] = tuple(int(n) for n in reversed(tensor.shape))
-    if "vocab_size" not in config:
-        config["vocab_size"] = shapes["model.embed_tokens.weight"][0]
+        if name == "model.embed_tokens.weight" and "vocab_size" not in config:
+            config["vocab_size"] = int(tensor.shape[-1])  # GGUF lists dimensions fastest-first
     if config["model_type"] == "llama":
         config["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in makers
     config["tie_word_embeddings"] = "lm_head.weight" not in makers

@@ -79,9 +79,7 @@ class Taken:
     def __iter__(self) -> Iterator[str]:
         return iter(list(self.tensors))
 
-    def pop(self, name: str, *default: Any) -> Any:
-        if name not in self.tensors and default:
-            return default[0]
+    def pop(self, name: str) -> torch.Tensor:
         return self.tensors.pop(name)().to(device=self.device, dtype=self.dtype)
 
 
