@@ -351,6 +351,51 @@ def test_cpu_paged_decode_spans_on_two_threads_match_naive(head_dim: int) -> Non
 
 
 @pytest.mark.parametrize("cache_dtype", CPU_CACHES, ids=str)
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,seq_lens",
+    [
+        (32, 32, [300]),  # one span: two runs of 16 kv heads, one a thread
+        (9, 3, [300]),  # three kv heads: runs of one and two
+        (9, 3, [40, 1300]),  # three spans, one of them a cut row's, each cut into runs of heads
+        (8, 2, [9, 200, 700]),
+    ],
+)
+def test_cpu_paged_decode_cuts_few_spans_by_kv_heads_bit_for_bit(
+    cache_dtype: torch.dtype, num_heads: int, num_kv_heads: int, seq_lens: list[int]
+) -> None:
+    # Spans that do not deal evenly to two threads are cut into runs of kv heads: the
+    # outputs (a cut row's merged from its spans' partials, which each run fills in part)
+    # match the reference, and bit for bit what one thread computes from whole spans.
+    batch = rounded_to_cache(
+        make_batch(
+            [1] * len(seq_lens),
+            seq_lens,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            block_size=16,
+            seed=len(seq_lens) + num_kv_heads,
+        ),
+        cache_dtype,
+    )
+    kernels, _ = cpu_kernels()
+    meta = batch.meta
+
+    def decode() -> torch.Tensor:
+        return kernels.paged_decode_attention(
+            batch.q, batch.k_cache, batch.v_cache, meta.block_tables, meta.seq_lens, batch.scale
+        )
+
+    one = decode()
+    torch.set_num_threads(2)
+    try:
+        two = decode()
+        check_cpu_paged_backend(batch)
+    finally:
+        torch.set_num_threads(1)  # the module's setting (one_cpu_thread)
+    assert torch.equal(two, one)
+
+
+@pytest.mark.parametrize("cache_dtype", CPU_CACHES, ids=str)
 def test_cpu_paged_prefill_cuts_decode_rows_beside_chunks_into_merged_spans(cache_dtype: torch.dtype) -> None:
     # A step's decode rows go through the decode kernel's spans, not per-kv-head tiles: on
     # one thread the 4,310 keys of its decode rows make spans of about 1,078 (3001 -> 3

@@ -99,9 +99,10 @@ void decode_spans(const float* qp, T* kc, T* vc, const int32_t* tp, const int32_
   }
   const int64_t threads = at::get_num_threads();
   headroom::Spans spans;
-  for (int64_t b = 0; b < B; ++b) headroom::cut_row(spans, b, b, lp[b], headroom::span_keys(lp[b]));
+  for (int64_t b = 0; b < B; ++b) headroom::cut_row(spans, b, b, lp[b], headroom::span_keys(lp[b]), Hkv);
+  headroom::split_heads(spans, threads);
   std::vector<int64_t> work;
-  for (const auto& span : spans.items) work.push_back(span.last - span.first);
+  for (const auto& span : spans.items) work.push_back((span.last - span.first) * span.heads);
   const auto bins = headroom::deal(work, threads);
   std::vector<float> partial(spans.slots * headroom::slot_floats(Hq, D));
   headroom::parallel_rows(B, static_cast<int64_t>(bins.size()), 1, [&](int64_t begin, int64_t end) {

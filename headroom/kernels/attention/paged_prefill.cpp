@@ -91,7 +91,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
   }
   headroom::Spans spans;
   for (int64_t b = 0; b < B; ++b)
-    if (starts[b + 1] - starts[b] == 1) headroom::cut_row(spans, b, starts[b], lens[b], headroom::span_keys(lens[b]));
+    if (starts[b + 1] - starts[b] == 1) headroom::cut_row(spans, b, starts[b], lens[b], headroom::span_keys(lens[b]), Hkv);
   for (const auto& span : spans.items) work.push_back((span.last - span.first) * 2 * Hkv);
   const auto bins = headroom::deal(work, threads);
   auto out = torch::empty_like(q);
