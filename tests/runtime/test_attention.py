@@ -356,8 +356,8 @@ def test_cpu_paged_decode_spans_on_two_threads_match_naive(head_dim: int) -> Non
     [
         (32, 32, [300]),  # one span: two runs of 16 kv heads, one a thread
         (9, 3, [300]),  # three kv heads: runs of one and two
-        (9, 3, [40, 1300]),  # three spans, one of them a cut row's, each cut into runs of heads
-        (8, 2, [9, 200, 700]),
+        (9, 3, [1300]),  # a row cut into three spans, each into runs of heads filling its slot in part
+        (8, 2, [40, 700]),  # a whole row's span and a cut row's two
     ],
 )
 def test_cpu_paged_decode_cuts_few_spans_by_kv_heads_bit_for_bit(

@@ -2,7 +2,8 @@
 // both attention kernels: the decode kernel's whole step, and the prefill kernel's decode
 // rows beside chunks. A span reads whole token rows of the cache for all kv heads (a block
 // is one run of memory, which the hardware prefetcher follows; an item per kv head read
-// only that head's share of every row). Contexts differ in length by 100x in one step (a
+// only that head's share of every row), or for a run of them where a decode step has too
+// few spans for its threads (split_heads). Contexts differ in length by 100x in one step (a
 // reasoning row beside chat rows), so each is cut into spans of about an equal share of
 // the step's keys, and the spans of one context, computed on different threads, are
 // merged after from their partial softmaxes.
